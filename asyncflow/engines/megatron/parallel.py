@@ -1,0 +1,67 @@
+"""Process-group and model-parallel set-up for the Megatron engine (gloo on CPU, NCCL on GPU)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+
+
+def init_megatron(
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+    seed: int = 1234,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+    backend: str | None = None,
+) -> None:
+    """Initialize torch.distributed, Megatron's parallel state and its RNG streams.
+
+    Rank and world size default to the ``RANK``/``WORLD_SIZE`` environment (torchrun, Ray workers);
+    a single process with neither gets a world of one on a free local port. On CPU the Megatron
+    patches are applied first and the backend is gloo.
+    """
+    import megatron_patches
+    from megatron.core import parallel_state, tensor_parallel as mtp
+
+    megatron_patches.apply()
+    if not torch.distributed.is_initialized():
+        rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+        world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        if init_method is None:
+            if "MASTER_ADDR" in os.environ:
+                init_method = "env://"
+            else:
+                init_method = f"tcp://127.0.0.1:{free_port()}"
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        torch.distributed.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(minutes=10),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+    mtp.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_megatron() -> None:
+    """Tear down Megatron's parallel state and the default process group (tests, re-initialization)."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

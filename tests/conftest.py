@@ -1,0 +1,16 @@
+"""Shared fixtures: a tiny Hugging Face model made locally once per session."""
+
+import os
+
+import pytest
+
+# Keep the 2-core CI machine responsive when several processes compute at once.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Qwen2 model (vocab 19, hidden 64, 2 layers, head_dim 32) with its tokenizer."""
+    from asyncflow.tiny_model import make_tiny_model
+
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2", seed=0)
