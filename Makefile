@@ -22,7 +22,7 @@ $(STAMP): setup.py $(CONSTRAINTS)
 venv: $(STAMP)
 
 demo: venv
-	$(VENV)/bin/asyncflow demo
+	$(VENV)/bin/asyncflow demo recipes/tiny_cpu/demo.yaml
 
 lint: venv
 	$(VENV)/bin/ruff check .

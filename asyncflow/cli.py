@@ -1,0 +1,68 @@
+"""The ``asyncflow`` command line.
+
+    asyncflow demo [CONFIG] [section.key=value ...]     train with Megatron, move weights, generate with vLLM
+    asyncflow config show [CONFIG] [section.key=value ...]   print the resolved configuration as YAML
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from asyncflow.config import ConfigError, load_config
+
+
+def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    """The first item is a config file unless it looks like an override (contains '=')."""
+    if items and "=" not in items[0]:
+        return items[0], items[1:]
+    return None, items
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from asyncflow.config_loader import dump_yaml
+
+    path, overrides = _split_config_and_overrides(args.items)
+    print(dump_yaml(load_config(path, overrides)), end="")
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from asyncflow.demo import run_demo
+
+    path, overrides = _split_config_and_overrides(args.items)
+    summary = run_demo(load_config(path, overrides))
+    return 0 if summary["max_abs_logprob_diff"] < 1e-5 or args.no_check else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and documentation)."""
+    parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="Megatron trains a tiny model, weights move to vLLM, logprobs compared")
+    demo.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="optional YAML file, then overrides")
+    demo.add_argument("--no-check", action="store_true", help="exit 0 even if logprobs disagree by >= 1e-5")
+    demo.set_defaults(func=_cmd_demo)
+
+    config = sub.add_parser("config", help="configuration tools")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    show = config_sub.add_parser("show", help="print the resolved configuration (defaults + file + overrides)")
+    show.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="optional YAML file, then overrides")
+    show.set_defaults(func=_cmd_config_show)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``asyncflow`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"asyncflow: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
