@@ -26,7 +26,6 @@ class _TrainerWorker:
 
     def __init__(self, cfg: MegatronConfig, model_dir: str):
         import megatron_patches
-
         from asyncflow.engines.megatron.trainer import MegatronTrainer
 
         megatron_patches.apply()

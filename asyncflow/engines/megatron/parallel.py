@@ -24,8 +24,10 @@ def init_megatron(
     a single process with neither gets a world of one on a free local port. On CPU the Megatron
     patches are applied first and the backend is gloo.
     """
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mtp
+
     import megatron_patches
-    from megatron.core import parallel_state, tensor_parallel as mtp
 
     megatron_patches.apply()
     if not torch.distributed.is_initialized():
