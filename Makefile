@@ -8,7 +8,7 @@ STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint bench bench-tq clean-venv
+.PHONY: venv demo test lint clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,9 +29,6 @@ lint: venv
 
 test: venv lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
-
-bench: venv
-	$(PY) bench/megatron_cpu.py
 
 clean-venv:
 	rm -rf $(VENV)
