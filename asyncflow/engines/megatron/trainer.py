@@ -9,7 +9,8 @@ so no rank ever holds the full-vocabulary logits of another rank.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -19,6 +20,9 @@ from asyncflow.config import MegatronConfig
 from asyncflow.engines.megatron.logprobs import token_logprobs
 from asyncflow.engines.megatron.model import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
 from asyncflow.engines.megatron.parallel import init_megatron
+
+LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``loss_fn(logprobs [mbs, s-1], micro_batch) -> (loss, metrics)``; losses sum to the batch loss."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -116,72 +120,102 @@ class MegatronTrainer:
         self.model.module.load_state_dict(state, strict=False)
 
     # ------------------------------------------------------------------ compute
-    def _run_schedule(self, tokens: torch.Tensor, loss_mask: torch.Tensor, forward_only: bool) -> list[dict]:
+    def forward_backward(
+        self,
+        micro_batches: Iterable[dict[str, torch.Tensor]],
+        num_microbatches: int,
+        loss_fn: LossFn,
+        forward_only: bool = False,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Run Megatron's schedule over ``micro_batches`` (an iterator may stream them as they arrive).
+
+        Each micro-batch is a dict with ``tokens`` [mbs, s] (same ``s`` for all: pipeline stages
+        exchange fixed shapes) plus whatever ``loss_fn`` reads. ``loss_fn(logprobs, micro_batch)`` gets
+        log p(tokens[:, 1:]) [mbs, s-1] and returns ``(loss, metrics)`` where the *sum* of the losses
+        over micro-batches is the batch loss. Returns the metrics of each micro-batch on the last
+        pipeline stage, ``[]`` elsewhere. Gradients accumulate in Megatron's DDP buffers.
+        """
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = min(self.cfg.micro_batch_size, tokens.shape[0])
-        if tokens.shape[0] % mbs:
-            raise ValueError(f"batch of {tokens.shape[0]} is not a multiple of micro_batch_size {mbs}")
-        micro = [
-            (tokens[i : i + mbs], loss_mask[i : i + mbs]) for i in range(0, tokens.shape[0], mbs)
-        ]
-        total_tokens = loss_mask.sum().clamp(min=1)
-        seq = tokens.shape[1]
+        iterator = iter(micro_batches)
+        first = next(iterator)
+        mbs, seq = first["tokens"].shape
         positions = torch.arange(seq).unsqueeze(0)
 
-        def loss_func(mask, targets_lp):
-            nll_sum = -(targets_lp * mask).sum()
-            # Schedules divide each micro-batch loss by num_microbatches; scale so that the sum over
-            # micro-batches is the token mean over the whole batch.
-            loss = nll_sum / total_tokens * len(micro)
-            return loss, {"loss_sum": nll_sum.detach(), "logprobs": targets_lp.detach()}
+        def scaled_loss(mb, logprobs):
+            loss, metrics = loss_fn(logprobs, mb)
+            # Megatron's schedule divides each micro-batch loss by num_microbatches; undo it so the
+            # loss_fn contract (losses sum to the batch loss) holds.
+            return loss * num_microbatches, metrics
 
         def forward_step(data_iter, model):
-            batch, mask = next(data_iter)
-            out = model(batch, positions.expand(batch.shape[0], -1), None)
+            mb = next(data_iter)
+            tokens = mb["tokens"]
+            out = model(tokens, positions.expand(tokens.shape[0], -1), None)
             if not parallel_state.is_pipeline_last_stage():
-                return out, functools.partial(loss_func, mask)  # hidden states for the next stage
+                return out, functools.partial(scaled_loss, mb)  # hidden states for the next stage
             # Position t predicts token t+1: logprobs of tokens 1..s-1.
-            return token_logprobs(out[:, :-1], batch[:, 1:], self.arch.vocab_size), functools.partial(
-                loss_func, mask
-            )
+            logprobs = token_logprobs(out[:, :-1], tokens[:, 1:], self.arch.vocab_size)
+            return logprobs, functools.partial(scaled_loss, mb)
 
-        forward_backward = get_forward_backward_func()
-        return forward_backward(
+        return get_forward_backward_func()(
             forward_step_func=forward_step,
-            data_iterator=iter(micro),
+            data_iterator=itertools.chain([first], iterator),
             model=[self.model],
-            num_microbatches=len(micro),
+            num_microbatches=num_microbatches,
             seq_length=seq,
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
 
-    def train_step(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on ``tokens`` [b, s] with ``loss_mask`` [b, s-1] (1 = trained position).
-
-        Returns ``loss`` (mean negative log-likelihood over masked tokens; on the last pipeline stage,
-        NaN elsewhere) and ``grad_norm``.
-        """
-        from megatron.core.distributed import finalize_model_grads
-
+    def zero_grad(self) -> None:
+        """Clear DDP grad buffers and optimizer state gradients before a new accumulation."""
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run_schedule(tokens, loss_mask.float(), forward_only=False)
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Reduce gradients across data-parallel ranks and step the optimizer; bumps ``version``."""
+        from megatron.core.distributed import finalize_model_grads
+
         finalize_model_grads([self.model])
         ok, grad_norm, _ = self.optimizer.step()
         self.version += 1
-        loss = float("nan")
-        if outputs:
-            loss = float(sum(o["loss_sum"] for o in outputs) / loss_mask.sum().clamp(min=1))
-        return {"loss": loss, "grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+        return {"grad_norm": float(grad_norm or 0.0), "update_ok": bool(ok)}
+
+    def _split(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        batch = next(iter(tensors.values())).shape[0]
+        mbs = min(self.cfg.micro_batch_size, batch)
+        if batch % mbs:
+            raise ValueError(f"batch of {batch} is not a multiple of micro_batch_size {mbs}")
+        return [{k: v[i : i + mbs] for k, v in tensors.items()} for i in range(0, batch, mbs)]
+
+    def train_step(self, tokens: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+        """One supervised optimizer step on ``tokens`` [b, s] with ``loss_mask`` [b, s-1] (1 = trained).
+
+        Returns ``loss`` (mean negative log-likelihood over masked tokens on the last pipeline stage,
+        NaN elsewhere), ``grad_norm`` and ``update_ok``.
+        """
+        total = loss_mask.sum().clamp(min=1)
+
+        def nll(logprobs, mb):
+            nll_sum = -(logprobs * mb["loss_mask"]).sum()
+            return nll_sum / total, {"nll_sum": nll_sum.detach()}
+
+        micro = self._split({"tokens": tokens, "loss_mask": loss_mask.float()})
+        self.zero_grad()
+        outputs = self.forward_backward(micro, len(micro), nll)
+        stats = self.optimizer_step()
+        loss = float(sum(o["nll_sum"] for o in outputs) / total) if outputs else float("nan")
+        return {"loss": loss, **stats}
 
     @torch.no_grad()
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
         """log p(tokens[:, 1:]) [b, s-1] on the last pipeline stage (None on other stages)."""
-        mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
-        outputs = self._run_schedule(tokens, mask, forward_only=True)
+        micro = self._split({"tokens": tokens})
+        outputs = self.forward_backward(
+            micro, len(micro), lambda lp, mb: (lp.sum() * 0, {"logprobs": lp.detach()}), forward_only=True
+        )
         if not outputs:
             return None
         return torch.cat([o["logprobs"] for o in outputs], dim=0)
