@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import torch
 
 from asyncflow.config import VllmConfig
+from asyncflow.engines.base import ROLLOUT_ENGINES, RolloutEngine, Sample
 from asyncflow.engines.vllm.worker_extension import EXTENSION
 
-
-@dataclasses.dataclass
-class Rollout:
-    """One generated response: the prompt, the response tokens and vLLM's logprob of each."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float]
-    weight_version: int
-    finish_reason: str | None = None
+Rollout = Sample  # the name used before the engine interface existed
 
 
 def _environment(cfg: VllmConfig) -> None:
@@ -34,7 +26,8 @@ def _environment(cfg: VllmConfig) -> None:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tensor_parallel)))
 
 
-class VllmRollout:
+@ROLLOUT_ENGINES.register("vllm")
+class VllmRollout(RolloutEngine):
     """Owns one vLLM ``LLM``; every call is synchronous and made from the owning process."""
 
     def __init__(self, cfg: VllmConfig, model_dir: str | Path):
@@ -56,33 +49,76 @@ class VllmRollout:
             seed=cfg.seed,
         )
         self.version = 0
+        self._request_ids = itertools.count()
+        self._in_flight: dict[str, tuple[int, int]] = {}
 
     def generate(
         self,
         prompts: Sequence[Sequence[int]],
         n: int = 1,
+        on_sample: Callable[[int, Sample], None] | None = None,
         max_new_tokens: int | None = None,
         temperature: float | None = None,
-    ) -> list[Rollout]:
-        """``n`` sampled responses per prompt (token-id prompts), each with its per-token logprobs."""
+    ) -> list[Sample]:
+        """``n`` sampled responses per token-id prompt, each with the logprob of every generated token.
+
+        Drives vLLM's engine step by step so that ``on_sample(prompt_index, sample)`` fires as soon as
+        a response finishes (streaming into the TransferQueue), not when the whole batch is done.
+        Returned in prompt order. Weights never change during a call: ``apply_weights`` is only called
+        between calls by the owner, so one response never mixes two weight versions.
+        """
         from vllm import SamplingParams
 
         params = SamplingParams(
-            n=n,
+            n=1,  # n independent requests: each finishes (and streams out) on its own
             temperature=self.cfg.temperature if temperature is None else temperature,
             max_tokens=max_new_tokens or self.cfg.max_new_tokens,
             logprobs=0,  # the sampled token's logprob only
         )
-        outputs = self.llm.generate(
-            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False
-        )
-        rollouts = []
-        for out in outputs:
-            for comp in out.outputs:
+        engine = self.llm.llm_engine
+        owner = self._in_flight = {}
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                request_id = f"r{next(self._request_ids)}"
+                owner[request_id] = (i, j)
+                engine.add_request(request_id, {"prompt_token_ids": list(prompt)}, params)
+        done: dict[tuple[int, int], Sample] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if not out.finished or out.request_id not in owner:
+                    continue
+                comp = out.outputs[0]
                 ids = list(comp.token_ids)
-                lps = [step[tok].logprob for step, tok in zip(comp.logprobs, ids)]
-                rollouts.append(Rollout(list(out.prompt_token_ids), ids, lps, self.version, comp.finish_reason))
-        return rollouts
+                sample = Sample(
+                    prompt_ids=list(out.prompt_token_ids),
+                    response_ids=ids,
+                    response_logprobs=[step[tok].logprob for step, tok in zip(comp.logprobs, ids)],
+                    weight_version=self.version,
+                    finish_reason=comp.finish_reason,
+                    request_id=out.request_id,
+                )
+                key = owner.pop(out.request_id)
+                done[key] = sample
+                if on_sample is not None:
+                    on_sample(key[0], sample)
+        # Aborted requests (abort() from another thread) are simply missing: the caller re-queues them.
+        return [done[key] for key in sorted(done)]
+
+    def apply_weights(self, named_tensors, version: int) -> None:
+        """RolloutEngine interface: apply Hugging Face-named tensors as ``version``."""
+        self.update_weights(named_tensors, version)
+
+    @property
+    def weight_version(self) -> int:
+        """The version this engine serves."""
+        return self.version
+
+    def abort(self) -> int:
+        """Abort every in-flight request of this engine."""
+        in_flight = list(self._in_flight)
+        if in_flight:
+            self.llm.llm_engine.abort_request(in_flight)
+        return len(in_flight)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Apply Hugging Face-named full tensors as weight ``version`` on every vLLM rank, in one reload.

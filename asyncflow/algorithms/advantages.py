@@ -1,0 +1,42 @@
+"""Advantage estimators (registry ``ADVANTAGE_ESTIMATORS``): sequence-level scores from rewards.
+
+Signature of an estimator: ``fn(rewards [N], group_ids [N], **kwargs) -> advantages [N]``. Each
+response's advantage is broadcast over its tokens by the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncflow.registry import Registry
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+
+
+def _group_stats(rewards: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-sample group mean, group std (unbiased, 0 for singletons) and group size."""
+    _, inverse, counts = torch.unique(group_ids, return_inverse=True, return_counts=True)
+    sums = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, rewards)
+    means = sums / counts
+    sq = torch.zeros(len(counts), dtype=rewards.dtype).index_add_(0, inverse, (rewards - means[inverse]) ** 2)
+    var = sq / (counts - 1).clamp(min=1)
+    return means[inverse], var.sqrt()[inverse], counts[inverse]
+
+
+@ADVANTAGE_ESTIMATORS.register("grpo")
+def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4, norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO: (r - mean of the prompt's group) / (std of the group + eps); Dr.GRPO without the std."""
+    mean, std, _ = _group_stats(rewards.double(), group_ids)
+    adv = rewards.double() - mean
+    if norm_by_std:
+        denom = std + eps
+        # A group whose rewards are all equal has no signal: 0, never 0/0 (eps may be 0).
+        adv = torch.where(denom > 0, adv / denom.clamp(min=1e-30), torch.zeros_like(adv))
+    return adv.to(rewards.dtype)
+
+
+def compute_advantages(name: str, rewards, group_ids, **kwargs) -> torch.Tensor:
+    """Look up estimator ``name`` and apply it (accepts lists or tensors)."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    group_ids = torch.as_tensor(group_ids, dtype=torch.long)
+    return ADVANTAGE_ESTIMATORS.resolve(name)(rewards, group_ids, **kwargs)

@@ -1,0 +1,96 @@
+"""Policy losses, KL estimators and loss aggregation (registries ``POLICY_LOSSES``, ``KL_ESTIMATORS``).
+
+All tensors are per token, ``[b, t]``, aligned so that position ``t`` scores response token ``t``;
+``mask`` is 1 on response tokens. A policy loss returns the per-token loss (aggregated by
+``aggregate``) and a dict of per-token diagnostics.
+
+Off-policy correction (``max_staleness >= 1``): rollout logprobs (``behaviour``) come from weights up
+to k versions old. ``decoupled_ppo`` clips against the *proximal* policy (the trainer's weights at the
+start of the step) and re-weights by the truncated importance ratio proximal/behaviour; ``tis`` is a
+policy gradient with the truncated ratio current/behaviour. With k = 0 both reduce to PPO.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from asyncflow.registry import Registry
+
+POLICY_LOSSES = Registry("policy loss")
+KL_ESTIMATORS = Registry("KL estimator")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def _clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high):
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages)
+    clip_frac = ((ratio - clipped).abs() > 0).float()
+    return loss, ratio, clip_frac
+
+
+@POLICY_LOSSES.register("ppo")
+def ppo(logprobs, old_logprobs, behaviour_logprobs, advantages, *, clip_low=0.2, clip_high=0.2, is_cap=2.0):
+    """PPO clipped surrogate against ``old_logprobs`` (ignores ``behaviour_logprobs``)."""
+    loss, ratio, clip_frac = _clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    return loss, {"ratio": ratio.detach(), "clip_frac": clip_frac}
+
+
+@POLICY_LOSSES.register("decoupled_ppo")
+def decoupled_ppo(logprobs, old_logprobs, behaviour_logprobs, advantages, *, clip_low=0.2, clip_high=0.2,
+                  is_cap=2.0):
+    """PPO clipped against the proximal policy, weighted by min(proximal/behaviour, is_cap) (detached)."""
+    loss, ratio, clip_frac = _clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high)
+    weight = torch.exp(old_logprobs - behaviour_logprobs).clamp(max=is_cap).detach()
+    return loss * weight, {"ratio": ratio.detach(), "clip_frac": clip_frac, "is_weight": weight}
+
+
+@POLICY_LOSSES.register("tis")
+def truncated_is(logprobs, old_logprobs, behaviour_logprobs, advantages, *, clip_low=0.2, clip_high=0.2,
+                 is_cap=2.0):
+    """Policy gradient with the truncated importance ratio min(current/behaviour, is_cap) (detached)."""
+    weight = torch.exp(logprobs - behaviour_logprobs).clamp(max=is_cap).detach()
+    loss = -weight * advantages * logprobs
+    return loss, {"is_weight": weight}
+
+
+@KL_ESTIMATORS.register("k1")
+def kl_k1(logprobs, ref_logprobs):
+    """log pi - log pi_ref (unbiased, can be negative)."""
+    return logprobs - ref_logprobs
+
+
+@KL_ESTIMATORS.register("k2")
+def kl_k2(logprobs, ref_logprobs):
+    """0.5 (log pi - log pi_ref)^2."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def kl_k3(logprobs, ref_logprobs):
+    """exp(ref - pi) - (ref - pi) - 1: non-negative, low variance (Schulman's k3)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1.0
+
+
+def kl_penalty(name: str, logprobs, ref_logprobs):
+    """Per-token KL estimate by estimator ``name``."""
+    return KL_ESTIMATORS.resolve(name)(logprobs, ref_logprobs)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, mode: str, total_tokens: float, total_seqs: int,
+              max_tokens: int | None = None) -> torch.Tensor:
+    """This micro-batch's share of the batch loss, so that shares summed over micro-batches give it.
+
+    ``total_tokens`` / ``total_seqs`` are counted over the whole global batch (not the micro-batch), so
+    the result does not depend on how the batch was split.
+    """
+    if mode == "token-mean":
+        return (per_token * mask).sum() / max(total_tokens, 1.0)
+    if mode == "seq-mean-token-mean":
+        per_seq = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(total_seqs, 1)
+    if mode == "seq-mean-token-sum":
+        per_seq = (per_token * mask).sum(-1) / (max_tokens or 1)
+        return per_seq.sum() / max(total_seqs, 1)
+    raise ValueError(f"unknown loss aggregation {mode!r}; valid: {', '.join(AGGREGATIONS)}")

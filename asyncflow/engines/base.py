@@ -1,0 +1,103 @@
+"""Service interfaces of the engines: one small abstract class for training, one for rollout.
+
+Algorithms and the workflow talk only to these classes, never to Megatron or vLLM directly, so a
+custom engine plugs in by name (``TRAIN_ENGINES`` / ``ROLLOUT_ENGINES``) or by dotted path to a
+subclass. The Megatron and vLLM implementations register themselves as ``megatron`` and ``vllm``.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from asyncflow.registry import Registry
+
+TRAIN_ENGINES = Registry("train engine")
+ROLLOUT_ENGINES = Registry("rollout engine")
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+@dataclasses.dataclass
+class Sample:
+    """One generated response with the facts the workflow needs about it."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    weight_version: int
+    finish_reason: str | None = None
+    request_id: str = ""
+
+
+class TrainEngine(abc.ABC):
+    """A policy (or reference) model that computes logprobs, trains, and exports its weights."""
+
+    version: int
+    """Weight version: 0 as loaded, +1 per optimizer step."""
+
+    @abc.abstractmethod
+    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """log p(tokens[:, 1:]) as [b, s-1] (collective over the engine's ranks)."""
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
+                   loss_fn: Callable) -> dict[str, float]:
+        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step."""
+
+    @abc.abstractmethod
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face-named tensors of the current weights (for the weight bridge)."""
+
+    @abc.abstractmethod
+    def save(self, path: str) -> None:
+        """Write a checkpoint of the model (and optimizer) to ``path``."""
+
+    @abc.abstractmethod
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by ``save``."""
+
+
+class RolloutEngine(abc.ABC):
+    """An inference engine that generates with per-token logprobs and takes versioned weight updates."""
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[Sequence[int]], n: int,
+                 on_sample: Callable[[int, Sample], None] | None = None) -> list[Sample]:
+        """``n`` responses per prompt. ``on_sample(prompt_index, sample)`` fires as each one finishes."""
+
+    @abc.abstractmethod
+    def apply_weights(self, named_tensors: NamedTensors, version: int) -> None:
+        """Serve weights ``version`` from now on (called between generations: never mixes versions)."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """The version the engine serves."""
+
+    def pause(self) -> None:  # noqa: B027 - optional hook
+        """Stop scheduling new work (engines without the notion may ignore it)."""
+
+    def resume(self) -> None:  # noqa: B027 - optional hook
+        """Undo ``pause``."""
+
+    def abort(self) -> int:
+        """Abort in-flight requests; returns how many were aborted."""
+        return 0
+
+
+def make_train_engine(spec: str, *args, **kwargs) -> TrainEngine:
+    """Instantiate a train engine by registered name or dotted path."""
+    import asyncflow.engines.megatron.actor  # noqa: F401 - registers "megatron"
+
+    return TRAIN_ENGINES.resolve(spec)(*args, **kwargs)
+
+
+def make_rollout_engine(spec: str, *args, **kwargs) -> RolloutEngine:
+    """Instantiate a rollout engine by registered name or dotted path."""
+    import asyncflow.engines.vllm.rollout  # noqa: F401 - registers "vllm"
+
+    return ROLLOUT_ENGINES.resolve(spec)(*args, **kwargs)

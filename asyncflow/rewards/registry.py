@@ -1,0 +1,23 @@
+"""The reward-function registry and the built-in verifiable rewards of the synthetic tasks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncflow.registry import Registry
+
+REWARD_FUNCTIONS = Registry("reward function")
+RewardFn = Callable[[list[int], list[int]], float]
+
+
+@REWARD_FUNCTIONS.register("add1")
+def make_add1_reward(tokenizer) -> RewardFn:
+    """Fraction of the four digits answered correctly (each prompt digit plus one, mod 10)."""
+    from asyncflow.data.synthetic import Add1Task
+
+    return Add1Task(tokenizer).reward
+
+
+def make_reward_fn(spec: str, tokenizer) -> RewardFn:
+    """Build reward function ``spec`` (registered factory name or dotted path to a factory)."""
+    return REWARD_FUNCTIONS.resolve(spec)(tokenizer)
