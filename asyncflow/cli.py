@@ -1,5 +1,6 @@
 """The ``asyncflow`` command line.
 
+    asyncflow train CONFIG [section.key=value ...]     RL training (GRPO; async or sync mode)
     asyncflow demo [CONFIG] [section.key=value ...]     train with Megatron, move weights, generate with vLLM
     asyncflow config show [CONFIG] [section.key=value ...]   print the resolved configuration as YAML
 """
@@ -27,6 +28,17 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from asyncflow.workflow.loop import train
+
+    path, overrides = _split_config_and_overrides(args.items)
+    summary = train(load_config(path, overrides))
+    print(f"finished {summary['steps']} steps in {summary['wall_s']:.1f} s: reward {summary['reward_first']:.3f} -> "
+          f"{summary['reward_last10_mean']:.3f} (mean of the last 10 steps); max version lag "
+          f"{summary['max_version_lag']:.0f}", flush=True)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from asyncflow.demo import run_demo
 
@@ -40,6 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="RL post-training (see recipes/)")
+    train.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="YAML file, then overrides")
+    train.set_defaults(func=_cmd_train)
 
     demo = sub.add_parser("demo", help="Megatron trains a tiny model, weights move to vLLM, logprobs compared")
     demo.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="optional YAML file, then overrides")

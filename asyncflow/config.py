@@ -14,6 +14,8 @@ from typing import Literal
 
 from asyncflow import config_loader
 from asyncflow.config_loader import ConfigError
+from asyncflow.observability.config import ObservabilityConfig
+from asyncflow.transfer_queue.config import TransferQueueConfig
 
 __all__ = [
     "ModelConfig",
@@ -21,6 +23,10 @@ __all__ = [
     "VllmConfig",
     "RayConfig",
     "DemoConfig",
+    "AlgorithmConfig",
+    "WorkflowConfig",
+    "ObservabilityConfig",
+    "TransferQueueConfig",
     "AsyncFlowConfig",
     "ConfigError",
     "load_config",
@@ -122,6 +128,72 @@ class DemoConfig:
 
 
 @dataclass
+class AlgorithmConfig:
+    """The RL algorithm: advantage estimator, policy loss, KL regularization, reward function."""
+
+    advantage: str = "grpo"
+    """Advantage estimator (registry ``ADVANTAGE_ESTIMATORS`` or a dotted path)."""
+    adv_eps: float = 1e-4
+    """GRPO: added to the group's reward std."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's reward std (False gives Dr.GRPO's mean-centred advantage)."""
+    policy_loss: str = "decoupled_ppo"
+    """``ppo``, ``decoupled_ppo`` (off-policy correction against rollout logprobs), ``tis`` or a dotted path."""
+    clip_low: float = 0.2
+    """PPO ratio clip below 1."""
+    clip_high: float = 0.2
+    """PPO ratio clip above 1 (raise it for DAPO-style clip-higher)."""
+    is_cap: float = 2.0
+    """Truncation of the importance weight between the proximal/current policy and the rollout policy."""
+    kl_coef: float = 0.05
+    """Weight of the KL to the reference model (0 disables the reference task)."""
+    kl_estimator: str = "k3"
+    """KL estimator: ``k1``, ``k2`` or ``k3``."""
+    kl_mode: Literal["loss", "reward"] = "loss"
+    """Apply the KL as a loss term or as a per-sequence reward penalty."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses are averaged over the global batch."""
+    ppo_epochs: int = 2
+    """Optimizer steps per global batch (the first streams from the TransferQueue)."""
+    reward: str = "add1"
+    """Reward function factory (registry ``REWARD_FUNCTIONS`` or a dotted path)."""
+
+
+@dataclass
+class WorkflowConfig:
+    """The RL loop: mode, staleness bound, batch shape and worker layout."""
+
+    mode: Literal["async", "sync"] = "async"
+    """``async``: task-separated streaming with delayed parameter update; ``sync``: colocated lock-step baseline."""
+    max_staleness: int = 1
+    """k: a sample generated with weight version v is trained at step <= v + k (0 = on-policy)."""
+    steps: int = 100
+    """Global training steps (one optimizer-step group and one weight version each)."""
+    task: str = "add1"
+    """Prompt source (registry ``PROMPT_SOURCES`` or a dotted path)."""
+    prompts_per_step: int = 32
+    """Prompts per global batch."""
+    samples_per_prompt: int = 8
+    """Responses per prompt (the GRPO group size)."""
+    rollout_instances: int = 1
+    """vLLM engines; each pulls prompts from the TransferQueue, so a faster one takes more."""
+    rollout_chunk: int = 64
+    """Rows a rollout instance takes per request."""
+    score_chunk: int = 64
+    """Rows the reward and reference tasks take per request."""
+    worker_threads: int = 1
+    """Torch threads per heavy worker (async mode: workers run side by side)."""
+    sync_worker_threads: int = 2
+    """Torch threads per heavy worker in sync mode (workers take turns on the same cores)."""
+    seed: int = 0
+    """Seed of the prompt stream."""
+    stop_at_reward: float | None = None
+    """Stop early once the rolling mean reward reaches this (None: run all steps)."""
+    step_timeout_s: float = 600.0
+    """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
+
+
+@dataclass
 class AsyncFlowConfig:
     """The whole configuration tree; each component reads only its own section."""
 
@@ -135,6 +207,14 @@ class AsyncFlowConfig:
     """Ray cluster."""
     demo: DemoConfig = field(default_factory=DemoConfig)
     """The foundation demo."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """RL algorithm."""
+    workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
+    """The RL loop."""
+    transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
+    """The TransferQueue data plane."""
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    """Metrics, progress, timeline and plots."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> AsyncFlowConfig:

@@ -1,0 +1,71 @@
+"""The Megatron train engine (``TRAIN_ENGINES["megatron"]``): actor and reference policies for RL."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import torch
+
+from asyncflow.config import MegatronConfig
+from asyncflow.engines.base import TRAIN_ENGINES, TrainEngine
+from asyncflow.engines.megatron.trainer import MegatronTrainer
+
+
+@TRAIN_ENGINES.register("megatron")
+class MegatronActor(TrainEngine):
+    """A policy on this process's Megatron ranks; ``version`` counts global training steps.
+
+    ``train_step`` takes a loss function that returns *numerators* (sums over tokens or sequences)
+    plus a ``normalizer`` metric; gradients are divided by the normalizer summed over all
+    micro-batches (and data-parallel ranks) only after the last micro-batch. That is what lets the
+    first pass stream micro-batches from the TransferQueue before the batch's token count is known.
+    """
+
+    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True):
+        self.trainer = MegatronTrainer(cfg, model_dir)
+        if load_weights:
+            self.trainer.load_hf(model_dir)
+        self.version = 0
+
+    @property
+    def arch(self):
+        """The model's ``GPTArch``."""
+        return self.trainer.arch
+
+    @torch.no_grad()
+    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """log p(tokens[:, 1:]) [b, s-1]; rows are padded up to a multiple of the micro-batch size."""
+        mbs = self.trainer.cfg.micro_batch_size
+        rows = tokens.shape[0]
+        pad = (-rows) % mbs if rows > mbs else 0
+        if pad:
+            tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)], dim=0)
+        out = self.trainer.logprobs(tokens)
+        return None if out is None else out[:rows]
+
+    def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
+                   loss_fn: Callable) -> dict:
+        """One optimizer step over ``micro_batches``; returns ``grad_norm``, ``update_ok`` and the
+        per-micro-batch metrics (``micro``) of the last pipeline stage."""
+        self.trainer.zero_grad()
+        outputs = self.trainer.forward_backward(micro_batches, num_microbatches, loss_fn)
+        normalizer = torch.tensor([float(sum(float(o["normalizer"]) for o in outputs))])
+        if torch.distributed.is_initialized():
+            # Every rank must scale by the same global count; non-last stages contribute 0.
+            torch.distributed.all_reduce(normalizer)
+        self.trainer.model.scale_gradients(1.0 / max(normalizer.item(), 1.0))
+        stats = self.trainer.optimizer_step()
+        return {**stats, "normalizer": normalizer.item(), "micro": outputs}
+
+    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Hugging Face-named tensors of this rank's shard (the bridge assembles vLLM layouts)."""
+        return self.trainer.export_hf()
+
+    def save(self, path: str) -> None:
+        """Megatron distributed checkpoint of the model."""
+        self.trainer.save_dist_checkpoint(path)
+
+    def load(self, path: str) -> None:
+        """Load a Megatron distributed checkpoint (any TP/PP)."""
+        self.trainer.load_dist_checkpoint(path)

@@ -1,0 +1,1 @@
+"""The asynchronous RL workflow: task services, staleness control, the top-level loop."""

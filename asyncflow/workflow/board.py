@@ -1,0 +1,66 @@
+"""The version board: where the trainer publishes weight versions and rollout waits for admission.
+
+A small asyncio Ray actor. The staleness rule lives in ``admitted_version``: rollout may start
+generating the samples of step ``s`` once weights of version ``s - k`` exist, so every sample of step
+``s`` comes from a version ``v >= s - k`` and is trained at step ``s <= v + k``. Workers also drop
+their per-step metrics and timeline spans here for the driver to collect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def admitted_version(step: int, max_staleness: int) -> int:
+    """The oldest weight version allowed to generate the samples of ``step``."""
+    return max(step - max_staleness, 0)
+
+
+class VersionBoard:
+    """Latest published weights (as an object reference), plus a mailbox of worker reports."""
+
+    def __init__(self):
+        self._version = 0
+        self._weights: list | None = None  # [ObjectRef] wrapped in a list so Ray passes the ref itself
+        self._cond: asyncio.Condition | None = None
+        self._reports: list[dict] = []
+
+    def _condition(self) -> asyncio.Condition:
+        if self._cond is None:  # created lazily: it must belong to the actor's event loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def publish(self, version: int, weights: list) -> None:
+        """Make weights ``version`` (``[ObjectRef]`` of a safetensors blob) the newest."""
+        cond = self._condition()
+        async with cond:
+            if version <= self._version and self._weights is not None:
+                raise ValueError(f"version {version} published after {self._version}: versions must increase")
+            self._version, self._weights = version, weights
+            cond.notify_all()
+
+    async def wait_for_version(self, min_version: int, timeout_s: float) -> tuple[int, list | None]:
+        """Block until a version >= ``min_version`` exists; return the newest ``(version, [ref])``."""
+        cond = self._condition()
+        async with cond:
+            try:
+                await asyncio.wait_for(cond.wait_for(lambda: self._version >= min_version), timeout_s)
+            except asyncio.TimeoutError:
+                raise TimeoutError(
+                    f"rollout waited {timeout_s:.0f} s for weight version {min_version}; newest is "
+                    f"{self._version} (is the trainer alive?)"
+                ) from None
+            return self._version, self._weights
+
+    async def version(self) -> int:
+        """The newest published version."""
+        return self._version
+
+    async def report(self, item: dict) -> None:
+        """A worker's per-step metrics and timeline spans."""
+        self._reports.append(item)
+
+    async def take_reports(self) -> list[dict]:
+        """Every report since the last call."""
+        items, self._reports = self._reports, []
+        return items

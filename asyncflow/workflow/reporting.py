@@ -1,0 +1,84 @@
+"""Turns the services' per-step reports into metrics, progress lines, a timeline and a summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections import defaultdict
+
+from asyncflow.config import AsyncFlowConfig
+from asyncflow.observability import RunObserver, keys
+
+
+class Reporter:
+    """Collects reports from the version board; a step is logged once its actor and advantage reports
+    are both in (the advantage service sees every reward of the step, the actor every lag)."""
+
+    def __init__(self, cfg: AsyncFlowConfig, pipe):
+        self.cfg, self.pipe = cfg, pipe
+        self.observer = RunObserver(cfg.observability, total_steps=cfg.workflow.steps,
+                                    run_config=dataclasses.asdict(cfg))
+        self.pending: dict[int, dict] = defaultdict(dict)
+        self.history: list[dict] = []
+        self.trained_steps = 0
+        self.t_start = time.time()
+        self.t_last = self.t_start
+
+    def collect(self, blocking: bool = False) -> None:
+        """Pull reports from the board; log every step that is complete."""
+        import ray
+
+        for item in ray.get(self.pipe.board.take_reports.remote()):
+            self.observer.timeline.merge(item["spans"])
+            self.pending[item["step"]].update(item["metrics"])
+            self.pending[item["step"]].setdefault("_services", set()).add(item["service"])
+        while True:
+            step = self.trained_steps
+            have = self.pending.get(step, {}).get("_services", set())
+            if not {"actor", "advantage", "rollout"} <= have:
+                return
+            self._log(step, self.pending.pop(step))
+            self.trained_steps += 1
+
+    def _log(self, step: int, metrics: dict) -> None:
+        metrics.pop("_services")
+        now = time.time()
+        dt = max(now - self.t_last, 1e-9)
+        self.t_last = now
+        metrics[keys.SAMPLES_PER_S] = metrics.get("actor/rows", 0.0) / dt
+        metrics[keys.TOKENS_PER_S] = metrics.get("rollout/tokens", 0.0) / dt
+        metrics[keys.QUEUE_DEPTH] = float(self.pipe.client.status().get("live_rows", 0))
+        metrics["time/elapsed_s"] = now - self.t_start
+        self.history.append({"step": step, **metrics})
+        self.observer.log(step, metrics)
+
+    def finish(self) -> dict:
+        """Write plots, timeline and ``summary.json``; return the summary."""
+        wall = time.time() - self.t_start
+        rewards = [h.get(keys.REWARD_MEAN, math.nan) for h in self.history]
+        lags = [h.get(keys.LAG_MAX, 0.0) for h in self.history]
+        gaps = [h["check/fresh_logprob_gap_max"] for h in self.history if "check/fresh_logprob_gap_max" in h]
+        idle = self.observer.timeline.idle_fractions() if len(self.observer.timeline) else {}
+        self.observer.close()
+        tail = rewards[-10:]
+        summary = {
+            "mode": self.cfg.workflow.mode,
+            "max_staleness": self.cfg.workflow.max_staleness,
+            "steps": len(self.history),
+            "wall_s": wall,
+            "reward_first": rewards[0] if rewards else math.nan,
+            "reward_last10_mean": sum(tail) / len(tail) if tail else math.nan,
+            "first_step_reward_ge_0.8": next((h["step"] for h in self.history if h.get(keys.REWARD_MEAN, 0) >= 0.8),
+                                             None),
+            "max_version_lag": max(lags) if lags else 0.0,
+            "fresh_logprob_gap_max": max(gaps) if gaps else None,
+            "samples_per_s": sum(h.get("actor/rows", 0) for h in self.history) / max(wall, 1e-9),
+            "tokens_per_s": sum(h.get("rollout/tokens", 0) for h in self.history) / max(wall, 1e-9),
+            "idle_fraction": idle,
+            "rewards": rewards,
+        }
+        out = self.observer.output_dir / "summary.json"
+        out.write_text(json.dumps(summary, indent=2))
+        return summary
