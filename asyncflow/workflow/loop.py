@@ -45,9 +45,8 @@ def train(cfg: AsyncFlowConfig) -> dict:
         if wf.mode == "sync":
             for step in range(wf.steps):
                 feed_until(step + 1)
-                for service in pipe.services:  # lock-step: each task finishes the step before the next
-                    ray.get(service.run_step.remote(step))
-                reporter.collect(blocking=True)
+                # Lock-step: each task finishes the whole step before the next one starts.
+                reporter.collect([ray.get(service.run_step.remote(step)) for service in pipe.services])
         else:
             running = [s.run.remote(0, wf.steps) for s in pipe.services]
             while running:

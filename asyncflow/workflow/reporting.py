@@ -23,17 +23,22 @@ class Reporter:
         self.pending: dict[int, dict] = defaultdict(dict)
         self.history: list[dict] = []
         self.trained_steps = 0
+        self.trained_groups: dict[int, list[int]] = {}
         self.t_start = time.time()
         self.t_last = self.t_start
 
-    def collect(self, blocking: bool = False) -> None:
-        """Pull reports from the board; log every step that is complete."""
+    def collect(self, reports: list[dict] | None = None) -> None:
+        """Take ``reports`` (sync mode) or pull them from the board (async); log every complete step."""
         import ray
 
-        for item in ray.get(self.pipe.board.take_reports.remote()):
+        if reports is None:
+            reports = ray.get(self.pipe.board.take_reports.remote())
+        for item in reports:
             self.observer.timeline.merge(item["spans"])
             self.pending[item["step"]].update(item["metrics"])
             self.pending[item["step"]].setdefault("_services", set()).add(item["service"])
+            if "trained_groups" in item:
+                self.trained_groups[item["step"]] = item["trained_groups"]
         while True:
             step = self.trained_steps
             have = self.pending.get(step, {}).get("_services", set())
@@ -78,6 +83,8 @@ class Reporter:
             "tokens_per_s": sum(h.get("rollout/tokens", 0) for h in self.history) / max(wall, 1e-9),
             "idle_fraction": idle,
             "rewards": rewards,
+            "lags_max_per_step": lags,
+            "trained_groups": {str(k): v for k, v in sorted(self.trained_groups.items())},
         }
         out = self.observer.output_dir / "summary.json"
         out.write_text(json.dumps(summary, indent=2))

@@ -57,10 +57,10 @@ class TaskService:
     def run_step(self, step: int) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def report(self, step: int, metrics: dict) -> dict:
-        """A step's metrics plus the spans recorded since the last report."""
+    def report(self, step: int, metrics: dict, **extra) -> dict:
+        """A step's metrics plus the spans recorded since the last report (and ``extra`` records)."""
         return {"step": step, "service": self.name, "worker": self.worker, "metrics": metrics,
-                "spans": self.timeline.export_spans(clear=True)}
+                "spans": self.timeline.export_spans(clear=True), **extra}
 
     def run(self, first: int, last: int) -> int:
         """Process steps ``first .. last-1`` in order, posting each report to the board."""
@@ -251,10 +251,12 @@ class ActorService(TaskService):
 
     def run_step(self, step: int) -> dict:
         cache: list[dict] = []
+        groups: list[int] = []
         version = self.engine.version
 
         def first_pass():
             for batch in self.stream(step, self.fields, self.mbs):
+                groups.extend(batch.meta.group_ids)
                 mb = to_micro_batch(batch, self.seq_len, self.pad_id, version)
                 cache.append(mb)
                 yield mb
@@ -268,7 +270,8 @@ class ActorService(TaskService):
                 results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
         self.engine.version += 1
         self.publish()
-        return self.report(step, _actor_metrics(results, cache, time.time() - t0))
+        # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
+        return self.report(step, _actor_metrics(results, cache, time.time() - t0), trained_groups=sorted(groups))
 
 
 def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> dict:
