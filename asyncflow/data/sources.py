@@ -24,6 +24,23 @@ class Add1Prompts:
         return self.task.prompts(count, self.generator)
 
 
+@PROMPT_SOURCES.register("add1_longtail")
+class Add1LongTail(Add1Prompts):
+    """Add-one prompts whose responses get long-tailed length budgets (a lognormal clipped to
+    ``[4, max_new_tokens]``), as reasoning rollouts have: most are short, a few are very long. For
+    throughput benchmarks; the reward still scores the first four tokens."""
+
+    def __init__(self, tokenizer, seed: int = 0, median: float = 24.0, sigma: float = 1.0):
+        super().__init__(tokenizer, seed)
+        self.median, self.sigma = median, sigma
+
+    def sample_budgets(self, count: int, max_new_tokens: int) -> list[int]:
+        """Per-sample generation budgets."""
+        normal = torch.randn(count, generator=self.generator)
+        budgets = torch.exp(torch.log(torch.tensor(self.median)) + self.sigma * normal)
+        return budgets.clamp(4, max_new_tokens).round().long().tolist()
+
+
 def make_prompt_source(spec: str, tokenizer, seed: int = 0):
     """Build prompt source ``spec`` (registered name or dotted path to a factory)."""
     return PROMPT_SOURCES.resolve(spec)(tokenizer, seed)

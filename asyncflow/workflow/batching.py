@@ -2,7 +2,8 @@
 
 Position ``t`` of the ``[m, s-1]`` tensors scores token ``t+1``; response token ``j`` of a row whose
 prompt has ``P`` tokens sits at position ``P - 1 + j``. Every micro-batch of a run has the same ``s``
-(``max_prompt_len + max_new_tokens``) because pipeline stages exchange fixed shapes.
+(``max_prompt_len + max_new_tokens``) when pipeline stages exchange fixed shapes; without pipeline
+parallelism each micro-batch is padded only to its own longest row (``fit_seq_len``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ ACTOR_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantages"
 
 def _row_tensor(value) -> torch.Tensor:
     return value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+
+
+def fit_seq_len(prompts, responses, cap: int, multiple: int = 8) -> int:
+    """The longest row of this micro-batch rounded up to ``multiple`` (at most ``cap``).
+
+    Only without pipeline parallelism: stages exchange fixed shapes, so PP > 1 always pads to ``cap``.
+    With long-tailed responses this saves most of the padding compute.
+    """
+    longest = max(len(p) + len(r) for p, r in zip(prompts, responses))
+    return min(cap, -(-longest // multiple) * multiple)
 
 
 def pack_tokens(prompts, responses, seq_len: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +57,12 @@ def response_slices(logprobs: torch.Tensor, prompts, responses) -> list[torch.Te
     return [logprobs[i, len(p) - 1 : len(p) - 1 + len(r)].clone() for i, (p, r) in enumerate(zip(prompts, responses))]
 
 
-def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int) -> dict[str, torch.Tensor]:
+def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_shape: bool = True
+                   ) -> dict[str, torch.Tensor]:
     """A TransferQueue ``Batch`` of actor rows as the tensors ``make_objective``'s loss reads."""
     prompts, responses = batch["prompt_ids"], batch["response_ids"]
+    if not fixed_shape:
+        seq_len = fit_seq_len(prompts, responses, seq_len)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
     advantages = _row_tensor(batch["advantages"]).float().reshape(-1)
     mb = {

@@ -31,7 +31,8 @@ def train(cfg: AsyncFlowConfig) -> dict:
     wf = cfg.workflow
     model_dir = _model_dir(cfg)
     source = make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed)
-    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len)
+    budgets = hasattr(source, "sample_budgets")
+    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, budgets)
     fed = 0
     try:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt)
@@ -39,7 +40,9 @@ def train(cfg: AsyncFlowConfig) -> dict:
         def feed_until(step: int) -> None:
             nonlocal fed
             while fed < min(step, wf.steps):
-                pipe.feed(fed, source.next_prompts(wf.prompts_per_step), wf.samples_per_prompt)
+                rows = wf.prompts_per_step * wf.samples_per_prompt
+                pipe.feed(fed, source.next_prompts(wf.prompts_per_step), wf.samples_per_prompt,
+                          source.sample_budgets(rows, cfg.rollout.max_new_tokens) if budgets else None)
                 fed += 1
 
         if wf.mode == "sync":

@@ -50,13 +50,17 @@ class Pipeline:
             self.client.create_partition(partition_name(step), consumers=self.tasks, expected_rows=rows_per_step,
                                          auto_clear=True)
 
-    def feed(self, step: int, prompts: list[list[int]], group_size: int) -> None:
-        """Put the prompts of ``step``, each repeated ``group_size`` times (one GRPO group per prompt)."""
+    def feed(self, step: int, prompts: list[list[int]], group_size: int, budgets: list[int] | None = None) -> None:
+        """Put the prompts of ``step``, each repeated ``group_size`` times (one GRPO group per prompt),
+        with optional per-sample generation ``budgets`` (field ``max_new_tokens``)."""
         import torch
 
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts for _ in range(group_size)]
         groups = [step * len(prompts) + i for i in range(len(prompts)) for _ in range(group_size)]
-        self.client.put(partition_name(step), {"prompt_ids": rows}, group_ids=groups)
+        data = {"prompt_ids": rows}
+        if budgets is not None:
+            data["max_new_tokens"] = torch.tensor(budgets, dtype=torch.long)
+        self.client.put(partition_name(step), data, group_ids=groups)
 
     def close(self) -> None:
         """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
@@ -74,8 +78,11 @@ class Pipeline:
             ray.shutdown()
 
 
-def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int) -> Pipeline:
-    """Bring up Ray, the TransferQueue and every service for ``cfg.workflow.mode``."""
+def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False) -> Pipeline:
+    """Bring up Ray, the TransferQueue and every service for ``cfg.workflow.mode``.
+
+    ``budgets``: rows carry per-sample generation budgets (``max_new_tokens``), used to the end.
+    """
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -111,6 +118,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int) -
     rollouts = [
         place(services.RolloutService, 0, 1 if i == 0 else 0, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
               max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
+              budgets=budgets,
               worker=i, cpus=rollout_cpus, **common)
         for i in range(wf.rollout_instances)
     ]

@@ -22,7 +22,7 @@ import time
 import torch
 
 from asyncflow.config import AlgorithmConfig, MegatronConfig, TransferQueueConfig, VllmConfig
-from asyncflow.workflow.batching import ACTOR_FIELDS, pack_tokens, response_slices, to_micro_batch
+from asyncflow.workflow.batching import ACTOR_FIELDS, fit_seq_len, pack_tokens, response_slices, to_micro_batch
 
 
 def partition_name(step: int) -> str:
@@ -80,7 +80,8 @@ class RolloutService(TaskService):
 
     name = "rollout"
 
-    def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, **kw):
+    def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
+                 **kw):
         cpus = kw.get("cpus") or list(range(kw.get("threads", 1)))
         # vLLM's CPU worker binds its OpenMP threads to these cores (it would claim every core otherwise).
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
@@ -90,6 +91,7 @@ class RolloutService(TaskService):
         self.engine = make_rollout_engine("vllm", vllm_cfg, model_dir)
         self.max_staleness = max_staleness
         self.chunk = chunk
+        self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
 
     def _admit(self, step: int) -> int:
         """Wait until weights recent enough for ``step`` exist, load the newest; return its version."""
@@ -117,16 +119,18 @@ class RolloutService(TaskService):
                 }, indexes=[i for i, _ in pending], versions=[s.weight_version for _, s in pending])
                 pending.clear()
 
-        for batch in self.stream(step, ["prompt_ids"], self.chunk):
+        for batch in self.stream(step, self.fields, self.chunk):
             with self.timeline.span(self.name, "generate", self.worker, rows=len(batch)):
                 prompts = [p.tolist() for p in batch["prompt_ids"]]
+                budgets = batch["max_new_tokens"].tolist() if "max_new_tokens" in batch else None
 
                 def on_sample(i, sample, indexes=batch.indexes):
                     pending.append((indexes[i], sample))
                     if len(pending) >= 16:  # stream out as they finish, a few rows per put
                         flush()
 
-                samples = self.engine.generate(prompts, n=1, on_sample=on_sample)
+                samples = self.engine.generate(prompts, n=1, on_sample=on_sample, max_new_tokens=budgets,
+                                               ignore_eos=budgets is not None)
                 flush()
             rows += len(samples)
             tokens += sum(len(s.response_ids) for s in samples)
@@ -168,12 +172,14 @@ class ReferenceService(TaskService):
         self.engine = make_train_engine("megatron", megatron_cfg, model_dir)
         self.seq_len, self.chunk = seq_len, chunk
         self.pad_id = 0
+        self.fixed_shape = megatron_cfg.pipeline_parallel > 1
 
     def run_step(self, step: int) -> dict:
         for batch in self.stream(step, ["prompt_ids", "response_ids"], self.chunk):
             with self.timeline.span(self.name, "ref_logprobs", self.worker, rows=len(batch)):
                 prompts, responses = batch["prompt_ids"], batch["response_ids"]
-                tokens, _ = pack_tokens(prompts, responses, self.seq_len, self.pad_id)
+                seq_len = self.seq_len if self.fixed_shape else fit_seq_len(prompts, responses, self.seq_len)
+                tokens, _ = pack_tokens(prompts, responses, seq_len, self.pad_id)
                 logprobs = self.engine.compute_logprobs(tokens)
                 self.tq.put(partition_name(step), {"ref_logprobs": response_slices(logprobs, prompts, responses)},
                             indexes=batch.indexes)
@@ -232,6 +238,7 @@ class ActorService(TaskService):
 
         self.engine = make_train_engine("megatron", megatron_cfg, model_dir)
         self.algo, self.seq_len, self.pad_id = algo, seq_len, 0
+        self.fixed_shape = megatron_cfg.pipeline_parallel > 1
         self.mbs = megatron_cfg.micro_batch_size
         if rows_per_step % self.mbs:
             raise ValueError(f"rows per step {rows_per_step} must be a multiple of trainer.micro_batch_size {self.mbs}")
@@ -257,7 +264,7 @@ class ActorService(TaskService):
         def first_pass():
             for batch in self.stream(step, self.fields, self.mbs):
                 groups.extend(batch.meta.group_ids)
-                mb = to_micro_batch(batch, self.seq_len, self.pad_id, version)
+                mb = to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
                 cache.append(mb)
                 yield mb
 
