@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     plot_compare({m: out / m / "metrics.jsonl" for m in results}, out / "reward_sync_vs_async.png", x="time")
     base = results["sync"]
     groups = ["rollout", "actor", "reference"]
-    header = (f"| mode  | steps | wall s | samples/s | tokens/s | ratio | " +
+    header = ("| mode  | steps | wall s | samples/s | tokens/s | ratio | " +
               " | ".join(f"idle {g}" for g in groups) + " | reward first -> last10 | max lag |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for mode, s in results.items():
