@@ -8,7 +8,7 @@ STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test lint clean-venv
+.PHONY: venv demo demo-slice test lint bench-e2e clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,9 @@ $(STAMP): setup.py $(CONSTRAINTS)
 venv: $(STAMP)
 
 demo: venv
+	$(VENV)/bin/asyncflow train recipes/tiny_cpu/grpo_async.yaml
+
+demo-slice: venv
 	$(VENV)/bin/asyncflow demo recipes/tiny_cpu/demo.yaml
 
 lint: venv
@@ -29,6 +32,9 @@ lint: venv
 
 test: venv lint
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+bench-e2e: venv
+	$(PY) bench/e2e.py
 
 clean-venv:
 	rm -rf $(VENV)
