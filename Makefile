@@ -8,7 +8,7 @@ STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv demo demo-slice test lint bench-e2e clean-venv
+.PHONY: venv demo demo-slice test lint bench-e2e bench-tq clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ test: venv lint
 
 bench-e2e: venv
 	$(PY) bench/e2e.py
+
+# The peer (open-source transferqueue 0.1.11) goes into the same venv; the constraints keep torch 2.13.0.
+bench-tq: venv
+	$(PY) -m pip install -q -c $(CONSTRAINTS) transferqueue==0.1.11
+	$(PY) bench/transfer_queue.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,67 @@
+"""What consumers receive: metadata of a batch (from the controller) and the batch itself."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BatchMeta:
+    """Rows handed to one task by the controller, with where their bytes live.
+
+    ``done`` is True when the partition is sealed and the task has received every row it can
+    receive; such a meta is empty. ``ready`` is filled by non-blocking polls that found too few rows.
+    """
+
+    partition: str
+    task: str
+    indexes: list[int]
+    versions: list[int] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    done: bool = False
+    ready: int | None = None
+    locations: dict = field(default_factory=dict, repr=False)
+    """field -> [spec, units, offsets, nbytes, len0] as sent by the controller."""
+
+    def __len__(self) -> int:
+        return len(self.indexes)
+
+    @property
+    def fields(self) -> list[str]:
+        return list(self.locations)
+
+    @classmethod
+    def from_reply(cls, partition: str, task: str, reply: dict) -> BatchMeta:
+        return cls(partition, task, list(reply.get("indexes", [])), list(reply.get("versions", [])),
+                   list(reply.get("group_ids", [])), list(reply.get("lengths", [])),
+                   bool(reply.get("done")), reply.get("ready"), dict(reply.get("fields", {})))
+
+
+@dataclass
+class Batch:
+    """A micro-batch: ``batch["responses"]`` is a tensor (dense), a list of tensors or ``Packed``
+    (ragged, by the caller's choice) or a list of Python values (object fields)."""
+
+    meta: BatchMeta
+    data: dict
+
+    def __getitem__(self, name: str):
+        return self.data[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.data
+
+    def __len__(self) -> int:
+        return len(self.meta)
+
+    def keys(self):
+        return self.data.keys()
+
+    @property
+    def indexes(self) -> list[int]:
+        return self.meta.indexes
+
+    @property
+    def done(self) -> bool:
+        return self.meta.done

@@ -1,0 +1,99 @@
+"""Configuration of the TransferQueue (controller, storage units, clients and transport).
+
+Every default of the data plane lives here and nowhere else; recipes override fields in YAML and the
+global AsyncFlow config nests this dataclass as ``transfer_queue``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TransferQueueConfig:
+    """Settings of one TransferQueue deployment and of the clients that talk to it."""
+
+    host: str = "127.0.0.1"
+    """Interface the controller and storage units bind to. Loopback by default so that nothing is
+    reachable from other machines unless a cluster deployment asks for it (e.g. "0.0.0.0")."""
+
+    advertise_host: str | None = None
+    """Address that clients on other nodes use to reach the servers. None means ``host`` (or, when
+    ``host`` is a wildcard, this machine's hostname)."""
+
+    controller_port: int = 0
+    """TCP port of the controller; 0 picks a free port."""
+
+    num_storage_units: int = 2
+    """How many storage units hold the rows; rows of each put are spread over them."""
+
+    storage_unit_capacity_bytes: int = 4 << 30
+    """Memory of one storage unit. Puts that do not fit wait for space (back-pressure) rather than grow
+    memory without bound. The arena is sparse, so unused capacity costs no RAM."""
+
+    max_rows: int = 0
+    """Cap on live rows over all partitions; new rows beyond it wait for clears. 0 means no row cap
+    (the byte capacity still applies)."""
+
+    get_timeout_s: float = 600.0
+    """Default time a blocking request waits for enough ready rows before raising a timeout error."""
+
+    put_timeout_s: float = 600.0
+    """Default time a put waits for capacity (back-pressure) before raising a timeout error."""
+
+    rpc_timeout_s: float = 60.0
+    """Time a client waits for any single reply (other than a parked blocking request) before it
+    declares the server unresponsive."""
+
+    heartbeat_interval_s: float = 0.5
+    """How often storage units report to the controller."""
+
+    heartbeat_timeout_s: float = 3.0
+    """A storage unit silent for this long is declared dead; requests that need its rows fail."""
+
+    shm_enabled: bool = True
+    """Move large payloads between processes of one host through shared memory instead of sockets."""
+
+    shm_threshold_bytes: int = 0
+    """Per storage unit and request, payloads smaller than this go over ZMQ even on the same host.
+    0 (default): always use the mapped arena when it is reachable, which is cheaper at every size
+    because the arena is mapped once per client (no per-request segment)."""
+
+    secret: str | None = None
+    """Shared secret. When set every message carries a keyed BLAKE2b tag and untagged or wrongly
+    tagged messages are dropped. None disables authentication (local mode on loopback only);
+    Ray mode requires a secret when ``host`` is not loopback."""
+
+    max_message_bytes: int = 4 << 30
+    """Largest inbound ZMQ message a server accepts; bigger ones are refused by ZMQ itself."""
+
+    sampler_modules: list[str] = field(default_factory=list)
+    """Modules the controller imports at start-up, so that samplers they register with
+    ``@register_sampler`` can be named in requests (request names never import code)."""
+
+    deployment: str = "processes"
+    """How ``start`` runs the servers: "threads" (tests, debugging), "processes" (one machine) or
+    "ray" (actors placed by a placement group)."""
+
+    ray_num_cpus_per_actor: float = 0.5
+    """CPU reservation of each controller or storage-unit Ray actor."""
+
+    ray_placement_strategy: str = "SPREAD"
+    """Placement-group strategy for the storage-unit actors ("SPREAD", "PACK", "STRICT_SPREAD")."""
+
+    def validate(self) -> None:
+        """Raise ValueError on settings that cannot work, naming the field."""
+        if self.num_storage_units < 1:
+            raise ValueError(f"num_storage_units must be >= 1, got {self.num_storage_units}")
+        if self.storage_unit_capacity_bytes < 1 << 20:
+            raise ValueError("storage_unit_capacity_bytes must be at least 1 MiB")
+        for name in ("get_timeout_s", "put_timeout_s", "rpc_timeout_s", "heartbeat_interval_s",
+                     "heartbeat_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if self.deployment not in ("threads", "processes", "ray"):
+            raise ValueError(f"deployment must be threads, processes or ray, got {self.deployment!r}")
+        if self.max_rows < 0:
+            raise ValueError("max_rows must be >= 0")

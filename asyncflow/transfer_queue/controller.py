@@ -1,0 +1,287 @@
+"""The controller: metadata of every partition, row placement, and the waiting room for requests.
+
+It never touches sample data. A put asks it where rows go (``prepare_put``: it validates the fields,
+reserves rows and allocates arena ranges on the storage units), the client writes the bytes to the
+units, then ``commit_put`` makes the fields visible and wakes waiting consumers. A get asks it for
+metadata only (``get_meta``: rows, their locations, versions, groups, lengths), marks those rows
+handed out to the task, and the client reads the bytes from the units. Requests that cannot be served
+yet (not enough ready rows, no capacity) are parked and answered as soon as they can be, or with a
+timeout error that says what was missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import TransferQueueConfig
+from .errors import BackPressureError, BadRequestError, StorageUnitError, UnknownPartitionError
+from .get_path import GetHandlers, ParkedGet, ReplicaBatches
+from .partition import READ, Partition
+from .protocol import Signer
+from .put_path import PendingPut, PutHandlers
+from .shm import RangeAllocator
+from .transport import DEFERRED, Request, RpcServer
+from .validation import check_int
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Unit:
+    """A storage unit as the controller knows it."""
+
+    id: int
+    address: str
+    arena: str | None
+    size: int
+    alloc: RangeAllocator
+    last_seen: float
+    alive: bool = True
+
+
+class Controller(PutHandlers, GetHandlers):
+    """Controller server state and request handlers; runs on one thread inside an RpcServer.
+
+    Membership, partitions and lifecycle live here; the put and get paths are the two mixins."""
+
+    def __init__(self, config: TransferQueueConfig):
+        config.validate()
+        self.config = config
+        for module in config.sampler_modules:
+            importlib.import_module(module)  # user samplers register themselves on import
+        self.server = RpcServer("controller", config.host, config.controller_port, Signer(config.secret),
+                                config.max_message_bytes, config.advertise_host)
+        self.address = self.server.address
+        self.units: dict[int, Unit] = {}
+        self.partitions: dict[str, Partition] = {}
+        self.puts: dict[int, PendingPut] = {}
+        self.blocks: dict[int, list] = {}  # id -> [unit, offset, nbytes, live rows]
+        self.parked_gets: list[ParkedGet] = []
+        self.parked_puts: list[tuple[Request, float]] = []
+        self.replicas: dict[tuple, ReplicaBatches] = {}
+        self._ids = itertools.count(1)
+        self.live_rows = 0
+        for op in ("hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put",
+                   "abort_put", "get_meta", "ack", "release", "seal", "clear", "status"):
+            self.server.handlers[op] = getattr(self, "_op_" + op)
+        self.server.add_timer(0.05, self._expire)
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+    # ----------------------------------------------------------------- membership
+    def _op_hello(self, req: Request):
+        units = [[u.id, u.address, u.arena, u.size, u.alive] for u in self.units.values()]
+        return {"units": units, "expected_units": self.config.num_storage_units,
+                "ready": len(self.units) >= self.config.num_storage_units}
+
+    def _op_register_unit(self, req: Request):
+        h = req.header
+        uid = check_int(h, "unit", 0)
+        size = check_int(h, "size", 1)
+        arena = h.get("arena")
+        if arena is not None and not isinstance(arena, str):
+            raise BadRequestError("arena must be a string")
+        address = h.get("address")
+        if not isinstance(address, str):
+            raise BadRequestError("address must be a string")
+        if uid in self.units and self.units[uid].alive:
+            raise BadRequestError(f"storage unit {uid} is already registered")
+        self.units[uid] = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic())
+        logger.info("storage unit %d registered at %s", uid, address)
+        return {}
+
+    def _op_heartbeat(self, req: Request):
+        unit = self.units.get(req.header.get("unit"))
+        if unit is not None and unit.alive:
+            unit.last_seen = time.monotonic()
+        return DEFERRED  # heartbeats are one-way
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for unit in self.units.values():
+            if unit.alive and now - unit.last_seen > self.config.heartbeat_timeout_s:
+                self._unit_died(unit)
+        for put_id in [k for k, p in self.puts.items() if p.deadline < now]:
+            logger.warning("put %d was never committed; releasing its reservation", put_id)
+            self._abort(put_id)
+        for p in [p for p in self.parked_gets if p.deadline < now]:
+            self.parked_gets.remove(p)
+            self.server.reply_error(p.req, self._timeout_error(p))
+        for item in [i for i in self.parked_puts if i[1] < now]:
+            self.parked_puts.remove(item)
+            self.server.reply_error(item[0], BackPressureError(
+                f"put to partition {item[0].header.get('partition')!r} waited "
+                f"{item[0].header.get('timeout')} s for capacity: {self._capacity_text()}"))
+
+    def _unit_died(self, unit: Unit) -> None:
+        unit.alive = False
+        logger.error("storage unit %d at %s stopped sending heartbeats; its rows are lost", unit.id,
+                     unit.address)
+        for part in self.partitions.values():
+            for f in part.fields.values():
+                n = part.n
+                on_unit = np.flatnonzero((f.unit[:n] == unit.id) & (f.produced[:n] | f.pending[:n]))
+                if len(on_unit):
+                    part.mark_lost(on_unit)
+        for p in list(self.parked_gets):
+            part = self.partitions.get(p.partition)
+            if part is not None and part.lost_rows:
+                self.parked_gets.remove(p)
+                self.server.reply_error(p.req, self._lost_error(part))
+
+    def _lost_error(self, part: Partition) -> StorageUnitError:
+        dead = sorted(u.id for u in self.units.values() if not u.alive)
+        return StorageUnitError(f"storage unit(s) {dead} died; {part.lost_rows} rows of partition "
+                                f"{part.name!r} were lost (clear them, or the partition, to go on)")
+
+    # ----------------------------------------------------------------- partitions
+    def _partition(self, name) -> Partition:
+        part = self.partitions.get(name) if isinstance(name, str) else None
+        if part is None:
+            known = ", ".join(sorted(self.partitions)[:20]) or "none"
+            raise UnknownPartitionError(f"unknown partition {name!r}; existing partitions: {known}")
+        return part
+
+    def _op_create_partition(self, req: Request):
+        h = req.header
+        name = h.get("partition")
+        if not isinstance(name, str) or not name:
+            raise BadRequestError("partition name must be a non-empty string")
+        if name in self.partitions:
+            if h.get("exist_ok"):
+                return {"created": False}
+            raise BadRequestError(f"partition {name!r} already exists")
+        fields, consumers = h.get("fields"), h.get("consumers")
+        for lst, what in ((fields, "fields"), (consumers, "consumers")):
+            if lst is not None and not (isinstance(lst, list) and all(isinstance(x, str) and x for x in lst)):
+                raise BadRequestError(f"{what} must be a list of non-empty strings")
+        expected = h.get("expected_rows")
+        if expected is not None:
+            expected = check_int(h, "expected_rows", 1)
+        if h.get("auto_clear") and not consumers:
+            raise BadRequestError("auto_clear needs the list of consumer tasks")
+        self.partitions[name] = Partition(name, fields, consumers, expected, bool(h.get("auto_clear")))
+        return {"created": True}
+
+    def _op_seal(self, req: Request):
+        part = self._partition(req.header.get("partition"))
+        part.sealed = True
+        self._wake_gets(part.name)
+        return {"rows": int(part.n)}
+
+    def _op_status(self, req: Request):
+        name = req.header.get("partition")
+        parts = [self._partition(name)] if name is not None else list(self.partitions.values())
+        units = {str(u.id): {"address": u.address, "alive": u.alive, "used_bytes": u.alloc.used,
+                             "capacity_bytes": u.size} for u in self.units.values()}
+        return {"partitions": {p.name: p.status() for p in parts}, "units": units,
+                "live_rows": self.live_rows, "parked_gets": len(self.parked_gets),
+                "parked_puts": len(self.parked_puts), "pending_puts": len(self.puts),
+                "dropped_messages": self.server.dropped_messages}
+    # ----------------------------------------------------------------- consumption and lifecycle
+    def _rows_arg(self, part: Partition, value) -> np.ndarray:
+        if not isinstance(value, list) or not all(
+                isinstance(x, int) and not isinstance(x, bool) for x in value):
+            raise BadRequestError("indexes must be a list of integers")
+        rows = np.asarray(value, np.int64)
+        if len(rows) and (rows.min() < 0 or rows.max() >= part.n):
+            raise BadRequestError(f"row index out of range for partition {part.name!r} with {part.n} rows")
+        return rows
+
+    def _op_ack(self, req: Request):
+        part = self.partitions.get(req.header.get("partition"))
+        task = req.header.get("task")
+        if part is not None and isinstance(task, str):
+            rows = self._rows_arg(part, req.header.get("indexes"))
+            part.ack(task, rows)
+            if part.auto_clear and len(rows):
+                rows = rows[part.alive[rows]]
+                read_by_all = np.ones(len(rows), bool)
+                for consumer in part.consumers:
+                    state = part.tasks.get(consumer)
+                    read_by_all &= False if state is None else state.consumed[rows] == READ
+                done = rows[read_by_all]
+                if len(done):
+                    self._drop(part, done)
+        return DEFERRED  # one-way
+
+    def _op_release(self, req: Request):
+        h = req.header
+        part = self._partition(h.get("partition"))
+        task = h.get("task")
+        if not isinstance(task, str) or task not in part.tasks:
+            raise BadRequestError(f"task {task!r} has no rows of partition {part.name!r}")
+        rows = None if h.get("indexes") is None else self._rows_arg(part, h.get("indexes"))
+        count = part.release(task, rows)
+        # Cached replica batches would hand the released rows out again without sampling; drop them.
+        for key in [k for k in self.replicas if k[0] == part.name and k[1] == task]:
+            del self.replicas[key]
+        self._wake_gets(part.name)
+        return {"released": count}
+
+    def _op_clear(self, req: Request):
+        h = req.header
+        part = self._partition(h.get("partition"))
+        force = bool(h.get("force"))
+        whole = h.get("indexes") is None
+        rows = np.flatnonzero(part.alive[: part.n]) if whole else self._rows_arg(part, h.get("indexes"))
+        rows = rows[part.alive[rows]]
+        if not force:
+            pending = [name for name, f in part.fields.items() if f.pending[rows].any()]
+            if pending:
+                raise BadRequestError(f"puts of {pending} into these rows are still in progress")
+            flying = part.in_flight(rows)
+            if flying:
+                raise BadRequestError(f"rows are handed out but not read yet: {flying}; wait, release "
+                                      "them, or clear with force=True")
+            waiting = part.unconsumed_by(rows[~part.lost[rows]], part.consumers)
+            if waiting:
+                raise BadRequestError(f"consumer tasks have not read all rows yet: {waiting}; "
+                                      "clear with force=True to drop them anyway")
+        for put_id in [k for k, put in self.puts.items() if put.partition == part.name]:
+            self._abort(put_id)
+        self._drop(part, rows, wake=False)
+        if whole:
+            del self.partitions[part.name]
+            for key in [k for k in self.replicas if k[0] == part.name]:
+                del self.replicas[key]
+            for p in [p for p in self.parked_gets if p.partition == part.name]:
+                self.parked_gets.remove(p)
+                self.server.reply_error(p.req, UnknownPartitionError(f"partition {part.name!r} was cleared"))
+        self._wake_puts()  # after the deletion, so that no put is placed into a vanishing partition
+        return {"cleared": len(rows)}
+
+    def _drop(self, part: Partition, rows: np.ndarray, wake: bool = True) -> None:
+        rows = rows[part.alive[rows]]
+        if not len(rows):
+            return
+        freed = []
+        for f in part.fields.values():
+            blocks, counts = np.unique(f.block[rows], return_counts=True)
+            for block_id, count in zip(blocks.tolist(), counts.tolist()):
+                block = self.blocks.get(block_id)
+                if block is not None:
+                    block[3] -= count
+                    if block[3] <= 0:
+                        freed.append(block_id)
+            f.block[rows] = -1
+            f.produced[rows] = False
+        part.drop_rows(rows)
+        self.live_rows -= len(rows)
+        self._free_blocks(freed)
+        if wake:
+            self._wake_puts()
+
+
+
+__all__ = ["Controller", "PendingPut", "ParkedGet", "ReplicaBatches", "Unit"]

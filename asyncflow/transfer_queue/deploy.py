@@ -1,0 +1,207 @@
+"""Starting a TransferQueue on one machine: servers on threads (tests, debugging) or as processes.
+
+``start(config)`` is the single entry point; it dispatches to Ray (``ray_deploy``) when
+``config.deployment == "ray"``. Every deployment knows what it started and stops exactly that:
+``shutdown`` terminates its own processes (never others by name) and removes its shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import asdict, replace
+
+from .config import TransferQueueConfig
+from .errors import ServerUnavailableError
+from .shm import new_shm_prefix, remove_leftovers
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Deployment:
+    """A running controller and its storage units; hand ``address`` to clients anywhere."""
+
+    address: str
+    config: TransferQueueConfig
+
+    def client(self):
+        """A synchronous client connected to this deployment."""
+        from .client import TransferQueueClient
+
+        return TransferQueueClient(self.address, self.config)
+
+    def async_client(self):
+        """An asyncio client (call ``await client.connect()`` before use)."""
+        from .async_client import AsyncTransferQueueClient
+
+        return AsyncTransferQueueClient(self.address, self.config)
+
+    def shutdown(self) -> None:
+        """Stop the servers this deployment started and remove its shared memory (idempotent)."""
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+class ThreadDeployment(Deployment):
+    """Controller and storage units on daemon threads of this process."""
+
+    def __init__(self, config: TransferQueueConfig):
+        from .controller import Controller
+        from .storage import StorageUnit
+
+        self.config = config
+        self.shm_prefix = new_shm_prefix()
+        # Also at interpreter exit without shutdown(): shared memory outlives processes otherwise.
+        self._finalizer = weakref.finalize(self, remove_leftovers, self.shm_prefix)
+        self.controller = Controller(config)
+        self.address = self.controller.address
+        self.units = []
+        self._threads = [threading.Thread(target=self.controller.serve_forever, name="tq-controller",
+                                          daemon=True)]
+        try:
+            for i in range(config.num_storage_units):
+                unit = StorageUnit(i, config, self.address, self.shm_prefix)
+                self.units.append(unit)
+                self._threads.append(threading.Thread(target=unit.serve_forever, name=f"tq-unit{i}",
+                                                      daemon=True))
+            for t in self._threads:
+                t.start()
+            _wait_ready(self.address, config)
+        except BaseException:
+            self.shutdown()  # never leave threads or shared memory behind a failed start
+            raise
+
+    def stop_unit(self, index: int) -> None:
+        """Stop one storage unit (tests of failure handling)."""
+        self.units[index].stop()
+        self._threads[index + 1].join(5)
+
+    def shutdown(self) -> None:
+        for server in (*self.units, self.controller):
+            server.stop()
+        for t in self._threads:
+            if t.is_alive():
+                t.join(5)
+            elif t.ident is None:  # never started: its server still owns a socket and an arena
+                server = self.controller if t is self._threads[0] else self.units[self._threads.index(t) - 1]
+                server.server.sock.close(linger=0)
+                server.server.ctx.term()
+                if hasattr(server, "arena"):
+                    server.arena.close()
+        remove_leftovers(self.shm_prefix)
+
+
+class ProcessDeployment(Deployment):
+    """Controller and storage units as child processes of this one."""
+
+    def __init__(self, config: TransferQueueConfig):
+        self.config = config
+        self.shm_prefix = new_shm_prefix()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        self._env = env
+        self.procs: list[subprocess.Popen] = []
+        self._finalizer = weakref.finalize(self, _terminate, self.procs, self.shm_prefix)
+        try:
+            # All processes start at once (interpreter start-up dominates); units learn the
+            # controller's address on stdin as soon as the controller prints it.
+            ctrl = self._spawn({"role": "controller"}, stdout=subprocess.PIPE)
+            units = [self._spawn({"role": "unit", "unit": i, "shm_prefix": self.shm_prefix}, keep_stdin=True)
+                     for i in range(config.num_storage_units)]
+            line = ctrl.stdout.readline().decode().strip()
+            if not line.startswith("tcp://"):
+                raise ServerUnavailableError(f"controller failed to start (exit code {ctrl.poll()})")
+            self.address = line
+            for unit in units:
+                unit.stdin.write((line + "\n").encode())
+                unit.stdin.close()
+            _wait_ready(self.address, config, self.procs)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _spawn(self, spec: dict, stdout=None, keep_stdin: bool = False) -> subprocess.Popen:
+        # The config (with the secret) goes through stdin, never the command line.
+        proc = subprocess.Popen([sys.executable, "-m", "asyncflow.transfer_queue._server"],
+                                stdin=subprocess.PIPE, stdout=stdout, env=self._env)
+        self.procs.append(proc)
+        proc.stdin.write((json.dumps({**spec, "config": asdict(self.config)}) + "\n").encode())
+        proc.stdin.flush()
+        if not keep_stdin:
+            proc.stdin.close()
+        return proc
+
+    @property
+    def unit_pids(self) -> list[int]:
+        return [p.pid for p in self.procs[1:]]
+
+    def kill_unit(self, index: int) -> None:
+        """SIGKILL one storage unit (tests of failure handling)."""
+        self.procs[index + 1].kill()
+        self.procs[index + 1].wait()
+
+    def shutdown(self) -> None:
+        self._finalizer()
+
+
+def _terminate(procs: list[subprocess.Popen], shm_prefix: str) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 5
+    for p in procs:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        for stream in (p.stdout, p.stdin):
+            if stream is not None and not stream.closed:
+                stream.close()
+    remove_leftovers(shm_prefix)
+
+
+def _wait_ready(address: str, config: TransferQueueConfig, procs=None) -> None:
+    """Return once every storage unit has registered with the controller."""
+    import zmq
+
+    from .protocol import Signer
+    from .transport import Connection
+
+    ctx = zmq.Context()
+    conn = Connection(ctx, address, Signer(config.secret), "controller", config.max_message_bytes)
+    try:
+        deadline = time.monotonic() + config.rpc_timeout_s
+        while time.monotonic() < deadline:
+            if procs and any(p.poll() is not None for p in procs):
+                raise ServerUnavailableError("a TransferQueue server process exited during start-up")
+            if conn.request({"op": "hello"}, timeout_s=config.rpc_timeout_s)[0].get("ready"):
+                return
+            time.sleep(0.01)
+        raise ServerUnavailableError("storage units did not register in time")
+    finally:
+        conn.close()
+        ctx.term()
+
+
+def start(config: TransferQueueConfig | None = None, **overrides) -> Deployment:
+    """Start a TransferQueue as ``config.deployment`` says ("threads", "processes" or "ray")."""
+    config = replace(config or TransferQueueConfig(), **overrides)
+    config.validate()
+    if config.deployment == "threads":
+        return ThreadDeployment(config)
+    if config.deployment == "processes":
+        return ProcessDeployment(config)
+    from .ray_deploy import RayDeployment
+
+    return RayDeployment(config)

@@ -1,0 +1,65 @@
+"""Exceptions raised by TransferQueue clients.
+
+Servers never raise across the wire: they reply with an error code and a message, and the client maps
+the code back to one of these classes so that callers can catch precise failures.
+"""
+
+from __future__ import annotations
+
+
+class TransferQueueError(RuntimeError):
+    """Base class of every TransferQueue error."""
+
+    code = "error"
+
+
+class BadRequestError(TransferQueueError, ValueError):
+    """The request was invalid (unknown field or partition, wrong dtype or shape, double write...).
+    Nothing was changed."""
+
+    code = "bad_request"
+
+
+class UnknownPartitionError(BadRequestError, KeyError):
+    """The partition does not exist (never created, or already cleared)."""
+
+    code = "unknown_partition"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.args[0] if self.args else ""
+
+
+class TransferQueueTimeoutError(TransferQueueError, TimeoutError):
+    """A blocking request ran out of time; the message says what was missing."""
+
+    code = "timeout"
+
+
+class BackPressureError(TransferQueueTimeoutError):
+    """A put waited for capacity (rows or bytes) longer than its timeout."""
+
+    code = "backpressure"
+
+
+class StorageUnitError(TransferQueueError):
+    """A storage unit died or stopped answering; rows it held are lost."""
+
+    code = "storage"
+
+
+class ServerUnavailableError(TransferQueueError):
+    """The controller or a storage unit did not answer within the RPC timeout."""
+
+    code = "unavailable"
+
+
+ERRORS_BY_CODE: dict[str, type[TransferQueueError]] = {
+    cls.code: cls
+    for cls in (TransferQueueError, BadRequestError, UnknownPartitionError, TransferQueueTimeoutError,
+                BackPressureError, StorageUnitError, ServerUnavailableError)
+}
+
+
+def error_from_reply(code: str, message: str) -> TransferQueueError:
+    """Rebuild the exception a server reported."""
+    return ERRORS_BY_CODE.get(code, TransferQueueError)(message)

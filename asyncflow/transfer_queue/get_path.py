@@ -1,0 +1,161 @@
+"""Controller request handlers of the get path: sampling, DP/MP dispatch and waiting.
+
+``get_meta`` runs the request's sampler over the rows ready for (task, fields); the rows are marked
+handed out and their locations returned. A request that cannot be served yet is parked and retried
+whenever its partition changes, until its timeout produces an error that says what was missing. All
+model-parallel ranks of one DP replica receive the same batch: the first rank to ask samples it and
+the others are served the cached copy.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import BadRequestError, TransferQueueError, TransferQueueTimeoutError, UnknownPartitionError
+from .partition import Partition
+from .samplers import Sampler, make_sampler
+from .transport import DEFERRED, Request
+from .validation import check_float, check_int
+
+
+@dataclass
+class ParkedGet:
+    req: Request
+    partition: str
+    task: str
+    fields: tuple[str, ...]
+    batch_size: int
+    sampler: Sampler
+    dp: tuple[int, int, int, int]  # dp_rank, dp_size, mp_rank, mp_size
+    allow_partial: bool
+    deadline: float
+    timeout: float
+
+@dataclass
+class ReplicaBatches:
+    """Batches already sampled for one DP replica (or for all, with a joint sampler), so that every
+    model-parallel rank of the replica receives the same rows."""
+
+    batches: dict[int, list] = field(default_factory=dict)  # seq -> [signature, parts, remaining]
+    next_seq: dict[tuple[int, int], int] = field(default_factory=dict)
+
+
+class GetHandlers:
+    """Mixin of ``Controller``: the get path (uses its partitions, replicas, parked_gets and server)."""
+
+    def _op_get_meta(self, req: Request):
+        h = req.header
+        part = self._partition(h.get("partition"))
+        task = h.get("task")
+        if not isinstance(task, str) or not task:
+            raise BadRequestError("task must be a non-empty string")
+        fields = h.get("fields")
+        if not isinstance(fields, list) or not fields:
+            raise BadRequestError("a request needs a non-empty list of fields")
+        for name in fields:
+            part.check_field_name(name)
+        batch_size = h.get("batch_size")
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise BadRequestError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        sampler = make_sampler(h.get("sampler", "sequential"), h.get("sampler_args"))
+        sampler.check(batch_size)
+        dp = tuple(check_int(h, k, 0 if k.endswith("rank") else 1, default=0 if k.endswith("rank") else 1)
+                   for k in ("dp_rank", "dp_size", "mp_rank", "mp_size"))
+        if dp[0] >= dp[1] or dp[2] >= dp[3]:
+            raise BadRequestError(f"need dp_rank < dp_size and mp_rank < mp_size, got {dp}")
+        timeout = h.get("timeout")
+        timeout = None if timeout is None else check_float(h, "timeout", 0.0)
+        p = ParkedGet(req, part.name, task, tuple(dict.fromkeys(fields)), batch_size, sampler, dp,
+                      bool(h.get("allow_partial")), time.monotonic() + (timeout or 0.0), timeout or 0.0)
+        result = self._try_get(p)
+        if result is not None:
+            return result
+        if not timeout:
+            view = part.view(task, tuple(sorted(p.fields)))
+            return {"indexes": [], "done": False, "ready": len(view.ready), "fields": {}}
+        self.parked_gets.append(p)
+        return DEFERRED
+
+    def _try_get(self, p: ParkedGet):
+        part = self.partitions.get(p.partition)
+        if part is None:
+            raise UnknownPartitionError(f"partition {p.partition!r} was cleared")
+        if part.lost_rows:
+            raise self._lost_error(part)
+        dp_rank, dp_size, mp_rank, mp_size = p.dp
+        joint = p.sampler.joint_dp and dp_size > 1
+        if mp_size == 1 and not joint:
+            rows = self._sample(part, p, p.batch_size)
+            return None if rows is None else self._meta_reply(part, p, rows)
+        key = (part.name, p.task, "joint" if joint else dp_rank)
+        rb = self.replicas.setdefault(key, ReplicaBatches())
+        member = (dp_rank, mp_rank)
+        seq = rb.next_seq.get(member, 0)
+        signature = [p.fields, p.batch_size, p.sampler.name]
+        entry = rb.batches.get(seq)
+        if entry is None:
+            rows = self._sample(part, p, p.batch_size * (dp_size if joint else 1))
+            if rows is None:
+                return None
+            parts = p.sampler.split(rows, part.lengths[rows], dp_size) if joint else [rows]
+            entry = rb.batches[seq] = [signature, parts, mp_size * (dp_size if joint else 1)]
+        elif entry[0] != signature:
+            raise BadRequestError(f"rank (dp {dp_rank}, mp {mp_rank}) of task {p.task!r} asked for "
+                                  f"{signature}, but its replica's batch {seq} was {entry[0]}; all ranks "
+                                  "of a replica must make the same requests")
+        rb.next_seq[member] = seq + 1
+        entry[2] -= 1
+        if entry[2] == 0:
+            del rb.batches[seq]
+        return self._meta_reply(part, p, entry[1][dp_rank if joint else 0])
+
+    def _sample(self, part: Partition, p: ParkedGet, n: int) -> list[int] | None:
+        view = part.view(p.task, tuple(sorted(p.fields)))
+        rows = p.sampler.select(view, n)
+        if len(rows) < n and not (rows and p.allow_partial):
+            if not part.sealed or part.remaining_unready(p.task, view.fields) > 0:
+                return None  # more rows can still come: wait
+        part.hand_out(p.task, rows)
+        return rows
+
+    def _meta_reply(self, part: Partition, p: ParkedGet, rows: list[int]):
+        idx = np.asarray(rows, np.int64)
+        fields = {}
+        for name in p.fields:
+            f = part.fields[name]
+            fields[name] = [f.spec.to_wire(), f.unit[idx].tolist(), f.offset[idx].tolist(),
+                            f.nbytes[idx].tolist(), f.len0[idx].tolist()]
+        return {"indexes": idx.tolist(), "done": not rows, "fields": fields,
+                "versions": part.versions[idx].tolist(), "group_ids": part.group_ids[idx].tolist(),
+                "lengths": part.lengths[idx].tolist()}
+
+    def _wake_gets(self, name: str) -> None:
+        for p in list(self.parked_gets):
+            if p.partition != name:
+                continue
+            try:
+                result = self._try_get(p)
+            except TransferQueueError as exc:
+                self.parked_gets.remove(p)
+                self.server.reply_error(p.req, exc)
+                continue
+            if result is not None:
+                self.parked_gets.remove(p)
+                self.server.reply_ok(p.req, **result)
+
+    def _timeout_error(self, p: ParkedGet) -> TransferQueueTimeoutError:
+        part = self.partitions.get(p.partition)
+        if part is None:
+            return TransferQueueTimeoutError(f"task {p.task!r}: partition {p.partition!r} is gone")
+        fields = tuple(sorted(p.fields))
+        ready = len(part.view(p.task, fields).ready)
+        missing = {k: v for k, v in part.missing_summary(p.task, fields).items() if v}
+        missing_text = ", ".join(f"{k} (missing in {v} rows)" for k, v in missing.items()) or "none"
+        return TransferQueueTimeoutError(
+            f"task {p.task!r} timed out after {p.timeout:g} s waiting for {p.batch_size} rows of partition "
+            f"{p.partition!r} with fields {list(p.fields)} (sampler {p.sampler.name!r}): {ready} rows ready "
+            f"and unconsumed; fields still missing: {missing_text}; partition has {part.live_rows} live "
+            f"rows{', sealed' if part.sealed else ''}")

@@ -1,0 +1,49 @@
+"""Ray mode on a local Ray cluster: actors placed by a placement group, clients in other Ray workers
+connect by address, and a storage-unit actor that dies turns into errors, not hangs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+def remote_consumer(address: str, config) -> list:
+    from asyncflow.transfer_queue import TransferQueueClient
+
+    with TransferQueueClient(address, config) as client:
+        batch = client.get("p", "remote", ["x", "tok"], 4, ragged="packed")
+        return [batch.indexes, batch["x"].tolist(), batch["tok"].offsets.tolist()]
+
+
+@pytest.mark.slow
+def test_ray_mode(ray_cluster, make_tq):
+    tq = make_tq(deployment="ray", ray_num_cpus_per_actor=0.25)
+    assert len(tq.actors) == 1 + tq.config.num_storage_units
+    with tq.client() as client:
+        client.create_partition("p")
+        client.put("p", {"x": torch.arange(8.0)[:, None], "tok": [torch.arange(i) for i in range(8)]})
+        indexes, x, offsets = ray.get(remote_consumer.remote(tq.address, tq.config), timeout=120)
+        assert indexes == [0, 1, 2, 3] and x == [[0.0], [1.0], [2.0], [3.0]]
+        assert offsets == [0, 0, 1, 3, 6]
+        local = client.get("p", "remote", ["x"], 4)  # the same task continues where the other left
+        assert local.indexes == [4, 5, 6, 7]
+        tq.kill_unit(0)
+        with pytest.raises(Exception, match="died|closed the connection"):
+            client.get("p", "after-death", ["x", "reward"], 8, timeout=120)
+
+
+def test_ray_mode_refuses_open_binding_without_secret(ray_cluster):
+    from asyncflow.transfer_queue import TransferQueueConfig, start
+
+    with pytest.raises(ValueError, match="secret"):
+        start(TransferQueueConfig(deployment="ray", host="0.0.0.0"))
