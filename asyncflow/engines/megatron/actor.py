@@ -50,11 +50,18 @@ class MegatronActor(TrainEngine):
         per-micro-batch metrics (``micro``) of the last pipeline stage."""
         self.trainer.zero_grad()
         outputs = self.trainer.forward_backward(micro_batches, num_microbatches, loss_fn)
+        from megatron.core import parallel_state as ps
+
         normalizer = torch.tensor([float(sum(float(o["normalizer"]) for o in outputs))])
         if torch.distributed.is_initialized():
-            # Every rank must scale by the same global count; non-last stages contribute 0.
-            torch.distributed.all_reduce(normalizer)
-        self.trainer.model.scale_gradients(1.0 / max(normalizer.item(), 1.0))
+            # The same global count on every rank: summed over replicas (data parallel) and handed from
+            # the last pipeline stage to the others (which contribute 0); TP ranks already agree.
+            torch.distributed.all_reduce(normalizer, group=ps.get_data_parallel_group())
+            torch.distributed.all_reduce(normalizer, group=ps.get_pipeline_model_parallel_group())
+        # Megatron's DDP averages gradients over replicas (x 1/dp); the loss is a sum over all replicas'
+        # rows divided by the global count, hence the factor dp.
+        dp = ps.get_data_parallel_world_size()
+        self.trainer.model.scale_gradients(dp / max(normalizer.item(), 1.0))
         stats = self.trainer.optimizer_step()
         return {**stats, "normalizer": normalizer.item(), "micro": outputs}
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "qwen2_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +39,21 @@ class GPTArch:
     qk_layernorm: bool
     tie_word_embeddings: bool
     torch_dtype: str = "float32"
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: dense model). Every layer is an MoE layer when > 0."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate size of one routed expert."""
+    moe_router_topk: int = 0
+    """Experts each token is routed to."""
+    moe_norm_topk_prob: bool = True
+    """Renormalize the top-k routing probabilities (Qwen3-MoE) or keep softmax-over-all (Qwen2-MoE)."""
+    shared_expert_ffn_hidden_size: int = 0
+    """Intermediate size of the shared expert (0: none); Qwen2-MoE gates it with a sigmoid."""
+
+    @property
+    def is_moe(self) -> bool:
+        """True for Mixture-of-Experts models."""
+        return self.num_experts > 0
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any] | Any) -> GPTArch:
@@ -53,8 +69,11 @@ class GPTArch:
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
         if model_type == "qwen2":
             qkv_bias = True  # Qwen2 always has q/k/v biases; its config has no flag for it
+        elif model_type == "qwen2_moe":
+            qkv_bias = bool(cfg.get("qkv_bias", True))
         else:
             qkv_bias = bool(cfg.get("attention_bias", False))
+        moe = _moe_fields(cfg) if model_type in MOE_MODEL_TYPES else {}
         rope = cfg.get("rope_theta")
         if rope is None:  # transformers >= 5 keeps it under rope_parameters
             rope = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
@@ -71,9 +90,10 @@ class GPTArch:
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope),
             qkv_bias=qkv_bias,
-            qk_layernorm=model_type == "qwen3",
+            qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            **moe,
         )
 
     @classmethod
@@ -83,6 +103,20 @@ class GPTArch:
         if not path.is_file():
             raise FileNotFoundError(f"no config.json in {model_dir}")
         return cls.from_hf_config(json.loads(path.read_text()))
+
+
+def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """MoE facts of a Qwen2-MoE / Qwen3-MoE config; only all-MoE layer stacks are supported."""
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("MoE models with dense layers (mlp_only_layers / decoder_sparse_step != 1) "
+                         "are not supported")
+    return dict(
+        num_experts=cfg.get("num_experts") or cfg["num_local_experts"],
+        moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+        moe_router_topk=cfg["num_experts_per_tok"],
+        moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+    )
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
@@ -101,9 +135,14 @@ def layer_spec(arch: GPTArch, use_te: bool | None = None):
     from megatron.core.models.gpt import gpt_layer_specs
 
     use_te = have_transformer_engine() if use_te is None else use_te
+    moe = dict(num_experts=arch.num_experts, moe_grouped_gemm=False) if arch.is_moe else {}
     if use_te:
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=arch.qk_layernorm)
-    return gpt_layer_specs.get_gpt_layer_local_spec(qk_layernorm=arch.qk_layernorm, normalization="RMSNorm")
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            qk_layernorm=arch.qk_layernorm, **moe
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        qk_layernorm=arch.qk_layernorm, normalization="RMSNorm", **moe
+    )
 
 
 def transformer_config(
@@ -112,9 +151,13 @@ def transformer_config(
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
     params_dtype: torch.dtype = torch.float32,
+    expert_parallel: int = 1,
     **overrides: Any,
 ):
-    """A Megatron ``TransformerConfig`` equivalent to the Hugging Face architecture."""
+    """A Megatron ``TransformerConfig`` equivalent to the Hugging Face architecture.
+
+    ``expert_parallel`` matters for MoE models only (experts are split evenly over the EP ranks).
+    """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -146,8 +189,31 @@ def transformer_config(
         use_cpu_initialization=not torch.cuda.is_available(),
         init_method_std=0.02,
     )
+    if arch.is_moe:
+        kwargs.update(_moe_config(arch, expert_parallel))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def _moe_config(arch: GPTArch, expert_parallel: int) -> dict[str, Any]:
+    """TransformerConfig arguments that reproduce Qwen-MoE routing exactly (no aux loss, no capacity drop)."""
+    return dict(
+        num_moe_experts=arch.num_experts,
+        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+        moe_router_topk=arch.moe_router_topk,
+        # Qwen3-MoE: softmax over the top-k logits == renormalized top-k of softmax over all experts;
+        # Qwen2-MoE (norm_topk_prob=False): softmax over all experts first, then top-k.
+        moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_token_dispatcher_type="allgather",  # alltoall creates CUDA streams
+        moe_grouped_gemm=False,
+        moe_shared_expert_intermediate_size=arch.shared_expert_ffn_hidden_size or None,
+        moe_shared_expert_gate=arch.shared_expert_ffn_hidden_size > 0,
+        moe_router_dtype="fp32",
+        expert_model_parallel_size=expert_parallel,
+    )
 
 
 def build_gpt_model(
@@ -163,6 +229,10 @@ def build_gpt_model(
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
 
+    if arch.is_moe:
+        from megatron_patches import moe
+
+        moe.apply()  # also needed on a GPU machine without Transformer Engine
     if pre_process is None:
         pre_process = parallel_state.is_pipeline_first_stage()
     if post_process is None:

@@ -13,6 +13,7 @@ def init_megatron(
     pipeline_parallel: int = 1,
     seed: int = 1234,
     *,
+    expert_parallel: int = 1,
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str | None = None,
@@ -47,7 +48,9 @@ def init_megatron(
             timeout=datetime.timedelta(minutes=10),
         )
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_parallel, pipeline_parallel)
+        parallel_state.initialize_model_parallel(
+            tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel
+        )
     mtp.model_parallel_cuda_manual_seed(seed)
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from asyncflow.bridge import hf_layout
 from asyncflow.config import MegatronConfig
 from asyncflow.engines.megatron.logprobs import token_logprobs
 from asyncflow.engines.megatron.model import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
@@ -35,7 +34,7 @@ class MegatronTrainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg = cfg
-        init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed)
+        init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed, expert_parallel=cfg.expert_parallel)
         self.arch = GPTArch.from_pretrained(model_dir)
         dtype = _DTYPES[cfg.params_dtype]
         self.tconfig = transformer_config(
@@ -43,13 +42,17 @@ class MegatronTrainer:
             tensor_parallel=cfg.tensor_parallel,
             pipeline_parallel=cfg.pipeline_parallel,
             params_dtype=dtype,
+            expert_parallel=cfg.expert_parallel,
         )
         self.padded_vocab = padded_vocab_size(
             self.arch.vocab_size, cfg.make_vocab_size_divisible_by, cfg.tensor_parallel
         )
-        module = build_gpt_model(
-            self.arch, self.tconfig, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by
-        )
+        if cfg.model_provider:
+            module = _user_model(cfg.model_provider, self.tconfig)
+        else:
+            module = build_gpt_model(
+                self.arch, self.tconfig, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by
+            )
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -76,34 +79,61 @@ class MegatronTrainer:
         return layers[0].layer_number - 1 if len(layers) else 0
 
     def _require_tp1(self, what: str) -> None:
+        """Kept for callers that need a world of one TP rank; the bridge methods below work at any TP/PP."""
         if self.cfg.tensor_parallel != 1:
-            raise NotImplementedError(
-                f"{what} with tensor_parallel={self.cfg.tensor_parallel} needs the resharding weight bridge; "
-                "use load_dist_checkpoint (Megatron distributed checkpoints reshard to any TP/PP)"
-            )
+            raise NotImplementedError(f"{what} needs tensor_parallel=1 (got {self.cfg.tensor_parallel})")
+
+    def bridge_layout(self):
+        """The weight bridge's ``ParallelLayout`` of this model (collective over the pipeline group)."""
+        from asyncflow.bridge.mcore import model_layout
+
+        return model_layout(self.model.module, self.arch, self.cfg.make_vocab_size_divisible_by)
 
     def load_hf(self, model_dir: str | Path) -> None:
-        """Load Hugging Face weights into this rank's chunk (TP=1, any PP)."""
-        from safetensors.torch import load_file
+        """Load Hugging Face weights into this rank's chunk at any TP/PP, reading only this rank's slices."""
+        from asyncflow.bridge.mcore import HFReader, load_hf_into, model_rank
 
-        self._require_tp1("load_hf")
-        hf_state: dict[str, torch.Tensor] = {}
-        for file in sorted(Path(model_dir).glob("*.safetensors")):
-            hf_state.update(load_file(file))
-        state = {
-            name: hf_layout.hf_to_mcore(self.arch, name, hf_state, self.padded_vocab, self.layer_offset)
-            for name in self.model.module.state_dict()
-            if not hf_layout.is_extra_state(name)
-        }
-        self.model.module.load_state_dict(state, strict=False)
+        layout = self.bridge_layout()
+        load_hf_into(self.model.module, self.arch, layout, model_rank()[0], HFReader(model_dir))
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """This rank's chunk as Hugging Face ``(name, tensor)`` pairs (TP=1, any PP stage)."""
-        self._require_tp1("export_hf")
-        state = self.model.module.state_dict()
-        for name, tensor in state.items():
-            for hf_name, hf_tensor in hf_layout.mcore_to_hf(self.arch, name, tensor, self.layer_offset):
-                yield hf_name, hf_tensor.detach()
+        """This rank's chunk as full Hugging Face ``(name, tensor)`` pairs, any TP/PP stage.
+
+        Collective over the tensor-parallel group when TP > 1 (one all-gather per parameter); the
+        weight sync path (``export_weights``) never gathers.
+        """
+        from asyncflow.bridge.mcore import export_full_hf, model_rank
+
+        layout = self.bridge_layout()
+        yield from export_full_hf(self.model.module, self.arch, layout, model_rank()[0])
+
+    def sync_plan(self, bucket_mb: float):
+        """The bridge ``SyncPlan`` of this model and its plain-dict form for the receivers."""
+        from asyncflow.bridge.buckets import SyncPlan
+        from asyncflow.bridge.sync import plan_to_dict
+
+        bucket_bytes = int(bucket_mb * 2**20)
+        plan = SyncPlan(self.arch, self.bridge_layout(), bucket_bytes, _DTYPES[self.cfg.params_dtype])
+        return plan, plan_to_dict(plan, bucket_bytes)
+
+    def export_weights(self, link: dict, bucket_mb: float) -> dict:
+        """Stream this rank's shards to the vLLM receivers over the bridge (call on every rank).
+
+        ``link`` is a ``LinkSpec`` as a dict (``asyncflow.bridge.weight_sync.SyncSession``); ranks that
+        are data-parallel replicas send nothing. Returns this rank's stats.
+        """
+        from asyncflow.bridge.mcore import model_offsets, model_rank
+        from asyncflow.bridge.sync import WeightExporter, global_state
+        from asyncflow.bridge.transport import LinkSpec
+
+        plan, _ = self.sync_plan(bucket_mb)
+        rank, is_source = model_rank()
+        if not is_source:
+            return {"seconds": 0.0, "bytes": 0, "buckets": 0}
+        offsets = model_offsets(self.model.module, self.arch, plan.layout, rank)
+        exporter = WeightExporter(plan, rank, global_state(self.model.module, *offsets))
+        stats = exporter.export(LinkSpec.from_dict(link))
+        return {"seconds": stats.seconds, "bytes": stats.bytes, "buckets": stats.buckets}
 
     def save_dist_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Save the model as a Megatron distributed checkpoint (loadable at any TP/PP)."""
@@ -220,3 +250,20 @@ class MegatronTrainer:
             return None
         return torch.cat([o["logprobs"] for o in outputs], dim=0)
 
+
+def _user_model(path: str, tconfig):
+    """Call a user's Megatron model provider: ``fn(config, pre_process, post_process) -> MegatronModule``.
+
+    The same signature as Megatron-LM's ``model_provider`` plus the ``TransformerConfig`` that
+    AsyncFlow derived from the checkpoint (so the provider need not parse arguments again).
+    """
+    from megatron.core import parallel_state
+
+    from asyncflow.registry import load_object
+
+    provider = load_object(path)
+    return provider(
+        tconfig,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )

@@ -57,27 +57,31 @@ class VllmRollout(RolloutEngine):
         prompts: Sequence[Sequence[int]],
         n: int = 1,
         on_sample: Callable[[int, Sample], None] | None = None,
-        max_new_tokens: int | None = None,
+        max_new_tokens: int | Sequence[int] | None = None,
         temperature: float | None = None,
+        ignore_eos: bool = False,
     ) -> list[Sample]:
         """``n`` sampled responses per token-id prompt, each with the logprob of every generated token.
 
         Drives vLLM's engine step by step so that ``on_sample(prompt_index, sample)`` fires as soon as
         a response finishes (streaming into the TransferQueue), not when the whole batch is done.
+        ``max_new_tokens`` may be one budget per prompt; ``ignore_eos`` makes responses use it all.
         Returned in prompt order. Weights never change during a call: ``apply_weights`` is only called
         between calls by the owner, so one response never mixes two weight versions.
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(
-            n=1,  # n independent requests: each finishes (and streams out) on its own
-            temperature=self.cfg.temperature if temperature is None else temperature,
-            max_tokens=max_new_tokens or self.cfg.max_new_tokens,
-            logprobs=0,  # the sampled token's logprob only
-        )
+        budgets = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
         engine = self.llm.llm_engine
         owner = self._in_flight = {}
         for i, prompt in enumerate(prompts):
+            params = SamplingParams(
+                n=1,  # n independent requests: each finishes (and streams out) on its own
+                temperature=self.cfg.temperature if temperature is None else temperature,
+                max_tokens=int(budgets[i] or self.cfg.max_new_tokens),  # per prompt: long-tailed budgets
+                logprobs=0,  # the sampled token's logprob only
+                ignore_eos=ignore_eos,
+            )
             for j in range(n):
                 request_id = f"r{next(self._request_ids)}"
                 owner[request_id] = (i, j)
@@ -120,23 +124,55 @@ class VllmRollout(RolloutEngine):
             self.llm.llm_engine.abort_request(in_flight)
         return len(in_flight)
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Apply Hugging Face-named full tensors as weight ``version`` on every vLLM rank, in one reload.
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
+                       bucket_mb: float | None = None) -> None:
+        """Apply Hugging Face-named full tensors as weight ``version`` on every vLLM rank.
 
-        One reload keeps the fused groups (q/k/v, gate/up) together; the weight bridge adds bucketed
-        streaming for models that do not fit one blob.
+        With ``bucket_mb`` the stream is cut into buckets of about that size that keep every fused group
+        (q/k/v, gate/up, a layer's experts) whole, and each bucket is one reload; ranks report the new
+        version only after the last bucket. Without it, everything goes in one reload.
         """
         from safetensors.torch import save as save_safetensors
 
-        blob = save_safetensors({name: t.contiguous() for name, t in named_tensors})
-        self.apply_blob(blob, version)
+        if bucket_mb is None:
+            buckets = [list(named_tensors)]
+        else:
+            from asyncflow.bridge.sync import iter_buckets
+            from asyncflow.engines.megatron.model import GPTArch
 
-    def apply_blob(self, blob: bytes, version: int) -> None:
-        """Apply a safetensors blob of Hugging Face-named tensors as weight ``version``."""
-        served = self.llm.collective_rpc("asyncflow_apply_weights", args=(blob, version))
-        if any(v != version for v in served):
+            arch = GPTArch.from_pretrained(self.llm.model_config.model)
+            buckets = iter_buckets(named_tensors, arch, int(bucket_mb * 2**20))
+        pending = None
+        for bucket in buckets:
+            if pending is not None:
+                self.apply_blob(pending, version, final=False)
+            pending = save_safetensors({name: t.contiguous() for name, t in bucket})
+        if pending is not None:
+            self.apply_blob(pending, version)
+
+    def apply_blob(self, blob: bytes, version: int, final: bool = True) -> None:
+        """Apply a safetensors blob of Hugging Face-named tensors as ``version`` (its end if ``final``)."""
+        served = self.llm.collective_rpc("asyncflow_apply_weights", args=(blob, version, final))
+        expected = version if final else -1
+        if any(v != expected for v in served):
             raise RuntimeError(f"vLLM ranks report versions {served} after applying version {version}")
+        if final:
+            self.version = version
+
+    def sync_weights(self, link: dict, plan: dict, version: int, receiver_base: int = 0,
+                     apply_format: str = "checkpoint") -> list[dict]:
+        """Receive ``version`` from the weight bridge's exporting Megatron ranks (run them concurrently).
+
+        ``link`` and ``plan`` are the plain dicts from ``asyncflow.bridge.weight_sync.SyncSession``;
+        returns each vLLM rank's receive stats.
+        """
+        args = (link, plan, receiver_base, version, apply_format)
+        stats = self.llm.collective_rpc("asyncflow_sync", args=args)
+        served = [s["version"] for s in stats]
+        if any(v != version for v in served):
+            raise RuntimeError(f"vLLM ranks report versions {served} after syncing version {version}")
         self.version = version
+        return list(stats)
 
     def served_versions(self) -> list[int]:
         """The weight version each vLLM rank reports."""

@@ -1,0 +1,276 @@
+"""Multi-process helpers for the bridge tests: Megatron gloo ranks and a vLLM engine in its own process.
+
+The vLLM engine runs in a spawned process (in-process mode for TP1, multi-process for TP2) so that its
+global state never leaks into pytest's process; the test talks to it with JSON messages over a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import traceback
+import zlib
+from pathlib import Path
+
+import torch
+
+from asyncflow.engines.megatron.parallel import free_port
+
+
+def fixed_tokens(vocab: int = 19, batch: int = 2, seq: int = 10) -> torch.Tensor:
+    """The fixed sequences whose logprobs both engines compute."""
+    gen = torch.Generator().manual_seed(11)
+    return torch.randint(4, vocab, (batch, seq), generator=gen)
+
+
+# ---------------------------------------------------------------------------------------------- vLLM
+def _vllm_main(conn, model_dir: str, tp: int) -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    torch.set_num_threads(1)
+    try:
+        from asyncflow.config import VllmConfig
+        from asyncflow.engines.vllm.rollout import VllmRollout
+
+        rollout = VllmRollout(
+            VllmConfig(tensor_parallel=tp, in_process=tp == 1, max_model_len=64, max_num_seqs=8), model_dir
+        )
+        conn.send_bytes(json.dumps({"ok": True}).encode())
+        while True:
+            msg = json.loads(conn.recv_bytes())
+            if msg["cmd"] == "stop":
+                break
+            if msg["cmd"] == "sync":
+                out = rollout.sync_weights(msg["link"], msg["plan"], msg["version"])
+            elif msg["cmd"] == "update":  # full tensors through the blob path (bucketed)
+                from safetensors.torch import load_file
+
+                state = load_file(msg["file"])
+                rollout.update_weights(state.items(), msg["version"], bucket_mb=msg.get("bucket_mb"))
+                out = None
+            elif msg["cmd"] == "partial":  # part of a version, then (optionally) a different version
+                from safetensors.torch import load_file, save
+
+                state = load_file(msg["file"])
+                part = {k: v for k, v in state.items() if k.startswith("model.layers.0.self_attn.")}
+                rollout.apply_blob(save(part), msg["version"], final=False)
+                out = {"during": rollout.served_versions()}
+                try:
+                    rollout.apply_blob(save(part), msg["version"] + 1, final=False)
+                    out["mixed_error"] = None
+                except Exception as exc:  # noqa: BLE001 - reported to the test
+                    out["mixed_error"] = str(exc)
+                rollout.apply_blob(save(state), msg["version"])
+                out["after"] = rollout.served_versions()
+            elif msg["cmd"] == "logprobs":
+                out = prompt_logprobs(rollout, msg["tokens"])
+            elif msg["cmd"] == "versions":
+                out = rollout.served_versions()
+            conn.send_bytes(json.dumps({"ok": True, "out": out}).encode())
+    except Exception:  # report to the test instead of hanging it
+        conn.send_bytes(json.dumps({"ok": False, "error": traceback.format_exc()}).encode())
+
+
+def prompt_logprobs(rollout, tokens: list[list[int]]) -> list[list[float]]:
+    """vLLM's logprob of each token after the first (prompt logprobs)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    outs = rollout.llm.generate([{"prompt_token_ids": t} for t in tokens], params, use_tqdm=False)
+    return [
+        [step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], t[1:])] for o, t in zip(outs, tokens)
+    ]
+
+
+class VllmProcess:
+    """A vLLM engine (TP ``tp``) in a spawned process; ``call`` sends one command and waits."""
+
+    def __init__(self, model_dir: str | Path, tp: int = 1):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_vllm_main, args=(child, str(model_dir), tp), daemon=False)
+        self.proc.start()
+        self._reply(timeout=300)
+
+    def _reply(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise TimeoutError("vLLM process did not answer")
+        msg = json.loads(self.conn.recv_bytes())
+        if not msg["ok"]:
+            raise RuntimeError(msg["error"])
+        return msg.get("out")
+
+    def send(self, **msg) -> None:
+        """Send a command without waiting (pair with ``reply``)."""
+        self.conn.send_bytes(json.dumps(msg).encode())
+
+    def reply(self, timeout: float = 300, peers=None):
+        """The answer to the last command; ``peers`` (a process context) are checked while waiting, so a
+        crashed Megatron rank fails the test at once instead of leaving vLLM waiting for its bytes."""
+        waited = 0.0
+        while peers is not None and not self.conn.poll(1.0):
+            peers.join(timeout=0)  # raises ProcessRaisedException if a rank died
+            waited += 1.0
+            if waited > timeout:
+                raise TimeoutError("vLLM process did not answer")
+        return self._reply(timeout)
+
+    def call(self, timeout: float = 300, **msg):
+        """Send a command and return its answer."""
+        self.send(**msg)
+        return self._reply(timeout)
+
+    def close(self) -> None:
+        """Stop the engine process (and its workers)."""
+        if self.proc.is_alive():
+            try:
+                self.send(cmd="stop")
+                self.proc.join(60)
+            finally:
+                if self.proc.is_alive():
+                    self.proc.kill()
+                    self.proc.join(10)
+
+
+# ---------------------------------------------------------------------------------------------- Megatron
+def _megatron_main(
+    rank, world, port, tp, pp, model_dir, out_dir, links, bucket_mb, steps_between, save_state
+):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from asyncflow.config import MegatronConfig
+    from asyncflow.engines.megatron.parallel import destroy_megatron
+    from asyncflow.engines.megatron.trainer import MegatronTrainer
+
+    trainer = MegatronTrainer(
+        MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, micro_batch_size=2, lr=2e-2), model_dir
+    )
+    trainer.load_hf(model_dir)
+    tokens = fixed_tokens()
+    mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
+    results = []
+    for link in links:
+        for _ in range(steps_between):
+            trainer.train_step(tokens, mask)
+        stats = trainer.export_weights(link, bucket_mb)
+        if save_state:  # the exact weights this version exported, for bit-exact checks
+            from safetensors.torch import save_file
+
+            from asyncflow.bridge.mcore import model_offsets, model_rank
+            from asyncflow.bridge.sync import global_state
+
+            layout = trainer.bridge_layout()
+            offsets = model_offsets(trainer.model.module, trainer.arch, layout, model_rank()[0])
+            state = {k: v.contiguous() for k, v in global_state(trainer.model.module, *offsets).items()}
+            save_file(state, str(Path(out_dir) / f"state{rank}_v{len(results) + 1}.st"))
+        logprobs = trainer.logprobs(tokens)
+        results.append({"stats": stats, "logprobs": None if logprobs is None else logprobs.tolist()})
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    destroy_megatron()
+
+
+def start_megatron(
+    tp: int,
+    pp: int,
+    model_dir,
+    out_dir,
+    links: list[dict],
+    bucket_mb: float,
+    steps_between: int = 1,
+    save_state: bool = False,
+):
+    """Start ``tp * pp`` Megatron ranks that train, then export each link's version; returns the context."""
+    import torch.multiprocessing as tmp
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    args = (
+        tp * pp,
+        free_port(),
+        tp,
+        pp,
+        str(model_dir),
+        str(out_dir),
+        links,
+        bucket_mb,
+        steps_between,
+        save_state,
+    )
+    return tmp.start_processes(_megatron_main, args=args, nprocs=tp * pp, join=False, start_method="spawn")
+
+
+def join_megatron(ctx, out_dir) -> list[list[dict]]:
+    """Wait for the ranks (raising their errors) and return each rank's results."""
+    while not ctx.join(timeout=600):
+        pass
+    return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
+
+
+def kill(ctx) -> None:
+    """Kill the ranks of a failed test (only the processes this harness started)."""
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
+
+
+def _moe_main(rank, world, port, ep, model_dir, out_dir, links, bucket_mb):
+    """A Megatron MoE rank at EP=``ep`` (TP=1): load HF, then per version perturb weights and export.
+
+    Megatron refuses MoE training with TP > 1 unless sequence parallelism is on, which does not run on CPU,
+    so the weights change by a seeded perturbation instead of an optimizer step.
+    """
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from safetensors.torch import save_file
+
+    from asyncflow.bridge.buckets import SyncPlan
+    from asyncflow.bridge.mcore import (
+        HFReader,
+        init_parallel,
+        load_hf_into,
+        model_layout,
+        model_offsets,
+        model_rank,
+    )
+    from asyncflow.bridge.sync import WeightExporter, global_state
+    from asyncflow.bridge.transport import LinkSpec
+    from asyncflow.engines.megatron.model import GPTArch, build_gpt_model, transformer_config
+    from asyncflow.engines.megatron.parallel import destroy_megatron
+
+    init_parallel(1, 1, ep)
+    arch = GPTArch.from_pretrained(model_dir)
+    model = build_gpt_model(arch, transformer_config(arch, expert_parallel=ep))
+    layout = model_layout(model, arch)
+    mrank, is_source = model_rank()
+    load_hf_into(model, arch, layout, mrank, HFReader(model_dir))
+    plan = SyncPlan(arch, layout, int(bucket_mb * 2**20))
+    tokens = fixed_tokens()
+    positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    results = []
+    for version, link in enumerate(links, start=1):
+        with torch.no_grad():
+            for name, p in global_state(model, *model_offsets(model, arch, layout, mrank)).items():
+                # Seeded by the global name, so data-parallel replicas of a parameter stay identical.
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{version}:{name}".encode()))
+                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+        state = global_state(model, *model_offsets(model, arch, layout, mrank))
+        save_file(
+            {k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / f"state{rank}_v{version}.st")
+        )
+        if is_source:
+            WeightExporter(plan, mrank, state).export(LinkSpec.from_dict(link))
+        with torch.no_grad():
+            logits = model(tokens, positions, None)[..., : arch.vocab_size]
+        logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+        results.append({"logprobs": logprobs.tolist()})
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
+    destroy_megatron()
+
+
+def start_moe(ep: int, model_dir, out_dir, links: list[dict], bucket_mb: float):
+    """Start ``ep`` Megatron MoE ranks (EP=``ep``); see ``_moe_main``."""
+    import torch.multiprocessing as tmp
+
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    args = (ep, free_port(), ep, str(model_dir), str(out_dir), links, bucket_mb)
+    return tmp.start_processes(_moe_main, args=args, nprocs=ep, join=False, start_method="spawn")
