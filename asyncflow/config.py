@@ -14,6 +14,7 @@ from typing import Literal
 
 from asyncflow import config_loader
 from asyncflow.config_loader import ConfigError
+from asyncflow.data.config import DataConfig
 from asyncflow.observability.config import ObservabilityConfig
 from asyncflow.transfer_queue.config import TransferQueueConfig
 
@@ -26,6 +27,7 @@ __all__ = [
     "AlgorithmConfig",
     "WorkflowConfig",
     "ObservabilityConfig",
+    "DataConfig",
     "TransferQueueConfig",
     "AsyncFlowConfig",
     "ConfigError",
@@ -41,7 +43,7 @@ class ModelConfig:
     """Hugging Face model directory (config.json, safetensors weights, tokenizer files)."""
     make_tiny_if_missing: bool = True
     """Create a tiny random model at ``path`` when it does not exist (CPU demo; never for real runs)."""
-    tiny_family: Literal["qwen2", "llama", "qwen3"] = "qwen2"
+    tiny_family: Literal["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"] = "qwen2"
     """Family of the tiny model created when ``make_tiny_if_missing`` applies."""
     tiny_charset: Literal["add1", "ascii"] = "add1"
     """Tokenizer character set of the tiny model: ``add1`` (19 tokens) or ``ascii``."""
@@ -51,10 +53,18 @@ class ModelConfig:
 class MegatronConfig:
     """The Megatron-core train engine: parallel sizes and optimizer."""
 
+    engine: str = "megatron"
+    """Train engine (registry ``TRAIN_ENGINES`` or a dotted path to a ``TrainEngine`` subclass taking
+    ``(cfg, model_dir)``)."""
+
     tensor_parallel: int = 1
     """Tensor-model-parallel size (TP)."""
     pipeline_parallel: int = 1
     """Pipeline-model-parallel size (PP)."""
+    data_parallel: int = 1
+    """Data-parallel replicas (DP); a worker group has TP x PP x DP ranks."""
+    expert_parallel: int = 1
+    """Expert-parallel size (EP) of MoE models: experts are split over EP ranks inside the DP x TP ranks."""
     make_vocab_size_divisible_by: int = 128
     """Megatron pads the vocabulary to a multiple of this times TP."""
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -73,11 +83,18 @@ class MegatronConfig:
     """Sequences per micro-batch in the pipeline schedule."""
     seed: int = 1234
     """Seed of Megatron's RNG streams."""
+    model_provider: str | None = None
+    """Dotted path to your own ``fn(config, pre_process, post_process) -> GPTModel`` (Megatron-LM's
+    model_provider shape); None builds the Llama/Qwen GPTModel from the checkpoint's config.json."""
 
 
 @dataclass
 class VllmConfig:
     """A vLLM rollout engine instance."""
+
+    engine: str = "vllm"
+    """Rollout engine (registry ``ROLLOUT_ENGINES`` or a dotted path to a ``RolloutEngine`` subclass
+    taking ``(cfg, model_dir)``)."""
 
     tensor_parallel: int = 1
     """vLLM tensor-parallel size (multi-process executor when > 1)."""
@@ -132,7 +149,7 @@ class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy loss, KL regularization, reward function."""
 
     advantage: str = "grpo"
-    """Advantage estimator (registry ``ADVANTAGE_ESTIMATORS`` or a dotted path)."""
+    """Advantage estimator: ``grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or a dotted path."""
     adv_eps: float = 1e-4
     """GRPO: added to the group's reward std."""
     norm_adv_by_std: bool = True
@@ -156,7 +173,10 @@ class AlgorithmConfig:
     ppo_epochs: int = 2
     """Optimizer steps per global batch (the first streams from the TransferQueue)."""
     reward: str = "add1"
-    """Reward function factory (registry ``REWARD_FUNCTIONS`` or a dotted path)."""
+    """Reward function factory (registry ``REWARD_FUNCTIONS`` or a dotted path to
+    ``factory(tokenizer) -> fn(prompt_ids, response_ids) -> float``)."""
+    reward_on_error: float = 0.0
+    """Reward given to a sample whose reward function raised (the failure is counted and reported)."""
 
 
 @dataclass
@@ -211,6 +231,8 @@ class AsyncFlowConfig:
     """RL algorithm."""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """The RL loop."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompt dataset files (for ``workflow.task: jsonl | parquet``)."""
     transfer_queue: TransferQueueConfig = field(default_factory=TransferQueueConfig)
     """The TransferQueue data plane."""
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)

@@ -1,7 +1,9 @@
 """Advantage estimators (registry ``ADVANTAGE_ESTIMATORS``): sequence-level scores from rewards.
 
 Signature of an estimator: ``fn(rewards [N], group_ids [N], **kwargs) -> advantages [N]``. Each
-response's advantage is broadcast over its tokens by the loss.
+response's advantage is broadcast over its tokens by the loss. An estimator's ``scope`` says what it
+must see at once: ``"group"`` (whole GRPO groups, streamed group by group) or ``"batch"`` (the whole
+global batch, e.g. for batch whitening); the advantage task asks the TransferQueue accordingly.
 """
 
 from __future__ import annotations
@@ -33,6 +35,51 @@ def grpo(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-4, norm
         # A group whose rewards are all equal has no signal: 0, never 0/0 (eps may be 0).
         adv = torch.where(denom > 0, adv / denom.clamp(min=1e-30), torch.zeros_like(adv))
     return adv.to(rewards.dtype)
+
+
+grpo.scope = "group"
+
+
+@ADVANTAGE_ESTIMATORS.register("rloo")
+def rloo(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """RLOO: r_i minus the mean reward of the *other* responses of its prompt, n/(n-1) (r_i - mean)."""
+    mean, _, count = _group_stats(rewards.double(), group_ids)
+    n = count.double()
+    adv = torch.where(n > 1, (rewards.double() - mean) * n / (n - 1).clamp(min=1), torch.zeros_like(mean))
+    return adv.to(rewards.dtype)
+
+
+rloo.scope = "group"
+
+
+def _whiten(x: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.numel() < 2:
+        return torch.zeros_like(x)
+    return (x - x.mean()) / (x.std() + eps)
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp")
+def reinforce_plus_plus(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ (outcome reward): the rewards whitened over the whole global batch."""
+    return _whiten(rewards.double(), eps).to(rewards.dtype)
+
+
+reinforce_plus_plus.scope = "batch"
+
+
+@ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
+def reinforce_plus_plus_baseline(rewards: torch.Tensor, group_ids: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the prompt's group mean, then whiten over the global batch."""
+    mean, _, _ = _group_stats(rewards.double(), group_ids)
+    return _whiten(rewards.double() - mean, eps).to(rewards.dtype)
+
+
+reinforce_plus_plus_baseline.scope = "batch"
+
+
+def estimator_scope(name: str) -> str:
+    """``"group"`` or ``"batch"``: what the estimator must see at once (default ``"group"``)."""
+    return getattr(ADVANTAGE_ESTIMATORS.resolve(name), "scope", "group")
 
 
 def compute_advantages(name: str, rewards, group_ids, **kwargs) -> torch.Tensor:

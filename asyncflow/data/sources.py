@@ -14,7 +14,7 @@ PROMPT_SOURCES = Registry("prompt source")
 class Add1Prompts:
     """Endless random prompts of the add-one task (``<bos> d1 d2 d3 d4 >``)."""
 
-    def __init__(self, tokenizer, seed: int = 0):
+    def __init__(self, tokenizer, seed: int = 0, data_cfg=None):
         self.task = Add1Task(tokenizer)
         self.generator = torch.Generator().manual_seed(seed)
         self.max_prompt_len = self.task.num_digits + 2
@@ -30,7 +30,7 @@ class Add1LongTail(Add1Prompts):
     ``[4, max_new_tokens]``), as reasoning rollouts have: most are short, a few are very long. For
     throughput benchmarks; the reward still scores the first four tokens."""
 
-    def __init__(self, tokenizer, seed: int = 0, median: float = 24.0, sigma: float = 1.0):
+    def __init__(self, tokenizer, seed: int = 0, data_cfg=None, median: float = 24.0, sigma: float = 1.0):
         super().__init__(tokenizer, seed)
         self.median, self.sigma = median, sigma
 
@@ -41,6 +41,13 @@ class Add1LongTail(Add1Prompts):
         return budgets.clamp(4, max_new_tokens).round().long().tolist()
 
 
-def make_prompt_source(spec: str, tokenizer, seed: int = 0):
-    """Build prompt source ``spec`` (registered name or dotted path to a factory)."""
-    return PROMPT_SOURCES.resolve(spec)(tokenizer, seed)
+def make_prompt_source(spec: str, tokenizer, seed: int = 0, data_cfg=None):
+    """Build prompt source ``spec`` (registered name or dotted path to ``factory(tokenizer, seed, data_cfg)``)."""
+    return PROMPT_SOURCES.resolve(spec)(tokenizer, seed, data_cfg)
+
+
+def next_batch(source, count: int) -> tuple[list[list[int]], list | None]:
+    """``count`` prompts and their reference answers (None when the source has no answers)."""
+    if hasattr(source, "next_batch"):
+        return source.next_batch(count)
+    return source.next_prompts(count), None

@@ -38,7 +38,7 @@ class Add1Task:
         digits = [self._id_to_digit[t] for t in prompt[1 : 1 + self.num_digits]]
         return [self.digit_ids[(d + 1) % 10] for d in digits]
 
-    def reward(self, prompt: list[int], response: list[int]) -> float:
+    def reward(self, prompt: list[int], response: list[int], **info) -> float:
         """Fraction of answer positions that are right (an early ``<eos>`` scores the rest as wrong)."""
         want = self.answer(prompt)
         return sum(int(a == b) for a, b in zip(response, want)) / len(want)

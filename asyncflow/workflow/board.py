@@ -21,7 +21,8 @@ class VersionBoard:
 
     def __init__(self):
         self._version = 0
-        self._weights: list | None = None  # [ObjectRef] wrapped in a list so Ray passes the ref itself
+        self._weights: list | None = None  # ObjectRefs (one per part) in a list so Ray passes the refs
+        self._parts: dict[int, dict[int, object]] = {}  # version -> part -> ref, until all parts arrived
         self._cond: asyncio.Condition | None = None
         self._reports: list[dict] = []
 
@@ -30,17 +31,23 @@ class VersionBoard:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def publish(self, version: int, weights: list) -> None:
-        """Make weights ``version`` (``[ObjectRef]`` of a safetensors blob) the newest."""
+    async def publish(self, version: int, weights: list, part: int = 0, num_parts: int = 1) -> None:
+        """Post part ``part`` of ``num_parts`` of weights ``version`` (``[ObjectRef]`` of a safetensors
+        blob; one part per pipeline stage). The version becomes the newest once every part is in."""
         cond = self._condition()
         async with cond:
             if version <= self._version and self._weights is not None:
                 raise ValueError(f"version {version} published after {self._version}: versions must increase")
-            self._version, self._weights = version, weights
+            parts = self._parts.setdefault(version, {})
+            parts[part] = weights[0]
+            if len(parts) < num_parts:
+                return
+            del self._parts[version]
+            self._version, self._weights = version, [parts[i] for i in range(num_parts)]
             cond.notify_all()
 
     async def wait_for_version(self, min_version: int, timeout_s: float) -> tuple[int, list | None]:
-        """Block until a version >= ``min_version`` exists; return the newest ``(version, [ref])``."""
+        """Block until a version >= ``min_version`` exists; return the newest ``(version, [ref, ...])``."""
         cond = self._condition()
         async with cond:
             try:

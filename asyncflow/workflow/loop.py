@@ -24,32 +24,36 @@ def train(cfg: AsyncFlowConfig) -> dict:
     import ray
     from transformers import AutoTokenizer
 
-    from asyncflow.data import make_prompt_source
+    from asyncflow.data import make_prompt_source, next_batch
     from asyncflow.workflow.pipeline import start_pipeline
     from asyncflow.workflow.reporting import Reporter
 
     wf = cfg.workflow
     model_dir = _model_dir(cfg)
-    source = make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed)
+    source = make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed, cfg.data)
     budgets = hasattr(source, "sample_budgets")
-    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, budgets)
-    fed = 0
+    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, budgets, answers=hasattr(source, "next_batch"))
+    fed, reporter = 0, None
     try:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt)
         reporter = Reporter(cfg, pipe)
+
         def feed_until(step: int) -> None:
             nonlocal fed
             while fed < min(step, wf.steps):
                 rows = wf.prompts_per_step * wf.samples_per_prompt
-                pipe.feed(fed, source.next_prompts(wf.prompts_per_step), wf.samples_per_prompt,
-                          source.sample_budgets(rows, cfg.rollout.max_new_tokens) if budgets else None)
+                prompts, answers = next_batch(source, wf.prompts_per_step)
+                pipe.feed(fed, prompts, wf.samples_per_prompt,
+                          source.sample_budgets(rows, cfg.rollout.max_new_tokens) if budgets else None, answers)
                 fed += 1
 
         if wf.mode == "sync":
             for step in range(wf.steps):
                 feed_until(step + 1)
-                # Lock-step: each task finishes the whole step before the next one starts.
-                reporter.collect([ray.get(service.run_step.remote(step)) for service in pipe.services])
+                # Lock-step: each task (all its instances or ranks at once) finishes the step before the next.
+                for group in pipe.groups.values():
+                    reports = ray.get([handle.run_step.remote(step) for handle in group])
+                    reporter.collect([r for r in reports if r is not None])
         else:
             running = [s.run.remote(0, wf.steps) for s in pipe.services]
             while running:
@@ -60,6 +64,8 @@ def train(cfg: AsyncFlowConfig) -> dict:
                 reporter.collect()
         return reporter.finish()
     finally:
+        if reporter is not None:
+            reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
 
 

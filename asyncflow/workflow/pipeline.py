@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
-from asyncflow.workflow import services
+from asyncflow.workflow import services, train_services
 from asyncflow.workflow.board import VersionBoard
 from asyncflow.workflow.services import partition_name
 
@@ -24,11 +24,8 @@ class Pipeline:
     tq: object
     client: object
     board: object
-    rollouts: list
-    reward: object
-    reference: object | None
-    advantage: object
-    actor: object
+    groups: dict[str, list]
+    """Worker groups in pipeline order: service name -> its Ray actors (one per instance or rank)."""
     placement_group: object
     seq_len: int
     tasks: list[str]
@@ -36,8 +33,7 @@ class Pipeline:
     @property
     def services(self) -> list:
         """Every service actor, in pipeline order."""
-        extra = [self.reference] if self.reference is not None else []
-        return [*self.rollouts, self.reward, *extra, self.advantage, self.actor]
+        return [handle for group in self.groups.values() for handle in group]
 
     def create_partitions(self, steps: int, rows_per_step: int) -> None:
         """Create every step's (empty) partition up front.
@@ -50,9 +46,11 @@ class Pipeline:
             self.client.create_partition(partition_name(step), consumers=self.tasks, expected_rows=rows_per_step,
                                          auto_clear=True)
 
-    def feed(self, step: int, prompts: list[list[int]], group_size: int, budgets: list[int] | None = None) -> None:
+    def feed(self, step: int, prompts: list[list[int]], group_size: int, budgets: list[int] | None = None,
+             answers: list | None = None) -> None:
         """Put the prompts of ``step``, each repeated ``group_size`` times (one GRPO group per prompt),
-        with optional per-sample generation ``budgets`` (field ``max_new_tokens``)."""
+        with optional per-sample generation ``budgets`` (field ``max_new_tokens``) and per-prompt
+        reference ``answers`` (field ``ground_truth``, read by the reward task)."""
         import torch
 
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts for _ in range(group_size)]
@@ -60,6 +58,8 @@ class Pipeline:
         data = {"prompt_ids": rows}
         if budgets is not None:
             data["max_new_tokens"] = torch.tensor(budgets, dtype=torch.long)
+        if answers is not None:
+            data["ground_truth"] = [a for a in answers for _ in range(group_size)]
         self.client.put(partition_name(step), data, group_ids=groups)
 
     def close(self) -> None:
@@ -78,10 +78,12 @@ class Pipeline:
             ray.shutdown()
 
 
-def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False) -> Pipeline:
+def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
+                   answers: bool = False) -> Pipeline:
     """Bring up Ray, the TransferQueue and every service for ``cfg.workflow.mode``.
 
     ``budgets``: rows carry per-sample generation budgets (``max_new_tokens``), used to the end.
+    ``answers``: rows carry reference answers (``ground_truth``) for the reward function.
     """
     import ray
     from ray.util.placement_group import placement_group
@@ -113,32 +115,45 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     common = dict(tq_address=tq.address, tq_cfg=cfg.transfer_queue, board=board, timeout_s=wf.step_timeout_s)
     seq_len = max_prompt_len + cfg.rollout.max_new_tokens
     rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
-    use_ref = algo.kl_coef > 0
 
-    rollouts = [
+    groups: dict[str, list] = {"rollout": [
         place(services.RolloutService, 0, 1 if i == 0 else 0, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
               max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
-              budgets=budgets,
-              worker=i, cpus=rollout_cpus, **common)
+              budgets=budgets, worker=i, cpus=rollout_cpus, **common)
         for i in range(wf.rollout_instances)
-    ]
-    actor = place(services.ActorService, train_bundle, 1, megatron_cfg=cfg.trainer, algo=algo,
-                  model_dir=str(model_dir), seq_len=seq_len, rows_per_step=rows_per_step,
-                  max_new_tokens=cfg.rollout.max_new_tokens, threads=threads, cpus=train_cpus, **common)
-    reference = None
-    if use_ref:
-        reference = place(services.ReferenceService, train_bundle, 0, megatron_cfg=cfg.trainer,
-                          model_dir=str(model_dir), seq_len=seq_len, chunk=wf.score_chunk, threads=threads,
-                          cpus=train_cpus, **common)
-    reward = place(services.RewardService, train_bundle, 0, reward=algo.reward, model_dir=str(model_dir),
-                   chunk=wf.score_chunk, threads=1, **common)
-    advantage = place(services.AdvantageService, train_bundle, 0, algo=algo, group_size=wf.samples_per_prompt,
-                      chunk=wf.score_chunk, threads=1, **common)
-    tasks = ["rollout", "reward", "advantage", "actor"] + (["reference"] if use_ref else [])
-    pipeline = Pipeline(cfg, tq, client, board, rollouts, reward, reference, advantage, actor, pg, seq_len, tasks)
+    ]}
+    groups["reward"] = [place(services.RewardService, train_bundle, 0, reward=algo.reward, model_dir=str(model_dir),
+                              chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
+                              threads=1, **common)]
+    megatron = dict(megatron_cfg=cfg.trainer, model_dir=str(model_dir), seq_len=seq_len, threads=threads,
+                    cpus=train_cpus, **common)
+    if algo.kl_coef > 0:
+        groups["reference"] = megatron_group(place, train_services.ReferenceService, train_bundle, cfg.trainer, 0,
+                                             chunk=wf.score_chunk, **megatron)
+    groups["advantage"] = [place(services.AdvantageService, train_bundle, 0, algo=algo,
+                                 group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
+                                 threads=1, **common)]
+    groups["actor"] = megatron_group(place, train_services.ActorService, train_bundle, cfg.trainer, 1, algo=algo,
+                                     rows_per_step=rows_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
+                                     **megatron)
+    pipeline = Pipeline(cfg, tq, client, board, groups, pg, seq_len, list(groups))
     try:
         ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
     except BaseException:
         pipeline.close()
         raise
     return pipeline
+
+
+def megatron_group(place, cls, bundle: int, mcfg, num_cpus: float, **kwargs) -> list:
+    """``TP x PP x DP`` Ray actors of ``cls`` forming one torch.distributed world.
+
+    Only rank 0 reserves ``num_cpus``: all ranks of a group must be scheduled together (they rendezvous
+    in their constructors), and on a small machine reserving a CPU per rank could leave one unplaced.
+    """
+    from asyncflow.engines.megatron.parallel import free_port
+
+    world = mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.data_parallel
+    port = free_port()
+    return [place(cls, bundle, num_cpus if rank == 0 else 0, rank=rank, world_size=world, master_port=port,
+                  **kwargs) for rank in range(world)]

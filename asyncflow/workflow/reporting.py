@@ -35,7 +35,11 @@ class Reporter:
             reports = ray.get(self.pipe.board.take_reports.remote())
         for item in reports:
             self.observer.timeline.merge(item["spans"])
-            self.pending[item["step"]].update(item["metrics"])
+            pending = self.pending[item["step"]]
+            for key, value in item["metrics"].items():
+                # Several rollout instances report the same step: their row and token counts add up.
+                additive = key.endswith(("/rows", "/tokens")) and key in pending
+                pending[key] = pending[key] + value if additive else value
             self.pending[item["step"]].setdefault("_services", set()).add(item["service"])
             if "trained_groups" in item:
                 self.trained_groups[item["step"]] = item["trained_groups"]

@@ -11,18 +11,17 @@
 ``run_step(step)`` processes one partition (one global step) as its rows become ready; ``run(steps)``
 loops over steps and posts each step's report to the version board. The same ``run_step`` serves
 the async mode (every service loops on its own) and the sync mode (the driver calls them in turn).
-Each service runs in its own Ray actor; it receives only the config sections it needs.
+Each service runs in its own Ray actor (the Megatron ones, in ``train_services``, in one actor per
+rank); it receives only the config sections it needs.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 
-from asyncflow.config import AlgorithmConfig, MegatronConfig, TransferQueueConfig, VllmConfig
-from asyncflow.workflow.batching import ACTOR_FIELDS, fit_seq_len, pack_tokens, response_slices, to_micro_batch
+from asyncflow.config import AlgorithmConfig, TransferQueueConfig, VllmConfig
 
 
 def partition_name(step: int) -> str:
@@ -54,6 +53,13 @@ class TaskService:
         return self.tq.iter_batches(partition_name(step), self.name, fields, batch_size,
                                     timeout=self.timeout_s, **kwargs)
 
+    def post(self, report: dict | None) -> None:
+        """Hand a step's report to the board (ranks that do not report return None)."""
+        import ray
+
+        if report is not None:
+            ray.get(self.board.report.remote(report))
+
     def run_step(self, step: int) -> dict:  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -64,10 +70,8 @@ class TaskService:
 
     def run(self, first: int, last: int) -> int:
         """Process steps ``first .. last-1`` in order, posting each report to the board."""
-        import ray
-
         for step in range(first, last):
-            ray.get(self.board.report.remote(self.run_step(step)))
+            self.post(self.run_step(step))
         return last
 
     def ping(self) -> str:
@@ -88,7 +92,7 @@ class RolloutService(TaskService):
         super().__init__(**kw)
         from asyncflow.engines.base import make_rollout_engine
 
-        self.engine = make_rollout_engine("vllm", vllm_cfg, model_dir)
+        self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir)
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
@@ -104,7 +108,9 @@ class RolloutService(TaskService):
                 admitted_version(step, self.max_staleness), self.timeout_s))
         if version > self.engine.weight_version:
             with self.timeline.span(self.name, "load_weights", self.worker, version=version):
-                self.engine.apply_blob(ray.get(weights[0]), version)
+                # One blob per pipeline stage; each holds whole layers, so no fused group is split.
+                for i, ref in enumerate(weights):
+                    self.engine.apply_blob(ray.get(ref), version, final=i == len(weights) - 1)
         return self.engine.weight_version
 
     def run_step(self, step: int) -> dict:
@@ -138,63 +144,60 @@ class RolloutService(TaskService):
 
 
 class RewardService(TaskService):
-    """Verifiable rewards (registry ``REWARD_FUNCTIONS``)."""
+    """Verifiable rewards (registry ``REWARD_FUNCTIONS``); a reward function that raises is isolated."""
 
     name = "reward"
 
-    def __init__(self, reward: str, model_dir: str, chunk: int, **kw):
+    def __init__(self, reward: str, model_dir: str, chunk: int, reward_on_error: float = 0.0,
+                 with_answers: bool = False, **kw):
         super().__init__(**kw)
         from transformers import AutoTokenizer
 
         from asyncflow.rewards import make_reward_fn
 
         self.reward_fn = make_reward_fn(reward, AutoTokenizer.from_pretrained(model_dir))
-        self.chunk = chunk
+        self.chunk, self.reward_on_error, self.with_answers = chunk, reward_on_error, with_answers
+
+    def _score(self, prompt: list[int], response: list[int], **info) -> tuple[float, str | None]:
+        """The reward, or ``(reward_on_error, message)`` when the reward function raises: one bad sample
+        (or a bug in a user's reward function) must not stop the run, but it is counted and reported."""
+        try:
+            return float(self.reward_fn(prompt, response, **info)), None
+        except Exception as exc:  # noqa: BLE001 - isolation is the point
+            return self.reward_on_error, f"{type(exc).__name__}: {exc}"
 
     def run_step(self, step: int) -> dict:
-        for batch in self.stream(step, ["prompt_ids", "response_ids"], self.chunk):
+        failures, first_error = 0, None
+        fields = ["prompt_ids", "response_ids"] + (["ground_truth"] if self.with_answers else [])
+        for batch in self.stream(step, fields, self.chunk):
             with self.timeline.span(self.name, "score", self.worker, rows=len(batch)):
-                rewards = [float(self.reward_fn(p.tolist(), r.tolist()))
-                           for p, r in zip(batch["prompt_ids"], batch["response_ids"])]
-                self.tq.put(partition_name(step), {"rewards": torch.tensor(rewards)}, indexes=batch.indexes)
-        return self.report(step, {})
-
-
-class ReferenceService(TaskService):
-    """Log-probabilities of the frozen reference policy (Megatron, forward only)."""
-
-    name = "reference"
-
-    def __init__(self, megatron_cfg: MegatronConfig, model_dir: str, seq_len: int, chunk: int, **kw):
-        super().__init__(**kw)
-        from asyncflow.engines.base import make_train_engine
-
-        self.engine = make_train_engine("megatron", megatron_cfg, model_dir)
-        self.seq_len, self.chunk = seq_len, chunk
-        self.pad_id = 0
-        self.fixed_shape = megatron_cfg.pipeline_parallel > 1
-
-    def run_step(self, step: int) -> dict:
-        for batch in self.stream(step, ["prompt_ids", "response_ids"], self.chunk):
-            with self.timeline.span(self.name, "ref_logprobs", self.worker, rows=len(batch)):
-                prompts, responses = batch["prompt_ids"], batch["response_ids"]
-                seq_len = self.seq_len if self.fixed_shape else fit_seq_len(prompts, responses, self.seq_len)
-                tokens, _ = pack_tokens(prompts, responses, seq_len, self.pad_id)
-                logprobs = self.engine.compute_logprobs(tokens)
-                self.tq.put(partition_name(step), {"ref_logprobs": response_slices(logprobs, prompts, responses)},
+                answers = batch["ground_truth"] if self.with_answers else [None] * len(batch)
+                rows = zip(batch["prompt_ids"], batch["response_ids"], answers)
+                scored = [self._score(p.tolist(), r.tolist(), **({"ground_truth": a} if self.with_answers else {}))
+                          for p, r, a in rows]
+                errors = [e for _, e in scored if e]
+                failures += len(errors)
+                first_error = first_error or (errors[0] if errors else None)
+                self.tq.put(partition_name(step), {"rewards": torch.tensor([r for r, _ in scored])},
                             indexes=batch.indexes)
-        return self.report(step, {})
+        if first_error:
+            print(f"reward: {failures} sample(s) of step {step} failed to score, e.g. {first_error}", flush=True)
+        return self.report(step, {"reward/failures": float(failures)})
 
 
 class AdvantageService(TaskService):
-    """Group-relative advantages; receives whole GRPO groups only (the group sampler)."""
+    """Advantages; receives whole GRPO groups only (the group sampler), or the whole step."""
 
     name = "advantage"
 
-    def __init__(self, algo: AlgorithmConfig, group_size: int, chunk: int, **kw):
+    def __init__(self, algo: AlgorithmConfig, group_size: int, chunk: int, rows_per_step: int, **kw):
         super().__init__(**kw)
+        from asyncflow.algorithms.advantages import estimator_scope
+
         self.algo, self.group_size = algo, group_size
-        self.chunk = max(chunk // group_size, 1) * group_size
+        # Group-scope estimators stream whole groups; batch-scope ones (whitening) need the whole step.
+        whole_step = estimator_scope(algo.advantage) == "batch"
+        self.chunk = rows_per_step if whole_step else max(chunk // group_size, 1) * group_size
         self.kl_in_reward = algo.kl_coef > 0 and algo.kl_mode == "reward"
 
     def run_step(self, step: int) -> dict:
@@ -223,82 +226,3 @@ def _advantage_kwargs(algo: AlgorithmConfig) -> dict:
     if algo.advantage == "grpo":
         return {"eps": algo.adv_eps, "norm_by_std": algo.norm_adv_by_std}
     return {}
-
-
-class ActorService(TaskService):
-    """Megatron policy update; the first pass streams micro-batches straight from the TransferQueue."""
-
-    name = "actor"
-
-    def __init__(self, megatron_cfg: MegatronConfig, algo: AlgorithmConfig, model_dir: str, seq_len: int,
-                 rows_per_step: int, max_new_tokens: int, **kw):
-        super().__init__(**kw)
-        from asyncflow.algorithms.objective import make_objective
-        from asyncflow.engines.base import make_train_engine
-
-        self.engine = make_train_engine("megatron", megatron_cfg, model_dir)
-        self.algo, self.seq_len, self.pad_id = algo, seq_len, 0
-        self.fixed_shape = megatron_cfg.pipeline_parallel > 1
-        self.mbs = megatron_cfg.micro_batch_size
-        if rows_per_step % self.mbs:
-            raise ValueError(f"rows per step {rows_per_step} must be a multiple of trainer.micro_batch_size {self.mbs}")
-        self.num_micro = rows_per_step // self.mbs
-        self.loss_fn = make_objective(algo, max_new_tokens)
-        self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else [])
-        self.publish()  # version 0: the weights rollout starts from
-
-    def publish(self) -> None:
-        """Export the current weights and make them the board's newest version."""
-        import ray
-        from safetensors.torch import save
-
-        with self.timeline.span(self.name, "publish_weights", self.worker, version=self.engine.version):
-            blob = save({name: t.contiguous() for name, t in self.engine.export_weights()})
-            ray.get(self.board.publish.remote(self.engine.version, [ray.put(blob)]))
-
-    def run_step(self, step: int) -> dict:
-        cache: list[dict] = []
-        groups: list[int] = []
-        version = self.engine.version
-
-        def first_pass():
-            for batch in self.stream(step, self.fields, self.mbs):
-                groups.extend(batch.meta.group_ids)
-                mb = to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
-                cache.append(mb)
-                yield mb
-
-        t0 = time.time()
-        with self.timeline.span(self.name, "train", self.worker, step=step):
-            results = [self.engine.train_step(first_pass(), self.num_micro, self.loss_fn)]
-            for mb, out in zip(cache, results[0]["micro"]):
-                mb["old_logprobs"] = out["old_logprobs"]  # the proximal policy of this step
-            for _ in range(self.algo.ppo_epochs - 1):
-                results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
-        self.engine.version += 1
-        self.publish()
-        # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
-        return self.report(step, _actor_metrics(results, cache, time.time() - t0), trained_groups=sorted(groups))
-
-
-def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> dict:
-    first = results[0]["micro"]
-    tokens = sum(float(o["tokens"]) for o in first)
-    lags = torch.cat([mb["lag"] for mb in cache]).float()
-    gaps = [float(o["fresh_logprob_gap_max"]) for o in first if not torch.isnan(o["fresh_logprob_gap_max"])]
-    metrics = {
-        "actor/pg_loss": sum(float(o["pg_sum"]) for o in first) / max(tokens, 1),
-        "actor/grad_norm": results[-1]["grad_norm"],
-        "actor/tokens": tokens,
-        "actor/rows": float(lags.numel()),
-        "actor/train_s": seconds,
-        "staleness/version_lag_mean": lags.mean().item(),
-        "staleness/version_lag_max": lags.max().item(),
-    }
-    if "kl_sum" in first[0]:
-        metrics["actor/kl"] = sum(float(o["kl_sum"]) for o in first) / max(tokens, 1)
-    if "clip_sum" in first[0]:
-        metrics["actor/clip_frac"] = sum(float(o["clip_sum"]) for o in results[-1]["micro"]) / max(tokens, 1)
-    if gaps:
-        metrics["check/fresh_logprob_gap_max"] = max(gaps)
-    return metrics

@@ -83,3 +83,26 @@ def test_registry_errors_list_valid_names_and_dotted_paths_load():
     reg.register("a")(len)
     with pytest.raises(RegistryError, match="already registered"):
         reg.register("a")(sum)
+
+
+def test_rloo_hand_computed():
+    # group 0: rewards 1, 0, 0.5 -> leave-one-out baselines 0.25, 0.75, 0.5
+    adv = compute_advantages("rloo", [1.0, 0.0, 0.5, 0.3], [0, 0, 0, 9])
+    assert adv.tolist() == pytest.approx([0.75, -0.75, 0.0, 0.0])  # a singleton group has no baseline
+
+
+def test_reinforce_plus_plus_whitens_over_the_batch():
+    adv = compute_advantages("reinforce_pp", [1.0, 0.0, 1.0, 0.0], [0, 0, 1, 1], eps=0.0)
+    s = math.sqrt(1 / 3)  # unbiased std of [.5, -.5, .5, -.5]
+    assert adv.tolist() == pytest.approx([0.5 / s, -0.5 / s, 0.5 / s, -0.5 / s])
+    base = compute_advantages("reinforce_pp_baseline", [1.0, 0.0, 3.0, 3.0], [0, 0, 1, 1], eps=0.0)
+    # centred per group: .5, -.5, 0, 0 -> whitened over the batch (mean 0, std sqrt(1/6))
+    s = math.sqrt(1 / 6)
+    assert base.tolist() == pytest.approx([0.5 / s, -0.5 / s, 0.0, 0.0])
+
+
+def test_estimator_scopes():
+    from asyncflow.algorithms.advantages import estimator_scope
+
+    assert estimator_scope("grpo") == "group" and estimator_scope("rloo") == "group"
+    assert estimator_scope("reinforce_pp") == "batch" and estimator_scope("reinforce_pp_baseline") == "batch"

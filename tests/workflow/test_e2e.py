@@ -19,13 +19,13 @@ STEPS, PROMPTS, GROUP = 5, 8, 4
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, mode: str, k: int) -> dict:
-    out = tmp_path / mode
+def _run(tmp_path, mode: str, k: int, name: str, *extra: str) -> dict:
+    out = tmp_path / name
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
            f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}",
            f"workflow.mode={mode}", f"workflow.max_staleness={k}", f"workflow.steps={STEPS}",
            f"workflow.prompts_per_step={PROMPTS}", f"workflow.samples_per_prompt={GROUP}",
-           "workflow.rollout_chunk=12", "workflow.score_chunk=8", "trainer.micro_batch_size=8"]
+           "workflow.rollout_chunk=12", "workflow.score_chunk=8", "trainer.micro_batch_size=8", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -36,12 +36,17 @@ def _run(tmp_path, mode: str, k: int) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
-    return {"async": _run(tmp, "async", 1), "sync": _run(tmp, "sync", 0)}
+    return {
+        "async": _run(tmp, "async", 1, "async"),
+        # Megatron worker groups of several ranks: 2 data-parallel replicas, and tensor parallelism 2.
+        "sync": _run(tmp, "sync", 0, "sync", "trainer.data_parallel=2"),
+        "async_tp2": _run(tmp, "async", 1, "async_tp2", "trainer.tensor_parallel=2"),
+    }
 
 
-@pytest.mark.parametrize("mode,k", [("async", 1), ("sync", 0)])
-def test_staleness_bound_and_exactly_once(runs, mode, k):
-    s = runs[mode]
+@pytest.mark.parametrize("name,k", [("async", 1), ("sync", 0), ("async_tp2", 1)])
+def test_staleness_bound_and_exactly_once(runs, name, k):
+    s = runs[name]
     assert s["steps"] == STEPS
     assert max(s["lags_max_per_step"]) <= k
     trained = s["trained_groups"]
@@ -57,16 +62,19 @@ def test_staleness_bound_and_exactly_once(runs, mode, k):
 def test_async_actually_runs_ahead(runs):
     # With k=1 rollout generates step s+1 on version s while step s trains: lag 1 must occur.
     assert max(runs["async"]["lags_max_per_step"]) == 1
+    assert max(runs["async_tp2"]["lags_max_per_step"]) == 1
     assert max(runs["sync"]["lags_max_per_step"]) == 0
 
 
 def test_trainer_and_rollout_logprobs_agree(runs):
-    # Sync (k=0) trains every sample on the weights that generated it: vLLM == Megatron there.
-    assert runs["sync"]["fresh_logprob_gap_max"] is not None
-    assert runs["sync"]["fresh_logprob_gap_max"] < 1e-4
+    # Sync (k=0) trains every sample on the weights that generated it: vLLM == Megatron there; async
+    # runs meet such samples at step 0 (and with TP=2 the weights went through the TP-sharded export).
+    for name in ("sync", "async", "async_tp2"):
+        gap = runs[name]["fresh_logprob_gap_max"]
+        assert gap is not None and gap < 1e-4, (name, gap)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("mode", ["async", "sync", "async_tp2"])
 def test_outputs_written(runs, mode):
     out = runs[mode]["_out"]
     for name in ("metrics.jsonl", "timeline.json", "timeline.png", "reward.png", "summary.json"):
