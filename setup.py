@@ -42,6 +42,8 @@ setup(
         "tensorboard",
         "matplotlib",
         "tqdm",
+        "pyarrow",  # parquet prompt datasets
+        "math-verify",  # the math reward
     ],
     extras_require={
         "cpu": CPU_STACK,
