@@ -125,17 +125,18 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     groups["reward"] = [place(services.RewardService, train_bundle, 0, reward=algo.reward, model_dir=str(model_dir),
                               chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
                               threads=1, **common)]
-    megatron = dict(megatron_cfg=cfg.trainer, model_dir=str(model_dir), seq_len=seq_len, threads=threads,
-                    cpus=train_cpus, **common)
+    megatron = dict(megatron_cfg=cfg.trainer, model_dir=str(model_dir), seq_len=seq_len, threads=threads, **common)
     if algo.kl_coef > 0:
-        groups["reference"] = megatron_group(place, train_services.ReferenceService, train_bundle, cfg.trainer, 0,
-                                             chunk=wf.score_chunk, **megatron)
+        # The reference forward shares rollout's cores: the actor update is the longer task, and the
+        # rollout side idles whenever it waits for weights (measured: it balances the two cores).
+        groups["reference"] = megatron_group(place, train_services.ReferenceService, 0, cfg.trainer, 0,
+                                             chunk=wf.score_chunk, cpus=rollout_cpus, **megatron)
     groups["advantage"] = [place(services.AdvantageService, train_bundle, 0, algo=algo,
                                  group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
                                  threads=1, **common)]
     groups["actor"] = megatron_group(place, train_services.ActorService, train_bundle, cfg.trainer, 1, algo=algo,
                                      rows_per_step=rows_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
-                                     **megatron)
+                                     cpus=train_cpus, **megatron)
     pipeline = Pipeline(cfg, tq, client, board, groups, pg, seq_len, list(groups))
     try:
         ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
