@@ -36,6 +36,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     print(f"finished {summary['steps']} steps in {summary['wall_s']:.1f} s: reward {summary['reward_first']:.3f} -> "
           f"{summary['reward_last10_mean']:.3f} (mean of the last 10 steps); max version lag "
           f"{summary['max_version_lag']:.0f}", flush=True)
+    if summary.get("fresh_logprob_gap_max") is not None:
+        print(f"max |vLLM logprob - Megatron logprob| on samples trained by the weights that generated them: "
+              f"{summary['fresh_logprob_gap_max']:.2e}", flush=True)
     return 0
 
 
