@@ -1,0 +1,304 @@
+"""Static checks of a cluster recipe (``recipes/<model>/``) that need neither the weights nor a cluster.
+
+A recipe directory holds ``config.yaml`` (an ``AsyncFlowConfig``), ``model_arch.json`` (the model's public
+``config.json`` facts), ``cluster.env`` (nodes, devices per node and the trainer / rollout device split, which
+``AsyncFlowConfig`` has no fields for) and ``launch.sh``.
+``check_recipe`` returns every problem found, each naming the recipe, the key and the numbers; the launcher
+runs it before it starts Ray, and ``tests/recipes`` runs it on every recipe of the repository.
+
+The divisibility rules are Megatron-core's (``TransformerConfig.__post_init__`` and
+``parallel_state.initialize_model_parallel``) and vLLM's (attention heads split over its TP ranks):
+
+- TP divides the attention heads and the MLP width; the KV heads (query groups) are a multiple or a divisor
+  of TP (fewer KV heads than TP ranks are replicated).
+- PP divides the layers.
+- EP divides the routed experts; Megatron builds a second rank grid for the experts, ETP x EP x PP, which
+  must divide the trainer's world TP x PP x DP (ETP defaults to TP, so with ETP = TP, EP must divide DP).
+- Trainer devices = TP x PP x DP (the expert grid reuses these ranks); rollout devices = instances x rollout
+  TP; in async mode the two sets are disjoint and together fit in nodes x devices per node.
+
+    python -m asyncflow.recipes_check recipes/qwen2.5-7b [--model-dir DIR] [section.key=value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import sys
+from pathlib import Path
+
+from asyncflow.config import AsyncFlowConfig, ConfigError, load_config
+
+__all__ = ["ClusterSpec", "check_recipe", "read_cluster_env", "main"]
+
+RECIPE_FILES = ("config.yaml", "model_arch.json", "cluster.env", "launch.sh")
+
+# A cluster.env line that bash and this parser read the same way: KEY=VALUE, no expansion, optional comment.
+_ENV_LINE = re.compile(
+    r"""^(?:export\s+)?(?P<key>[A-Z_][A-Z0-9_]*)=(?P<value>"[^"$`\\]*"|'[^']*'|[^\s"'$`\\#;&|()<>]*)\s*(?:\#.*)?$"""
+)
+# Facts of model_arch.json that must match the checkpoint's config.json (the launcher compares them).
+_ARCH_KEYS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads", "num_hidden_layers",
+              "intermediate_size", "vocab_size", "num_experts", "moe_intermediate_size", "num_experts_per_tok")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterSpec:
+    """The cluster shape of a recipe, from its ``cluster.env``."""
+
+    nodes: int
+    """Nodes of the Ray cluster (one Ray node per host)."""
+    devices_per_node: int
+    """Accelerators per node."""
+    trainer_devices: int
+    """Accelerators for the Megatron trainer (TP x PP x DP)."""
+    rollout_devices: int
+    """Accelerators for the vLLM rollout engines (instances x rollout TP)."""
+    device_resource: str = "GPU"
+    """Ray resource name of one accelerator (``GPU``; ``NPU`` on Ascend)."""
+
+    @property
+    def total_devices(self) -> int:
+        """Accelerators of the whole cluster."""
+        return self.nodes * self.devices_per_node
+
+
+_ENV_FIELDS = {
+    "NODES": "nodes",
+    "DEVICES_PER_NODE": "devices_per_node",
+    "TRAINER_DEVICES": "trainer_devices",
+    "ROLLOUT_DEVICES": "rollout_devices",
+}
+_ENV_REQUIRED = ("NODES", "DEVICES_PER_NODE", "TRAINER_DEVICES", "ROLLOUT_DEVICES")
+# The Ray resource name of a device; launcher settings (RAY_PORT, ...) come from the environment instead.
+_ENV_OTHER = ("DEVICE_RESOURCE",)
+
+
+def read_cluster_env(path: str | Path) -> dict[str, str]:
+    """Parse ``cluster.env``: ``KEY=VALUE`` lines, ``#`` comments, optional ``export``, no shell expansion.
+
+    Raises ``ValueError`` naming the file and line for anything bash might read differently.
+    """
+    path = Path(path)
+    values: dict[str, str] = {}
+    for number, raw in enumerate(path.read_text().splitlines(), start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = _ENV_LINE.match(line)
+        if not match:
+            raise ValueError(f"{path}:{number}: expected KEY=VALUE without shell expansion, got {raw!r}")
+        value = match["value"]
+        if value[:1] in ("'", '"'):
+            value = value[1:-1]
+        values[match["key"]] = value
+    return values
+
+
+def _cluster_spec(env: dict[str, str], name: str) -> tuple[ClusterSpec | None, list[str]]:
+    problems = [f"{name}: cluster.env: {key} is missing" for key in _ENV_REQUIRED if key not in env]
+    problems += [f"{name}: cluster.env: unknown variable {key}; known: {', '.join([*_ENV_FIELDS, *_ENV_OTHER])}"
+                 for key in env if key not in _ENV_FIELDS and key not in _ENV_OTHER]
+    kwargs: dict[str, object] = {}
+    for key, attr in _ENV_FIELDS.items():
+        if key not in env:
+            continue
+        if not env[key].isdigit() or int(env[key]) < 1:
+            problems.append(f"{name}: cluster.env: {key}={env[key]!r} must be a positive integer")
+            continue
+        kwargs[attr] = int(env[key])
+    if "DEVICE_RESOURCE" in env:
+        kwargs["device_resource"] = env["DEVICE_RESOURCE"]
+    if problems:
+        return None, problems
+    return ClusterSpec(**kwargs), []
+
+
+def _divides(small: int, big: int) -> bool:
+    return small > 0 and big % small == 0
+
+
+def _check_attention(name: str, key: str, tp: int, arch) -> list[str]:
+    """Megatron and vLLM split the heads over TP; KV heads are split or replicated."""
+    problems = []
+    if not _divides(tp, arch.num_attention_heads):
+        problems.append(f"{name}: {key}={tp} does not divide num_attention_heads={arch.num_attention_heads}")
+    kv = arch.num_query_groups
+    if kv % tp and tp % kv:
+        problems.append(f"{name}: {key}={tp} and num_key_value_heads={kv}: one must divide the other "
+                        "(GQA: KV heads are split over TP ranks, or replicated when fewer than TP)")
+    return problems
+
+
+def _expert_sizes(cfg: AsyncFlowConfig) -> tuple[int, int]:
+    """EP and expert TP of the trainer; ETP is Megatron's default (the trainer's TP) until MegatronConfig has
+    an ``expert_tensor_parallel`` field."""
+    tr = cfg.trainer
+    etp = getattr(tr, "expert_tensor_parallel", None) or tr.tensor_parallel
+    return getattr(tr, "expert_parallel", 1), etp
+
+
+def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) -> list[str]:
+    tr = cfg.trainer
+    tp, pp, dp = tr.tensor_parallel, tr.pipeline_parallel, tr.data_parallel
+    problems = _check_attention(name, "trainer.tensor_parallel", tp, arch)
+    if not _divides(tp, arch.ffn_hidden_size):
+        problems.append(f"{name}: trainer.tensor_parallel={tp} does not divide "
+                        f"intermediate_size={arch.ffn_hidden_size}")
+    if not _divides(pp, arch.num_layers):
+        problems.append(f"{name}: trainer.pipeline_parallel={pp} does not divide num_hidden_layers={arch.num_layers}")
+    if tp > cluster.devices_per_node:
+        problems.append(f"{name}: trainer.tensor_parallel={tp} exceeds DEVICES_PER_NODE={cluster.devices_per_node} "
+                        "(tensor-parallel all-reduces would cross nodes)")
+    world = tp * pp * dp
+    if world != cluster.trainer_devices:
+        problems.append(f"{name}: trainer devices: TRAINER_DEVICES={cluster.trainer_devices} in cluster.env but "
+                        f"trainer.tensor_parallel x pipeline_parallel x data_parallel = {tp} x {pp} x {dp} = {world}")
+    ep, etp = _expert_sizes(cfg)
+    if arch.is_moe:
+        if not _divides(ep, arch.num_experts):
+            problems.append(f"{name}: trainer.expert_parallel={ep} does not divide num_experts={arch.num_experts}")
+        if not _divides(etp, arch.moe_ffn_hidden_size):
+            problems.append(f"{name}: expert tensor parallel ETP={etp} does not divide "
+                            f"moe_intermediate_size={arch.moe_ffn_hidden_size}")
+        if not _divides(etp * ep * pp, world):
+            problems.append(f"{name}: expert grid ETP x EP x PP = {etp} x {ep} x {pp} = {etp * ep * pp} does not "
+                            f"divide the trainer's world TP x PP x DP = {world} (Megatron initialize_model_parallel)")
+    elif ep > 1:
+        problems.append(f"{name}: trainer.expert_parallel={ep} on a dense model ({arch.model_type}); set it to 1")
+    rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
+    if rows % (tr.micro_batch_size * dp):
+        problems.append(f"{name}: workflow.prompts_per_step x samples_per_prompt = {rows} rows is not a multiple of "
+                        f"trainer.micro_batch_size x data_parallel = {tr.micro_batch_size} x {dp}")
+    return problems
+
+
+def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) -> list[str]:
+    rtp = cfg.rollout.tensor_parallel
+    problems = _check_attention(name, "rollout.tensor_parallel", rtp, arch)
+    if not _divides(rtp, cluster.rollout_devices):
+        problems.append(f"{name}: ROLLOUT_DEVICES={cluster.rollout_devices} is not divisible by "
+                        f"rollout.tensor_parallel={rtp}")
+    engines = cfg.workflow.rollout_instances * rtp
+    if engines != cluster.rollout_devices:
+        problems.append(f"{name}: rollout devices: ROLLOUT_DEVICES={cluster.rollout_devices} in cluster.env but "
+                        f"workflow.rollout_instances x rollout.tensor_parallel = "
+                        f"{cfg.workflow.rollout_instances} x {rtp} = {engines}")
+    if not _divides(rtp, cluster.devices_per_node):
+        problems.append(f"{name}: rollout.tensor_parallel={rtp} does not divide DEVICES_PER_NODE="
+                        f"{cluster.devices_per_node} (a vLLM engine would span two nodes)")
+    data = getattr(cfg, "data", None)
+    if data is not None and cfg.workflow.task in ("jsonl", "parquet"):
+        longest = data.max_prompt_len + cfg.rollout.max_new_tokens
+        if longest > cfg.rollout.max_model_len:
+            problems.append(f"{name}: data.max_prompt_len + rollout.max_new_tokens = {data.max_prompt_len} + "
+                            f"{cfg.rollout.max_new_tokens} = {longest} > rollout.max_model_len="
+                            f"{cfg.rollout.max_model_len}")
+    elif cfg.rollout.max_new_tokens >= cfg.rollout.max_model_len:
+        problems.append(f"{name}: rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for the prompt "
+                        f"in rollout.max_model_len={cfg.rollout.max_model_len}")
+    return problems
+
+
+def _check_devices(name: str, cfg: AsyncFlowConfig, cluster: ClusterSpec) -> list[str]:
+    total = cluster.total_devices
+    if cfg.workflow.mode == "sync":  # colocated: trainer and rollout take turns on the same devices
+        needed, how = max(cluster.trainer_devices, cluster.rollout_devices), "max(trainer, rollout)"
+    else:
+        needed, how = cluster.trainer_devices + cluster.rollout_devices, "trainer + rollout"
+    if needed > total:
+        return [f"{name}: too many devices: {how} = {needed} > NODES x DEVICES_PER_NODE = "
+                f"{cluster.nodes} x {cluster.devices_per_node} = {total}"]
+    return []
+
+
+def _compare_checkpoint(name: str, facts: dict, model_dir: Path) -> list[str]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return [f"{name}: model dir {model_dir} has no config.json"]
+    actual = json.loads(path.read_text())
+    return [f"{name}: {path}: {key}={actual.get(key)!r} but model_arch.json says {facts[key]!r} "
+            "(is this the recipe's model?)"
+            for key in _ARCH_KEYS if key in facts and actual.get(key) != facts[key]]
+
+
+def _load(recipe: Path, name: str, overrides: list[str] | tuple[str, ...]):
+    """Config, architecture and cluster of a recipe, or the problems that stop the checks."""
+    from asyncflow.engines.megatron.model import GPTArch
+
+    problems = [f"{name}: {f} is missing" for f in RECIPE_FILES if not (recipe / f).is_file()]
+    if problems:
+        return None, problems
+    try:
+        cfg = load_config(recipe / "config.yaml", overrides)
+    except ConfigError as exc:
+        problems.append(f"{name}: config.yaml: {exc}")
+    try:
+        facts = json.loads((recipe / "model_arch.json").read_text())
+        arch = GPTArch.from_hf_config(facts)
+    except (ValueError, KeyError) as exc:  # JSONDecodeError is a ValueError
+        problems.append(f"{name}: model_arch.json: {type(exc).__name__}: {exc}")
+    try:
+        cluster, env_problems = _cluster_spec(read_cluster_env(recipe / "cluster.env"), name)
+        problems += env_problems
+    except ValueError as exc:
+        problems.append(f"{name}: {exc}")
+    if problems:
+        return None, problems
+    return (cfg, facts, arch, cluster), []
+
+
+def check_recipe(recipe_dir: str | Path, model_dir: str | Path | None = None,
+                 overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every problem of the recipe in ``recipe_dir`` (empty: it is consistent).
+
+    Loads ``config.yaml`` plus ``overrides`` (``section.key=value``, as given to the launcher) with
+    ``load_config`` (unknown keys are problems), reads ``model_arch.json`` with
+    ``GPTArch.from_hf_config`` and ``cluster.env``, then checks the trainer's TP/PP/DP/EP against the heads,
+    KV heads, MLP width, layers and experts, the rollout TP against the heads and the devices, and the device
+    split against the cluster. With ``model_dir``, also compares its ``config.json`` with ``model_arch.json``.
+    """
+    recipe = Path(recipe_dir)
+    name = recipe.name
+    loaded, problems = _load(recipe, name, overrides)
+    if loaded is None:
+        return problems
+    cfg, facts, arch, cluster = loaded
+    sizes = {"trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel":
+             cfg.trainer.pipeline_parallel, "trainer.data_parallel": cfg.trainer.data_parallel,
+             "trainer.expert_parallel": _expert_sizes(cfg)[0], "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+             "rollout.tensor_parallel": cfg.rollout.tensor_parallel,
+             "workflow.rollout_instances": cfg.workflow.rollout_instances}
+    problems += [f"{name}: {key}={value} must be at least 1" for key, value in sizes.items() if value < 1]
+    if problems:
+        return problems
+    problems += _check_trainer(name, cfg, arch, cluster)
+    problems += _check_rollout(name, cfg, arch, cluster)
+    problems += _check_devices(name, cfg, cluster)
+    if model_dir is not None:
+        problems += _compare_checkpoint(name, facts, Path(model_dir))
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m asyncflow.recipes_check RECIPE_DIR... [section.key=value ...]``: print the problems; exit 1 if
+    there are any."""
+    parser = argparse.ArgumentParser(prog="python -m asyncflow.recipes_check", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("items", nargs="+", metavar="RECIPE_DIR|key=value",
+                        help="recipe directories (recipes/<model>), then config overrides applied to each")
+    parser.add_argument("--model-dir", type=Path, help="checkpoint to compare with model_arch.json")
+    args = parser.parse_intermixed_args(argv)
+    overrides = [item for item in args.items if "=" in item]
+    recipes = [Path(item) for item in args.items if "=" not in item]
+    if not recipes:
+        parser.error("no recipe directory given")
+    problems = [p for recipe in recipes for p in check_recipe(recipe, args.model_dir, overrides)]
+    for problem in problems:
+        print(f"recipe check: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+# Ray cluster start / stop for recipes/<model>/launch.sh. Sourced, not run; the launcher calls
+# `rc_main RECIPE_DIR "$@"`, which:
+#   1. prints the usage and exits 2 without MODEL_DIR, before anything touches Ray;
+#   2. reads RECIPE_DIR/cluster.env and runs `python -m asyncflow.recipes_check` on the config with the same
+#      overrides (config vs model vs devices);
+#   3. takes the hosts from Slurm ($SLURM_JOB_NODELIST) or from HOSTS="a b c" (ssh);
+#   4. starts one `ray start --block` per host, the head on this machine (the driver needs a local Ray
+#      node), in a private temp dir and port, records each process it starts, and waits until the
+#      cluster has NODES x DEVICES_PER_NODE devices;
+#   5. runs `asyncflow train RECIPE_DIR/config.yaml model.path=$MODEL_DIR ray.address=HEAD:PORT [overrides]`;
+#   6. on any exit (end, error, Ctrl-C, scancel / SIGTERM) stops only what it started: SIGTERM to the
+#      training driver and to each recorded `ray start --block`, which stops the raylet / GCS it spawned.
+#      No `ray stop` (it stops every Ray of this user on the node, other jobs included) and no pkill.
+# shellcheck shell=bash
+
+rc_log() { echo "launch[$RC_NAME]: $*" >&2; }
+rc_die() { echo "launch[$RC_NAME]: error: $*" >&2; exit 2; }
+
+rc_usage() {
+    cat >&2 <<EOF
+usage: MODEL_DIR=/path/to/checkpoint [HOSTS="host1 host2 ..."] bash recipes/$RC_NAME/launch.sh [section.key=value ...]
+
+Starts a Ray cluster of $NODES node(s) x $DEVICES_PER_NODE $DEVICE_RESOURCE (recipes/$RC_NAME/cluster.env), then runs
+  asyncflow train recipes/$RC_NAME/config.yaml model.path=\$MODEL_DIR ray.address=<head>:<port> [section.key=value ...]
+and stops the Ray processes it started when training ends or the launcher is interrupted.
+
+Hosts: in a Slurm job (sbatch, or a shell on its first node), the allocation's nodes via srun; otherwise HOSTS,
+  reached by ssh, whose first entry must be this machine (it runs the head and the driver; 'localhost' is fine).
+Required: MODEL_DIR  Hugging Face checkpoint directory of the recipe's model (config.json, weights, tokenizer).
+Optional: RAY_PORT (default 20000 + job id mod 20000), RAY_TMPDIR (default /tmp/af_ray_<job id>),
+  RAY_WAIT_S (300), RAY_NUM_CPUS (Ray's autodetection), LAUNCH_DIR (outputs/launch/$RC_NAME-<job id>),
+  PYTHON (python3), ASYNCFLOW (asyncflow), RAY_BIN (ray; the path on every host), SSH_OPTS, SRUN_EXTRA_ARGS.
+EOF
+}
+
+rc_load_cluster_env() {
+    [[ -f "$RC_RECIPE_DIR/cluster.env" ]] || rc_die "$RC_RECIPE_DIR/cluster.env is missing"
+    # shellcheck source=/dev/null
+    source "$RC_RECIPE_DIR/cluster.env"
+    DEVICE_RESOURCE=${DEVICE_RESOURCE:-GPU}
+    local key
+    for key in NODES DEVICES_PER_NODE TRAINER_DEVICES ROLLOUT_DEVICES; do
+        [[ "${!key:-}" =~ ^[1-9][0-9]*$ ]] || rc_die "$RC_RECIPE_DIR/cluster.env: $key must be a positive integer"
+    done
+}
+
+rc_require_tools() {
+    local tool
+    for tool in "$PYTHON" "$ASYNCFLOW" "$RAY_BIN" "$@"; do
+        command -v "$tool" >/dev/null || rc_die "'$tool' not found on PATH (activate the AsyncFlow environment)"
+    done
+}
+
+# RC_HOSTS: the first NODES hosts; RC_MODE: slurm or ssh.
+rc_hosts() {
+    local all=()
+    if [[ -n "${SLURM_JOB_NODELIST:-}" ]]; then
+        RC_MODE=slurm
+        rc_require_tools srun scontrol
+        mapfile -t all < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+    elif [[ -n "${HOSTS:-}" ]]; then
+        RC_MODE=ssh
+        read -r -a all <<<"$HOSTS"
+    else
+        rc_die "no hosts: run inside a Slurm allocation or set HOSTS=\"host1 host2 ...\""
+    fi
+    (( ${#all[@]} >= NODES )) || rc_die "$RC_NAME needs NODES=$NODES hosts, got ${#all[@]}: ${all[*]}"
+    RC_HOSTS=("${all[@]:0:NODES}")
+    rc_is_this_host "${RC_HOSTS[0]}" || rc_die "the first host ${RC_HOSTS[0]} must be this machine" \
+        "($(hostname)): it runs the Ray head and the training driver; start the launcher there"
+}
+
+rc_is_this_host() {
+    [[ "$1" == localhost || "$1" == 127.0.0.1 || "$1" == "$(hostname)" || "$1" == "$(hostname -s)" ||
+       "$1" == "$(hostname -f 2>/dev/null)" ]]
+}
+
+rc_ssh() {  # host command...: run a short command on a host over ssh
+    local host=$1; shift
+    # shellcheck disable=SC2086,SC2029  # SSH_OPTS splits into options; the command is quoted here on purpose
+    ssh $SSH_OPTS "$host" "$(printf '%q ' "$@")"
+}
+
+# Start `ray start --block ARGS` on a host and record what must be signalled to stop it.
+rc_start_ray() {
+    local host=$1 index=$2; shift 2
+    local log="$LAUNCH_DIR/ray-$index-$host.log" pid
+    local cmd=("$RAY_BIN" start --block --temp-dir="$RAY_TMPDIR" --disable-usage-stats
+               --dashboard-agent-listen-port=$((RAY_PORT + 2)) "$(rc_device_arg)" "$@")
+    [[ -n "${RAY_NUM_CPUS:-}" ]] && cmd+=(--num-cpus="$RAY_NUM_CPUS")
+    if rc_is_this_host "$host"; then
+        "${cmd[@]}" >"$log" 2>&1 </dev/null &
+        pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
+    elif [[ $RC_MODE == slurm ]]; then
+        # srun forwards SIGTERM to the remote `ray start --block`; the job step ends with it.
+        # shellcheck disable=SC2086
+        srun --nodes=1 --ntasks=1 -w "$host" $SRUN_EXTRA_ARGS "${cmd[@]}" >"$log" 2>&1 </dev/null &
+        pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
+    else
+        local tmp token_env="RAY_AUTH_MODE=$RAY_AUTH_MODE"
+        tmp=$(printf '%q' "$RAY_TMPDIR")
+        if [[ $RAY_AUTH_MODE == token ]]; then  # the token goes through stdin, never on a command line
+            # shellcheck disable=SC2086,SC2029
+            ssh $SSH_OPTS "$host" "mkdir -p $tmp && umask 077 && cat >$tmp/auth_token" <<<"$RAY_AUTH_TOKEN" ||
+                rc_die "could not reach $host over ssh"
+            token_env+=" RAY_AUTH_TOKEN_PATH=$tmp/auth_token"
+        fi
+        # Only `nohup ray start` goes to the background, its output to a file: ssh returns once `echo` is done.
+        # shellcheck disable=SC2086,SC2029
+        pid=$(ssh $SSH_OPTS "$host" "mkdir -p $tmp; $token_env nohup $(printf '%q ' "${cmd[@]}")" \
+            ">$tmp/ray_start.log 2>&1 </dev/null & echo \$!")
+        [[ "$pid" =~ ^[0-9]+$ ]] || rc_die "could not start Ray on $host over ssh (got '$pid')"
+        echo "ssh $host $pid" >>"$LAUNCH_DIR/started.txt"
+        log="$host:$RAY_TMPDIR/ray_start.log"
+    fi
+    rc_log "started ray on $host (pid $pid, log $log)"
+}
+
+rc_device_arg() {
+    if [[ $DEVICE_RESOURCE == GPU ]]; then
+        echo "--num-gpus=$DEVICES_PER_NODE"
+    else
+        echo "--resources={\"$DEVICE_RESOURCE\": $DEVICES_PER_NODE}"
+    fi
+}
+
+rc_head_ip() {  # this machine's address for the other nodes (not the 127.0.1.1 of some /etc/hosts)
+    local ip
+    ip=$(hostname --ip-address 2>/dev/null | awk '{print $1}')
+    [[ -z "$ip" || "$ip" == 127.* ]] && ip=$(hostname -I 2>/dev/null | awk '{print $1}')
+    echo "$ip"
+}
+
+rc_auth() {
+    # Ray >= 2.5x turns token authentication on for `ray start --head` when ~/.ray/auth_token exists, while a
+    # driver given an explicit address sends a token only under RAY_AUTH_MODE=token. One fresh token per launch,
+    # in the environment of every process it starts (srun passes the environment on; ssh gets a file).
+    export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
+    if [[ $RAY_AUTH_MODE == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
+        RAY_AUTH_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+        export RAY_AUTH_TOKEN
+    fi
+}
+
+rc_start_cluster() {
+    local i
+    HEAD_IP=${HEAD_IP:-$(rc_head_ip)}
+    [[ -n "$HEAD_IP" ]] || rc_die "could not find this machine's IP address (set HEAD_IP)"
+    RC_ADDRESS="$HEAD_IP:$RAY_PORT"
+    rc_auth
+    rc_start_ray "${RC_HOSTS[0]}" 0 --head --port="$RAY_PORT" --node-ip-address="$HEAD_IP" \
+        --include-dashboard=false --ray-client-server-port=$((RAY_PORT + 1)) --dashboard-port=$((RAY_PORT + 3))
+    for ((i = 1; i < NODES; i++)); do
+        rc_start_ray "${RC_HOSTS[i]}" "$i" --address="$RC_ADDRESS"
+    done
+}
+
+# Wait for NODES x DEVICES_PER_NODE devices; record the Ray node IDs of the cluster.
+rc_wait_for_devices() {
+    local want=$((NODES * DEVICES_PER_NODE))
+    rc_log "waiting up to ${RAY_WAIT_S}s for $want $DEVICE_RESOURCE on $NODES node(s) at $RC_ADDRESS"
+    "$PYTHON" - "$RC_ADDRESS" "$DEVICE_RESOURCE" "$want" "$NODES" "$RAY_WAIT_S" "$LAUNCH_DIR/ray_nodes.txt" <<'EOF'
+import sys
+import time
+
+address, resource, want, nodes, wait_s, out = sys.argv[1:]
+deadline = time.time() + float(wait_s)
+import ray  # noqa: E402
+
+while True:  # the head may still be starting: retry the connection itself too
+    try:
+        ray.init(address=address, namespace="asyncflow-launch", log_to_driver=False)
+        break
+    except Exception as exc:  # ConnectionError, or a RuntimeError while the GCS comes up
+        if time.time() > deadline:
+            sys.exit(f"no Ray head at {address} after {wait_s}s: {exc}")
+        time.sleep(2)
+while True:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    have = sum(n["Resources"].get(resource, 0) for n in alive)
+    if have >= int(want) and len(alive) >= int(nodes):
+        break
+    if time.time() > deadline:
+        sys.exit(f"after {wait_s}s the cluster has {len(alive)} node(s) and {have:g} {resource}, "
+                 f"expected {nodes} and {want}; see the ray-*.log files")
+    time.sleep(2)
+with open(out, "w") as f:
+    for n in alive:
+        f.write(f"{n['NodeID']} {n['NodeManagerAddress']} {n['Resources'].get(resource, 0):g}\n")
+print(f"cluster ready: {len(alive)} node(s), {have:g} {resource}")
+EOF
+}
+
+rc_signal() {  # mode host signal pid; fails when the process is gone
+    if [[ $1 == local ]]; then kill "-$3" "$4" 2>/dev/null; else rc_ssh "$2" kill "-$3" "$4" 2>/dev/null; fi
+}
+
+rc_stop() {  # "mode host pid" lines on stdin: SIGTERM to all, 30 s for all to exit, then SIGKILL to those pids
+    local entries=() entry mode host pid left
+    mapfile -t entries
+    for entry in "${entries[@]}"; do
+        read -r mode host pid <<<"$entry"
+        rc_signal "$mode" "$host" TERM "$pid" || true
+    done
+    for _ in $(seq 30); do
+        left=0
+        for entry in "${entries[@]}"; do
+            read -r mode host pid <<<"$entry"
+            rc_signal "$mode" "$host" 0 "$pid" && left=1
+        done
+        (( left )) || return 0
+        sleep 1
+    done
+    for entry in "${entries[@]}"; do
+        read -r mode host pid <<<"$entry"
+        rc_signal "$mode" "$host" 0 "$pid" || continue
+        rc_log "pid $pid on $host ignored SIGTERM for 30 s; sending SIGKILL to that pid"
+        rc_signal "$mode" "$host" KILL "$pid" || true
+    done
+}
+
+rc_cleanup() {
+    local status=$?
+    # Ignore further signals while stopping (scancel and `timeout` signal the whole process group, this
+    # cleanup's own subshells included); the recorded processes are stopped below, one by one.
+    trap - EXIT
+    trap '' INT TERM
+    set +e
+    if [[ -n "${RC_TRAIN_PID:-}" ]] && kill -0 "$RC_TRAIN_PID" 2>/dev/null; then
+        rc_log "stopping the training driver (pid $RC_TRAIN_PID)"
+        echo "local localhost $RC_TRAIN_PID" | rc_stop
+    fi
+    if [[ -s "$LAUNCH_DIR/started.txt" ]]; then
+        tac "$LAUNCH_DIR/started.txt" | rc_stop  # workers first, the head last; only what this launcher recorded
+        rc_log "stopped the Ray processes it started (listed in $LAUNCH_DIR/started.txt)"
+    fi
+    exit "$status"
+}
+
+rc_main() {
+    RC_RECIPE_DIR=$(cd "$1" && pwd); shift
+    RC_NAME=$(basename "$RC_RECIPE_DIR")
+    rc_load_cluster_env
+    case "${1:-}" in -h | --help) rc_usage; exit 0 ;; esac
+    if [[ -z "${MODEL_DIR:-}" ]]; then
+        rc_usage
+        rc_die "MODEL_DIR is not set: the Hugging Face checkpoint directory of the recipe's model"
+    fi
+    [[ -f "$MODEL_DIR/config.json" ]] || rc_die "MODEL_DIR=$MODEL_DIR has no config.json"
+    local job=${SLURM_JOB_ID:-$$}
+    PYTHON=${PYTHON:-python3} ASYNCFLOW=${ASYNCFLOW:-asyncflow} RAY_BIN=${RAY_BIN:-ray}
+    RAY_PORT=${RAY_PORT:-$((20000 + job % 20000))} RAY_WAIT_S=${RAY_WAIT_S:-300}
+    RAY_TMPDIR=${RAY_TMPDIR:-/tmp/af_ray_$job} LAUNCH_DIR=${LAUNCH_DIR:-outputs/launch/$RC_NAME-$job}
+    SSH_OPTS=${SSH_OPTS:--o BatchMode=yes} SRUN_EXTRA_ARGS=${SRUN_EXTRA_ARGS:-}
+    rc_require_tools
+    "$PYTHON" -m asyncflow.recipes_check "$RC_RECIPE_DIR" --model-dir "$MODEL_DIR" "$@" ||
+        rc_die "recipe check failed (messages above); nothing was started"
+    rc_hosts
+    mkdir -p "$LAUNCH_DIR" "$RAY_TMPDIR"
+    : >"$LAUNCH_DIR/started.txt"
+    trap rc_cleanup EXIT
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    rc_log "$RC_MODE: ${RC_HOSTS[*]}; trainer $TRAINER_DEVICES + rollout $ROLLOUT_DEVICES of" \
+        "$((NODES * DEVICES_PER_NODE)) $DEVICE_RESOURCE; records in $LAUNCH_DIR"
+    rc_start_cluster
+    rc_wait_for_devices
+    # In the background so that a signal to this script reaches the trap at once (bash defers traps while
+    # a foreground child runs); the trap then stops the driver by its recorded pid.
+    "$ASYNCFLOW" train "$RC_RECIPE_DIR/config.yaml" model.path="$MODEL_DIR" ray.address="$RC_ADDRESS" "$@" &
+    RC_TRAIN_PID=$!
+    echo "$RC_TRAIN_PID" >"$LAUNCH_DIR/train.pid"
+    wait "$RC_TRAIN_PID"
+}

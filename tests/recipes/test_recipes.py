@@ -1,0 +1,238 @@
+"""Cluster recipes: every recipes/<model>/ is consistent with its model and cluster; bad ones are named.
+
+The launchers cannot start a real multi-node cluster here; they are syntax-checked, and run far enough to
+show that without MODEL_DIR (or with a recipe that fails the check) they stop before touching Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncflow.recipes_check import check_recipe, main, read_cluster_env
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = sorted(p.parent for p in (ROOT / "recipes").glob("*/model_arch.json"))
+LAUNCHERS = sorted((ROOT / "recipes").glob("*/launch.sh"))
+
+
+def test_cluster_recipes_exist():
+    names = {p.name for p in RECIPES}
+    assert {"qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b"} <= names
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_recipe_is_consistent(recipe):
+    assert check_recipe(recipe) == []
+
+
+def _copy(tmp_path: Path, name: str, config: dict | None = None, env: dict | None = None,
+          arch: dict | None = None) -> Path:
+    """A copy of recipes/<name> with some config keys, cluster.env variables or model facts changed."""
+    dst = tmp_path / "recipes" / name
+    shutil.copytree(ROOT / "recipes" / name, dst)
+    if config:
+        data = yaml.safe_load((dst / "config.yaml").read_text())
+        for dotted, value in config.items():
+            section, key = dotted.split(".")
+            data.setdefault(section, {})[key] = value
+        (dst / "config.yaml").write_text(yaml.safe_dump(data))
+    if env:
+        values = {**read_cluster_env(dst / "cluster.env"), **env}
+        (dst / "cluster.env").write_text("".join(f"{k}={v}\n" for k, v in values.items()))
+    if arch:
+        facts = json.loads((dst / "model_arch.json").read_text())
+        (dst / "model_arch.json").write_text(json.dumps({**facts, **arch}))
+    return dst
+
+
+def _one_problem_with(problems: list[str], *fragments: str) -> None:
+    assert any(all(f in p for f in fragments) for p in problems), problems
+
+
+def test_tp_must_divide_heads(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"trainer.tensor_parallel": 8, "trainer.data_parallel": 1})
+    problems = check_recipe(recipe)
+    _one_problem_with(problems, "qwen2.5-7b", "trainer.tensor_parallel=8", "num_attention_heads=28")
+    assert not any("TRAINER_DEVICES" in p for p in problems), problems  # 8 x 1 x 1 still matches
+
+
+def test_rollout_tp_must_divide_heads(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-32b", config={"rollout.tensor_parallel": 16, "workflow.rollout_instances": 2},
+                   env={"DEVICES_PER_NODE": 16, "NODES": 4})
+    _one_problem_with(check_recipe(recipe), "rollout.tensor_parallel=16", "num_attention_heads=40")
+
+
+def test_kv_heads_and_tp_must_nest(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", arch={"num_key_value_heads": 3, "num_attention_heads": 30,
+                                                   "intermediate_size": 18960})
+    _one_problem_with(check_recipe(recipe), "trainer.tensor_parallel=2", "num_key_value_heads=3", "GQA")
+
+
+def test_pp_must_divide_layers(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"trainer.pipeline_parallel": 3, "trainer.data_parallel": 1},
+                   env={"TRAINER_DEVICES": 6})
+    problems = check_recipe(recipe)
+    assert problems == ["qwen2.5-7b: trainer.pipeline_parallel=3 does not divide num_hidden_layers=28"]
+
+
+def test_ep_must_divide_experts(tmp_path):
+    recipe = _copy(tmp_path, "qwen3-30b-a3b", config={"trainer.expert_parallel": 6})
+    _one_problem_with(check_recipe(recipe), "qwen3-30b-a3b", "trainer.expert_parallel=6", "num_experts=128")
+
+
+def test_expert_grid_must_divide_trainer_world(tmp_path):
+    # EP 16 divides 128 experts, but ETP (= TP 2) x EP 16 x PP 1 = 32 ranks > the trainer's 16
+    recipe = _copy(tmp_path, "qwen3-30b-a3b", config={"trainer.expert_parallel": 16})
+    assert check_recipe(recipe) == [
+        "qwen3-30b-a3b: expert grid ETP x EP x PP = 2 x 16 x 1 = 32 does not divide the trainer's world "
+        "TP x PP x DP = 16 (Megatron initialize_model_parallel)"
+    ]
+
+
+def test_expert_parallel_on_a_dense_model(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"trainer.expert_parallel": 2})
+    _one_problem_with(check_recipe(recipe), "trainer.expert_parallel=2", "dense model")
+
+
+def test_too_many_devices(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", env={"NODES": 1})
+    assert check_recipe(recipe) == [
+        "qwen2.5-7b: too many devices: trainer + rollout = 16 > NODES x DEVICES_PER_NODE = 1 x 8 = 8"
+    ]
+
+
+def test_colocated_mode_shares_devices(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.mode": "sync"}, env={"NODES": 1})
+    assert check_recipe(recipe) == []
+
+
+def test_device_counts_must_match_parallel_sizes(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.rollout_instances": 4}, env={"TRAINER_DEVICES": 4})
+    problems = check_recipe(recipe)
+    _one_problem_with(problems, "TRAINER_DEVICES=4", "2 x 1 x 4 = 8")
+    _one_problem_with(problems, "ROLLOUT_DEVICES=8", "4 x 1 = 4")
+
+
+def test_batch_must_split_over_replicas(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3})
+    _one_problem_with(check_recipe(recipe), "9 rows", "micro_batch_size x data_parallel = 2 x 4")
+
+
+def test_overrides_are_checked_too():
+    problems = check_recipe(ROOT / "recipes/qwen2.5-32b", overrides=["trainer.pipeline_parallel=3"])
+    _one_problem_with(problems, "trainer.pipeline_parallel=3", "num_hidden_layers=64")
+
+
+def test_longest_prompt_and_response_must_fit():
+    problems = check_recipe(ROOT / "recipes/qwen2.5-7b", overrides=["data.max_prompt_len=2048"])
+    assert problems == ["qwen2.5-7b: data.max_prompt_len + rollout.max_new_tokens = 2048 + 4096 = 6144 > "
+                        "rollout.max_model_len=5120"]
+
+
+def test_sizes_below_one_are_named():
+    assert check_recipe(ROOT / "recipes/qwen2.5-7b", overrides=["trainer.data_parallel=0"]) == [
+        "qwen2.5-7b: trainer.data_parallel=0 must be at least 1"
+    ]
+
+
+def test_unknown_config_key_is_named(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"trainer.tensor_paralel": 2})
+    _one_problem_with(check_recipe(recipe), "config.yaml", "unknown config key 'trainer.tensor_paralel'")
+
+
+def test_cluster_env_rejects_shell_expansion(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b")
+    with open(recipe / "cluster.env", "a") as f:
+        f.write("NODES=$SLURM_NNODES\n")
+    _one_problem_with(check_recipe(recipe), "cluster.env:", "without shell expansion", "$SLURM_NNODES")
+
+
+def test_missing_files_are_named(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b")
+    (recipe / "model_arch.json").unlink()
+    assert check_recipe(recipe) == ["qwen2.5-7b: model_arch.json is missing"]
+
+
+def test_checkpoint_must_be_the_recipes_model(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    facts = json.loads((ROOT / "recipes/qwen2.5-32b/model_arch.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(facts))
+    assert check_recipe(ROOT / "recipes/qwen2.5-32b", model_dir) == []
+    problems = check_recipe(ROOT / "recipes/qwen2.5-7b", model_dir)
+    _one_problem_with(problems, "num_hidden_layers=64", "model_arch.json says 28", "recipe's model")
+
+
+def test_command_line_exit_status(tmp_path, capsys):
+    assert main([str(ROOT / "recipes/qwen2.5-7b")]) == 0
+    bad = _copy(tmp_path, "qwen2.5-7b", env={"NODES": 1})
+    assert main([str(bad)]) == 1
+    assert "recipe check: qwen2.5-7b: too many devices" in capsys.readouterr().err
+    assert main([str(ROOT / "recipes/qwen2.5-7b"), "rollout.tensor_parallel=3"]) == 1
+    assert "rollout.tensor_parallel=3 does not divide num_attention_heads=28" in capsys.readouterr().err
+
+
+# ---- launchers ---------------------------------------------------------------------------------------------
+
+def test_launchers_are_valid_bash():
+    assert {p.parent.name for p in LAUNCHERS} >= {p.name for p in RECIPES}
+    for script in [*LAUNCHERS, ROOT / "recipes/common/ray_cluster.sh"]:
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, f"{script}: {result.stderr}"
+
+
+def _fake_tools(tmp_path: Path) -> tuple[dict, Path]:
+    """A clean environment whose ray / srun / ssh / scontrol / asyncflow only leave a mark if they are run."""
+    bin_dir, marker = tmp_path / "bin", tmp_path / "started"
+    bin_dir.mkdir()
+    for tool in ("ray", "srun", "ssh", "scontrol", "asyncflow"):
+        path = bin_dir / tool
+        path.write_text(f"#!/bin/sh\necho {tool} \"$@\" >> {marker}\n")
+        path.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "HOSTS": "localhost localhost",
+           "SLURM_JOB_NODELIST": "node[1-2]", "PYTHON": sys.executable}
+    return env, marker
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS, ids=lambda p: p.parent.name)
+def test_launcher_without_model_dir_prints_usage_and_starts_nothing(launcher, tmp_path):
+    env, marker = _fake_tools(tmp_path)
+    result = subprocess.run(["bash", str(launcher)], env=env, cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0
+    assert "usage: MODEL_DIR=" in result.stderr
+    assert "MODEL_DIR is not set" in result.stderr
+    assert not marker.exists(), marker.read_text()
+
+
+def test_launcher_help_exits_zero(tmp_path):
+    env, marker = _fake_tools(tmp_path)
+    result = subprocess.run(["bash", str(ROOT / "recipes/qwen3-30b-a3b/launch.sh"), "--help"], env=env,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0
+    assert "4 node(s) x 8 GPU" in result.stderr
+    assert not marker.exists()
+
+
+def test_launcher_stops_before_ray_when_the_recipe_check_fails(tmp_path):
+    env, marker = _fake_tools(tmp_path)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(ROOT / "recipes/qwen2.5-7b/model_arch.json", model_dir / "config.json")
+    env.update(MODEL_DIR=str(model_dir), OMP_NUM_THREADS="1")
+    env.pop("SLURM_JOB_NODELIST")
+    # The launcher checks the config with the overrides it will train with: TP 8 does not divide 28 heads.
+    result = subprocess.run(["bash", str(ROOT / "recipes/qwen2.5-7b/launch.sh"), "trainer.tensor_parallel=8"],
+                            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "trainer.tensor_parallel=8 does not divide num_attention_heads=28" in result.stderr
+    assert "recipe check failed" in result.stderr and "nothing was started" in result.stderr
+    assert not marker.exists(), marker.read_text()
+    assert not (tmp_path / "outputs").exists()
