@@ -88,6 +88,9 @@ class RolloutEngine(abc.ABC):
         """Abort in-flight requests; returns how many were aborted."""
         return 0
 
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the engine's processes and memory (engines without any may ignore it)."""
+
 
 def make_train_engine(spec: str, *args, **kwargs) -> TrainEngine:
     """Instantiate a train engine by registered name or dotted path."""

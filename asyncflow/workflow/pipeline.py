@@ -66,6 +66,10 @@ class Pipeline:
         """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
         import ray
 
+        try:  # graceful first: a killed rollout actor would orphan vLLM's worker processes
+            ray.get([s.shutdown.remote() for s in self.services], timeout=60)
+        except Exception:  # a dead or stuck service: killing it below is all that is left
+            pass
         for handle in [*self.services, self.board]:
             try:
                 ray.kill(handle)

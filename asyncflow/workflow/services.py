@@ -78,6 +78,10 @@ class TaskService:
         """Liveness check used at start-up."""
         return self.name
 
+    def shutdown(self) -> None:
+        """Release what the service holds beyond its own process (before the actor is killed)."""
+        self.tq.close()
+
 
 class RolloutService(TaskService):
     """vLLM generation under the staleness rule; finished responses stream into the TransferQueue."""
@@ -96,6 +100,11 @@ class RolloutService(TaskService):
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
+
+    def shutdown(self) -> None:
+        """Stop the vLLM engine first: with TP > 1 its workers are separate processes."""
+        self.engine.close()
+        super().shutdown()
 
     def _admit(self, step: int) -> int:
         """Wait until weights recent enough for ``step`` exist, load the newest; return its version."""

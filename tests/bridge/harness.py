@@ -39,6 +39,7 @@ def _vllm_main(conn, model_dir: str, tp: int) -> None:
         while True:
             msg = json.loads(conn.recv_bytes())
             if msg["cmd"] == "stop":
+                rollout.close()  # a spawned child exits via os._exit: vLLM's atexit cleanup would not run
                 break
             if msg["cmd"] == "sync":
                 out = rollout.sync_weights(msg["link"], msg["plan"], msg["version"])

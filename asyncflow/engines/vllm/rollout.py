@@ -174,6 +174,16 @@ class VllmRollout(RolloutEngine):
         self.version = version
         return list(stats)
 
+    def close(self) -> None:
+        """Shut the engine down, workers included (idempotent).
+
+        Needed before a process exits through ``os._exit`` (multiprocessing children, killed Ray
+        actors): atexit hooks do not run there, and vLLM's multi-process engine core would be orphaned.
+        """
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+
     def served_versions(self) -> list[int]:
         """The weight version each vLLM rank reports."""
         return list(self.llm.collective_rpc("asyncflow_weight_version"))
