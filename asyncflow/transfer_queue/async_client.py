@@ -31,7 +31,7 @@ from .codec import copy_bytes
 from .config import TransferQueueConfig
 from .errors import ServerUnavailableError, TransferQueueError
 from .protocol import Signer, decode, encode
-from .transport import _check, _copy_frames
+from .transport import _check, _copy_frames, dealer_socket
 
 
 class AsyncConnection:
@@ -40,13 +40,7 @@ class AsyncConnection:
     def __init__(self, ctx: zmq.asyncio.Context, address: str, signer: Signer, name: str,
                  max_message_bytes: int):
         self.address, self.name, self.signer = address, name, signer
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.sock.connect(address)
+        self.sock, self.monitor = dealer_socket(ctx, address, max_message_bytes)
         self._ids = itertools.count(1)
         self._futures: dict[int, asyncio.Future] = {}
         self._tasks: list[asyncio.Task] = []

@@ -182,6 +182,22 @@ def _copy_frames(frames: list) -> bool:
     return not any(memoryview(f).nbytes >= ZERO_COPY_MIN_BYTES for f in frames)
 
 
+def dealer_socket(ctx, address: str, max_message_bytes: int):
+    """A connected client DEALER socket and its monitor socket (``ctx``: a sync or asyncio context).
+
+    The monitor tells the client at once when the peer's process is gone, so waits fail in
+    milliseconds instead of running into the RPC timeout.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    sock.connect(address)
+    return sock, monitor
+
+
 class Connection:
     """A client's DEALER connection to one server; not thread-safe (the client holds a lock)."""
 
@@ -190,15 +206,7 @@ class Connection:
         self.address = address
         self.name = name
         self.signer = signer
-        self.sock = ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        # The monitor tells us at once when the peer's process is gone, so waits fail in
-        # milliseconds instead of running into the RPC timeout.
-        self.monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
-        self.sock.connect(address)
+        self.sock, self.monitor = dealer_socket(ctx, address, max_message_bytes)
         self.connected = False
         self.lost = False
         self._ids = itertools.count(1)
