@@ -1,6 +1,6 @@
 """The ``asyncflow`` command line.
 
-    asyncflow train CONFIG [section.key=value ...]     RL training (GRPO; async or sync mode)
+    asyncflow train CONFIG [--resume] [section.key=value ...]   RL training (GRPO, PPO, DAPO...; async or sync)
     asyncflow demo [CONFIG] [section.key=value ...]     train with Megatron, move weights, generate with vLLM
     asyncflow config show [CONFIG] [section.key=value ...]   print the resolved configuration as YAML
 """
@@ -32,7 +32,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from asyncflow.workflow.loop import train
 
     path, overrides = _split_config_and_overrides(args.items)
-    summary = train(load_config(path, overrides))
+    summary = train(load_config(path, overrides), resume=args.resume)
     print(f"finished {summary['steps']} steps in {summary['wall_s']:.1f} s: reward {summary['reward_first']:.3f} -> "
           f"{summary['reward_last10_mean']:.3f} (mean of the last 10 steps); max version lag "
           f"{summary['max_version_lag']:.0f}", flush=True)
@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="RL post-training (see recipes/)")
     train.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="YAML file, then overrides")
+    train.add_argument("--resume", action="store_true",
+                       help="continue from the newest complete checkpoint under checkpoint.dir (fresh if none)")
     train.set_defaults(func=_cmd_train)
 
     demo = sub.add_parser("demo", help="Megatron trains a tiny model, weights move to vLLM, logprobs compared")

@@ -25,6 +25,7 @@ __all__ = [
     "RayConfig",
     "DemoConfig",
     "AlgorithmConfig",
+    "CheckpointConfig",
     "WorkflowConfig",
     "ObservabilityConfig",
     "DataConfig",
@@ -149,7 +150,8 @@ class AlgorithmConfig:
     """The RL algorithm: advantage estimator, policy loss, KL regularization, reward function."""
 
     advantage: str = "grpo"
-    """Advantage estimator: ``grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline`` or a dotted path."""
+    """Advantage estimator: ``grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``, ``gae`` (PPO: a
+    Megatron critic from the ``critic`` section adds the values and critic-update tasks) or a dotted path."""
     adv_eps: float = 1e-4
     """GRPO: added to the group's reward std."""
     norm_adv_by_std: bool = True
@@ -162,6 +164,27 @@ class AlgorithmConfig:
     """PPO ratio clip above 1 (raise it for DAPO-style clip-higher)."""
     is_cap: float = 2.0
     """Truncation of the importance weight between the proximal/current policy and the rollout policy."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``- entropy_coef x`` the policy's per-token entropy is added to the loss (0 disables;
+    computed from the vocab-parallel logits without gathering the vocabulary)."""
+    gae_gamma: float = 1.0
+    """GAE discount (``advantage: gae``)."""
+    gae_lambda: float = 1.0
+    """GAE lambda (``advantage: gae``)."""
+    whiten_advantages: bool = False
+    """``advantage: gae``: whiten the advantages over the global batch (the advantage task then waits for the
+    whole step instead of streaming)."""
+    value_loss: str = "clipped"
+    """Critic loss: ``clipped`` (PPO's clipped value loss), ``mse`` or a dotted path."""
+    value_clip: float = 0.2
+    """Clip range of the value prediction around the values the critic produced at rollout time."""
+    dynamic_sampling: bool = False
+    """DAPO dynamic sampling: drop GRPO groups whose rewards are all equal (no signal) and feed more prompts
+    into the step until ``prompts_per_step`` groups with signal are kept. Pair it with clip_high > clip_low
+    (clip-higher), ``kl_coef: 0`` and ``loss_agg: token-mean`` for DAPO."""
+    max_sampling_factor: float = 4.0
+    """Dynamic sampling: fail (with an error naming this setting) once a step has been fed more than this
+    many times ``prompts_per_step`` prompts: the data is then too easy or too hard for the policy."""
     kl_coef: float = 0.05
     """Weight of the KL to the reference model (0 disables the reference task)."""
     kl_estimator: str = "k3"
@@ -214,6 +237,19 @@ class WorkflowConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Checkpoints for ``asyncflow train CONFIG --resume``: actor (and critic) Megatron distributed checkpoints
+    with optimizer state, plus the data cursor, step, weight version and trained-prompt record."""
+
+    dir: str | None = None
+    """Where checkpoints go (None: ``<observability.output_dir>/checkpoints``); one ``step_NNNNNN`` folder each."""
+    interval: int = 0
+    """Save after every this many trained steps and after the last one (0: never)."""
+    keep_last: int = 2
+    """Complete checkpoints kept; older ones are deleted after a new one is committed (0 keeps all)."""
+
+
+@dataclass
 class AsyncFlowConfig:
     """The whole configuration tree; each component reads only its own section."""
 
@@ -221,6 +257,9 @@ class AsyncFlowConfig:
     """Policy model checkpoint."""
     trainer: MegatronConfig = field(default_factory=MegatronConfig)
     """Megatron train engine."""
+    critic: MegatronConfig = field(default_factory=MegatronConfig)
+    """Megatron critic (``algorithm.advantage: gae``): its own parallel sizes and optimizer; ``engine`` names a
+    ``CRITIC_ENGINES`` entry or a dotted path to a ``CriticEngine`` subclass."""
     rollout: VllmConfig = field(default_factory=VllmConfig)
     """vLLM rollout engine."""
     ray: RayConfig = field(default_factory=RayConfig)
@@ -237,6 +276,8 @@ class AsyncFlowConfig:
     """The TransferQueue data plane."""
     observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     """Metrics, progress, timeline and plots."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint and resume."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> AsyncFlowConfig:
@@ -249,3 +290,8 @@ def replace(cfg, **changes):
     data = dataclasses.asdict(cfg)
     data.update(changes)
     return config_loader.build(type(cfg), data)
+
+
+def replace_section(cfg: AsyncFlowConfig, section: str, **changes) -> AsyncFlowConfig:
+    """A copy of ``cfg`` with some fields of one section changed."""
+    return dataclasses.replace(cfg, **{section: replace(getattr(cfg, section), **changes)})

@@ -4,6 +4,8 @@ Signature of an estimator: ``fn(rewards [N], group_ids [N], **kwargs) -> advanta
 response's advantage is broadcast over its tokens by the loss. An estimator's ``scope`` says what it
 must see at once: ``"group"`` (whole GRPO groups, streamed group by group) or ``"batch"`` (the whole
 global batch, e.g. for batch whitening); the advantage task asks the TransferQueue accordingly.
+``"critic"`` marks a per-token estimator (GAE) that needs critic values: the advantage task computes
+it with ``asyncflow.algorithms.gae`` instead of calling the registered function.
 """
 
 from __future__ import annotations
@@ -77,8 +79,21 @@ def reinforce_plus_plus_baseline(rewards: torch.Tensor, group_ids: torch.Tensor,
 reinforce_plus_plus_baseline.scope = "batch"
 
 
+@ADVANTAGE_ESTIMATORS.register("gae")
+def gae_marker(rewards: torch.Tensor, group_ids: torch.Tensor, **kwargs) -> torch.Tensor:
+    """GAE (PPO with a critic): computed by the advantage task from per-token critic values via
+    ``asyncflow.algorithms.gae``. Registered only so that configs naming it validate."""
+    raise TypeError(
+        "advantage estimator 'gae' needs per-token rewards and critic values, not sequence rewards: "
+        "use asyncflow.algorithms.gae.gae(token_rewards, values, mask, gamma, lam)"
+    )
+
+
+gae_marker.scope = "critic"
+
+
 def estimator_scope(name: str) -> str:
-    """``"group"`` or ``"batch"``: what the estimator must see at once (default ``"group"``)."""
+    """``"group"``, ``"batch"`` or ``"critic"``: what the estimator must see at once (default ``"group"``)."""
     return getattr(ADVANTAGE_ESTIMATORS.resolve(name), "scope", "group")
 
 

@@ -1,8 +1,9 @@
-"""Policy losses, KL estimators and loss aggregation (registries ``POLICY_LOSSES``, ``KL_ESTIMATORS``).
+"""Policy and value losses, KL estimators, loss aggregation (``POLICY_LOSSES``, ``VALUE_LOSSES``, ``KL_ESTIMATORS``).
 
 All tensors are per token, ``[b, t]``, aligned so that position ``t`` scores response token ``t``;
 ``mask`` is 1 on response tokens. A policy loss returns the per-token loss (aggregated by
-``aggregate``) and a dict of per-token diagnostics.
+``aggregate``) and a dict of per-token diagnostics; so does a value (critic) loss,
+``fn(values, old_values, returns, *, clip) -> (per_token_loss, info)``.
 
 Off-policy correction (``max_staleness >= 1``): rollout logprobs (``behaviour``) come from weights up
 to k versions old. ``decoupled_ppo`` clips against the *proximal* policy (the trainer's weights at the
@@ -17,6 +18,7 @@ import torch
 from asyncflow.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss")
+VALUE_LOSSES = Registry("value loss")
 KL_ESTIMATORS = Registry("KL estimator")
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -52,6 +54,25 @@ def truncated_is(logprobs, old_logprobs, behaviour_logprobs, advantages, *, clip
     weight = torch.exp(logprobs - behaviour_logprobs).clamp(max=is_cap).detach()
     loss = -weight * advantages * logprobs
     return loss, {"is_weight": weight}
+
+
+@VALUE_LOSSES.register("clipped")
+def clipped_value_loss(values, old_values, returns, *, clip=0.2):
+    """PPO's clipped value loss 0.5 max((v - R)^2, (clip(v, old - clip, old + clip) - R)^2).
+
+    ``clip_frac`` is 1 where the clipped term is the larger one (the clip binds and stops the gradient).
+    """
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    unclipped_loss = (values - returns) ** 2
+    clipped_loss = (clipped - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped_loss, clipped_loss)
+    return loss, {"clip_frac": (clipped_loss > unclipped_loss).float()}
+
+
+@VALUE_LOSSES.register("mse")
+def mse_value_loss(values, old_values, returns, *, clip=0.2):
+    """0.5 (v - R)^2 (ignores ``old_values`` and ``clip``)."""
+    return 0.5 * (values - returns) ** 2, {}
 
 
 @KL_ESTIMATORS.register("k1")

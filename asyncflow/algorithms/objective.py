@@ -34,6 +34,9 @@ def make_objective(cfg: AlgorithmConfig, max_response_tokens: int) -> Callable:
             kl = kl_penalty(cfg.kl_estimator, logprobs, mb["ref_logprobs"])
             per_token = per_token + cfg.kl_coef * kl
             metrics["kl_sum"] = (kl.detach() * mask).sum()
+        if cfg.entropy_coef > 0:  # the trainer adds "entropy" to the micro-batch when asked (needs_entropy)
+            per_token = per_token - cfg.entropy_coef * mb["entropy"]
+            metrics["entropy_sum"] = (mb["entropy"].detach() * mask).sum()
         # Numerators only (totals = 1): the engine divides gradients by the summed normalizer.
         loss = aggregate(per_token, mask, cfg.loss_agg, 1.0, 1, max_tokens=max_response_tokens)
         seqs = (mask.sum(-1) > 0).float().sum()
@@ -49,5 +52,29 @@ def make_objective(cfg: AlgorithmConfig, max_response_tokens: int) -> Callable:
         metrics["fresh_logprob_gap_max"] = gap.max() if fresh.any() else torch.tensor(float("nan"))
         metrics["old_logprobs"] = old.detach()
         return loss, metrics
+
+    loss_fn.needs_entropy = cfg.entropy_coef > 0
+    return loss_fn
+
+
+def make_value_objective(cfg: AlgorithmConfig) -> Callable:
+    """The critic's ``loss_fn(values, micro_batch) -> (numerator, metrics)`` (token-mean over the batch).
+
+    The micro-batch carries ``mask``, ``returns`` (GAE targets) and ``old_values`` (what the critic predicted
+    when the values task ran; the clip is around them), all ``[m, s-1]``.
+    """
+    from asyncflow.algorithms.losses import VALUE_LOSSES
+
+    value_loss = VALUE_LOSSES.resolve(cfg.value_loss)
+
+    def loss_fn(values: torch.Tensor, mb: dict[str, torch.Tensor]):
+        mask = mb["mask"]
+        per_token, info = value_loss(values, mb["old_values"], mb["returns"], clip=cfg.value_clip)
+        metrics = {"vf_sum": (per_token.detach() * mask).sum(), "normalizer": mask.sum(), "tokens": mask.sum(),
+                   "value_sum": (values.detach() * mask).sum(),
+                   "abs_err_sum": ((values.detach() - mb["returns"]).abs() * mask).sum()}
+        if "clip_frac" in info:
+            metrics["clip_sum"] = (info["clip_frac"] * mask).sum()
+        return (per_token * mask).sum(), metrics
 
     return loss_fn

@@ -95,14 +95,20 @@ def model_layout(module, arch: GPTArch, make_vocab_size_divisible_by: int = 128)
     )
 
 
-def load_hf_into(module, arch: GPTArch, layout: ParallelLayout, rank: MRank, reader: HFReader) -> None:
-    """Fill this rank's chunk from a Hugging Face checkpoint, reading only the slices it holds."""
+def load_hf_into(module, arch: GPTArch, layout: ParallelLayout, rank: MRank, reader: HFReader,
+                 skip: tuple[str, ...] = ()) -> None:
+    """Fill this rank's chunk from a Hugging Face checkpoint, reading only the slices it holds.
+
+    Parameters whose names start with one of ``skip`` keep their values (e.g. a critic's value head).
+    """
     layer_offset, expert_offset = model_offsets(module, arch, layout, rank)
     hf_shapes = hf_layout.hf_param_shapes(arch)
     state = module.state_dict()
     new = {}
     for name, tensor in state.items():
         if tensor is None or hf_layout.is_extra_state(name) or not isinstance(tensor, torch.Tensor):
+            continue
+        if name.startswith(skip):
             continue
         gname = hf_layout.to_global_name(name, layer_offset, expert_offset)
         shard = shards.shard_from_hf(arch, layout, gname, rank.tp, hf_shapes, reader.read, tensor.dtype)

@@ -23,6 +23,14 @@ class Add1Prompts:
         """The next ``count`` prompts of the stream."""
         return self.task.prompts(count, self.generator)
 
+    def state_dict(self) -> dict:
+        """The stream's position (its random generator's state), as plain JSON data for checkpoints."""
+        return {"generator": self.generator.get_state().tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue the stream from a position saved by :meth:`state_dict`."""
+        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
 
 @PROMPT_SOURCES.register("add1_longtail")
 class Add1LongTail(Add1Prompts):

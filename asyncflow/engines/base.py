@@ -17,6 +17,7 @@ from asyncflow.registry import Registry
 
 TRAIN_ENGINES = Registry("train engine")
 ROLLOUT_ENGINES = Registry("rollout engine")
+CRITIC_ENGINES = Registry("critic engine")
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
@@ -51,6 +52,27 @@ class TrainEngine(abc.ABC):
     @abc.abstractmethod
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named tensors of the current weights (for the weight bridge)."""
+
+    @abc.abstractmethod
+    def save(self, path: str) -> None:
+        """Write a checkpoint of the model (and optimizer) to ``path``."""
+
+    @abc.abstractmethod
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by ``save``."""
+
+
+class CriticEngine(abc.ABC):
+    """A value model (PPO's critic): per-token values and its own training."""
+
+    @abc.abstractmethod
+    def compute_values(self, tokens: torch.Tensor) -> torch.Tensor:
+        """V at every position as [b, s-1], aligned like ``compute_logprobs`` (position t: before token t+1)."""
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
+                   loss_fn: Callable) -> dict[str, float]:
+        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step."""
 
     @abc.abstractmethod
     def save(self, path: str) -> None:
@@ -97,6 +119,13 @@ def make_train_engine(spec: str, *args, **kwargs) -> TrainEngine:
     import asyncflow.engines.megatron.actor  # noqa: F401 - registers "megatron"
 
     return TRAIN_ENGINES.resolve(spec)(*args, **kwargs)
+
+
+def make_critic_engine(spec: str, *args, **kwargs) -> CriticEngine:
+    """Instantiate a critic engine by registered name or dotted path."""
+    import asyncflow.engines.megatron.critic  # noqa: F401 - registers "megatron"
+
+    return CRITIC_ENGINES.resolve(spec)(*args, **kwargs)
 
 
 def make_rollout_engine(spec: str, *args, **kwargs) -> RolloutEngine:

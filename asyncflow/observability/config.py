@@ -13,6 +13,9 @@ class ObservabilityConfig:
     """Directory for ``metrics.jsonl``, ``tensorboard/``, ``timeline.json``/``.png`` and the plots."""
     jsonl: bool = True
     """Append one JSON object per step to ``metrics.jsonl`` (the record every plot is drawn from)."""
+    append: bool = False
+    """Continue an existing ``metrics.jsonl`` instead of starting it afresh (``asyncflow train --resume`` sets
+    it, after dropping the lines of steps the resumed run trains again)."""
     tensorboard: bool = True
     """Write TensorBoard scalars under ``output_dir/tensorboard``."""
     wandb_project: str | None = None

@@ -77,15 +77,15 @@ def make_sink(name: str, cfg: ObservabilityConfig, run_config: Mapping[str, Any]
 class JsonlSink(Sink):
     """``metrics.jsonl``: one JSON object per step with ``step``, unix ``time``, ``elapsed`` and the metrics.
 
-    The file is started afresh by each run. Every line is flushed, so a crashed run keeps its history and
-    ``tail -f`` works. Non-finite values are written as ``null`` to keep the file strict JSON.
+    The file is started afresh by each run (continued with ``append``). Every line is flushed, so a crashed
+    run keeps its history and ``tail -f`` works. Non-finite values are written as ``null`` to keep the file strict JSON.
     """
 
     def __init__(self, cfg: ObservabilityConfig, run_config: Mapping[str, Any] | None = None):
         super().__init__(cfg, run_config)
         self.path = Path(cfg.output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", encoding="utf-8")  # closed in close()
+        self._file = open(self.path, "a" if cfg.append else "w", encoding="utf-8")  # closed in close()
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float, elapsed: float) -> None:
         record = {"step": step, "time": wall_time, "elapsed": elapsed}

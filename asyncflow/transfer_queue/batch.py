@@ -65,3 +65,26 @@ class Batch:
     @property
     def done(self) -> bool:
         return self.meta.done
+
+    def select(self, positions: list[int]) -> Batch:
+        """The rows at ``positions`` (0-based within this batch) as a new batch, e.g. after a filter.
+
+        Dense fields are indexed, ragged-as-list and object fields picked; packed ragged fields (which
+        share one buffer) are not supported here.
+        """
+        import torch
+
+        meta = BatchMeta(self.meta.partition, self.meta.task, [self.meta.indexes[i] for i in positions],
+                         [self.meta.versions[i] for i in positions] if self.meta.versions else [],
+                         [self.meta.group_ids[i] for i in positions] if self.meta.group_ids else [],
+                         [self.meta.lengths[i] for i in positions] if self.meta.lengths else [],
+                         self.meta.done, self.meta.ready, self.meta.locations)
+        data = {}
+        for name, value in self.data.items():
+            if isinstance(value, torch.Tensor):
+                data[name] = value[torch.as_tensor(positions, dtype=torch.long)]
+            elif isinstance(value, list):
+                data[name] = [value[i] for i in positions]
+            else:
+                raise TypeError(f"field {name!r}: select() does not support {type(value).__name__}")
+        return Batch(meta, data)

@@ -248,7 +248,10 @@ class Controller(PutHandlers, GetHandlers):
             if waiting:
                 raise BadRequestError(f"consumer tasks have not read all rows yet: {waiting}; "
                                       "clear with force=True to drop them anyway")
-        for put_id in [k for k, put in self.puts.items() if put.partition == part.name]:
+        # Only puts into the cleared rows are aborted: other producers keep writing the partition's other
+        # rows (dynamic sampling drops a group while rollout still streams the rest of the step).
+        for put_id in [k for k, put in self.puts.items() if put.partition == part.name
+                       and (whole or np.isin(put.rows, rows).any())]:
             self._abort(put_id)
         self._drop(part, rows, wake=False)
         if whole:

@@ -57,6 +57,23 @@ def response_slices(logprobs: torch.Tensor, prompts, responses) -> list[torch.Te
     return [logprobs[i, len(p) - 1 : len(p) - 1 + len(r)].clone() for i, (p, r) in enumerate(zip(prompts, responses))]
 
 
+def _advantages(values, prompts, mask: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Sequence-level advantages ([N]: broadcast over the response) or per-token ones (GAE: ragged rows)."""
+    if isinstance(values, list) or _row_tensor(values).dim() > 1:
+        return place_per_token(values, prompts, seq_len) * mask
+    return _row_tensor(values).float().reshape(-1)[:, None] * mask
+
+
+def to_critic_micro_batch(batch, seq_len: int, pad_id: int, fixed_shape: bool = True) -> dict[str, torch.Tensor]:
+    """A TransferQueue ``Batch`` of critic rows (``values`` at rollout time, GAE ``returns``) as tensors."""
+    prompts, responses = batch["prompt_ids"], batch["response_ids"]
+    if not fixed_shape:
+        seq_len = fit_seq_len(prompts, responses, seq_len)
+    tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
+    return {"tokens": tokens, "mask": mask, "old_values": place_per_token(batch["values"], prompts, seq_len),
+            "returns": place_per_token(batch["returns"], prompts, seq_len)}
+
+
 def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_shape: bool = True
                    ) -> dict[str, torch.Tensor]:
     """A TransferQueue ``Batch`` of actor rows as the tensors ``make_objective``'s loss reads."""
@@ -64,11 +81,10 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
     if not fixed_shape:
         seq_len = fit_seq_len(prompts, responses, seq_len)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
-    advantages = _row_tensor(batch["advantages"]).float().reshape(-1)
     mb = {
         "tokens": tokens,
         "mask": mask,
-        "advantages": advantages[:, None] * mask,
+        "advantages": _advantages(batch["advantages"], prompts, mask, seq_len),
         "behaviour_logprobs": place_per_token(batch["behaviour_logprobs"], prompts, seq_len),
         "lag": train_version - torch.as_tensor(batch.meta.versions, dtype=torch.long),
     }

@@ -25,6 +25,7 @@ class VersionBoard:
         self._parts: dict[int, dict[int, object]] = {}  # version -> part -> ref, until all parts arrived
         self._cond: asyncio.Condition | None = None
         self._reports: list[dict] = []
+        self._sampling: dict[int, tuple[int, int]] = {}  # step -> (kept rows, judged rows), dynamic sampling
 
     def _condition(self) -> asyncio.Condition:
         if self._cond is None:  # created lazily: it must belong to the actor's event loop
@@ -70,4 +71,13 @@ class VersionBoard:
     async def take_reports(self) -> list[dict]:
         """Every report since the last call."""
         items, self._reports = self._reports, []
+        return items
+
+    async def sampling_progress(self, step: int, kept: int, judged: int) -> None:
+        """Dynamic sampling: of the rows of ``step`` judged so far, ``kept`` were kept (cumulative)."""
+        self._sampling[step] = (kept, judged)
+
+    async def take_sampling(self) -> dict[int, tuple[int, int]]:
+        """The latest progress of every step with news since the last call."""
+        items, self._sampling = self._sampling, {}
         return items

@@ -1,15 +1,19 @@
 """The RL loop: one function for both modes.
 
     prompts ─► TQ[step s] ─► rollout (vLLM, weights v) ─► reward ─► advantage ─┐
-                         └─────────────────────────────► reference ───────────┤
+                         ├─────────────────────────────► reference ───────────┤
+                         └──► values (critic, PPO) ──► advantage (GAE) ───────┤
                                                                                ▼
-           weights v+1 ◄──── version board ◄──── actor update (Megatron) ◄─ TQ rows
+           weights v+1 ◄──── version board ◄──── actor update (Megatron) ◄─ TQ rows ─► critic update
                  │
                  └─► rollout admits step s only when weights v >= s - k exist, so a sample made
                      with version v is trained at step s <= v + k   (k = workflow.max_staleness)
 
     async: every service loops over steps on its own; rollout of step s+k overlaps training of step s.
     sync:  the driver runs the same services one after another per step (the colocated baseline).
+
+The driver feeds prompts ahead of the services, grows steps under DAPO dynamic sampling
+(``workflow.sampling``) and commits checkpoints as steps complete (``workflow.resume``).
 """
 
 from __future__ import annotations
@@ -18,55 +22,126 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 
+_GENERATION = ("rollout", "reward", "advantage")
+"""Sync mode with dynamic sampling runs these together: a step is generated until enough groups are kept."""
 
-def train(cfg: AsyncFlowConfig) -> dict:
-    """Run ``cfg.workflow.steps`` RL steps; return the summary (also written to the output dir)."""
+
+def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
+    """Run ``cfg.workflow.steps`` RL steps (from the newest checkpoint with ``resume``); return the summary."""
     import ray
     from transformers import AutoTokenizer
 
-    from asyncflow.data import make_prompt_source, next_batch
+    from asyncflow.config import replace_section
+    from asyncflow.data import make_prompt_source
     from asyncflow.workflow.pipeline import start_pipeline
     from asyncflow.workflow.reporting import Reporter
+    from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
 
     wf = cfg.workflow
     model_dir = _model_dir(cfg)
     source = make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed, cfg.data)
-    budgets = hasattr(source, "sample_budgets")
-    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, budgets, answers=hasattr(source, "next_batch"))
-    fed, reporter = 0, None
+    ckpt = RunCheckpoints(cfg, source)
+    start, resume_dir, meta = ckpt.resume() if resume else (0, None, {})
+    ckpt.clean_staging()
+    if resume_dir is not None and trim_metrics(cfg.observability.output_dir, start):
+        cfg = replace_section(cfg, "observability", append=True)
+    if start >= wf.steps:
+        raise ValueError(f"the checkpoint is at step {start}; workflow.steps={wf.steps} leaves nothing to train")
+    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, hasattr(source, "sample_budgets"),
+                          answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start)
+    reporter = None
     try:
-        pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt)
-        reporter = Reporter(cfg, pipe)
-
-        def feed_until(step: int) -> None:
-            nonlocal fed
-            while fed < min(step, wf.steps):
-                rows = wf.prompts_per_step * wf.samples_per_prompt
-                prompts, answers = next_batch(source, wf.prompts_per_step)
-                pipe.feed(fed, prompts, wf.samples_per_prompt,
-                          source.sample_budgets(rows, cfg.rollout.max_new_tokens) if budgets else None, answers)
-                fed += 1
-
+        pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt, first=start)
+        reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"),
+                            on_step=lambda step: ckpt.step_done(step, reporter.trained_groups))
+        feeder = Feeder(cfg, pipe, source, ckpt, start)
         if wf.mode == "sync":
-            for step in range(wf.steps):
-                feed_until(step + 1)
+            for step in range(start, wf.steps):
+                feeder.feed_until(step + 1)
+                stages = pipe.stages
+                if feeder.sampling:  # generate, judge and top up the step until it is full
+                    gen = [(name, phase) for name, phase in stages if name in _GENERATION]
+                    feeder.wait([h.run_phase.remote(step, p) for name, p in gen for h in pipe.groups[name]],
+                                reporter.collect, sync=True)
+                    stages = [s for s in stages if s not in gen]
                 # Lock-step: each task (all its instances or ranks at once) finishes the step before the next.
-                for group in pipe.groups.values():
-                    reports = ray.get([handle.run_step.remote(step) for handle in group])
+                for name, phase in stages:
+                    reports = ray.get([handle.run_phase.remote(step, phase) for handle in pipe.groups[name]])
                     reporter.collect([r for r in reports if r is not None])
         else:
-            running = [s.run.remote(0, wf.steps) for s in pipe.services]
-            while running:
-                # Prompts go in one step ahead of what rollout may generate under the staleness bound.
-                feed_until(reporter.trained_steps + wf.max_staleness + 2)
-                done, running = ray.wait(running, timeout=0.2)
-                ray.get(done)  # re-raises a service's failure here
-                reporter.collect()
+            running = [s.run.remote(start, wf.steps) for s in pipe.services]
+            # Prompts go in one step ahead of what rollout may generate under the staleness bound.
+            feeder.wait(running, reporter.collect,
+                        ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
         return reporter.finish()
     finally:
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
+
+
+class Feeder:
+    """Puts prompts into the TransferQueue: a step's first round, then (dynamic sampling) top-up rounds."""
+
+    def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int):
+        from asyncflow.workflow.sampling import DynamicSampling
+
+        self.cfg, self.pipe, self.source, self.ckpt = cfg, pipe, source, ckpt
+        wf = cfg.workflow
+        self.fed = start
+        self.sampling = (DynamicSampling(wf.prompts_per_step, wf.samples_per_prompt,
+                                         cfg.algorithm.max_sampling_factor)
+                         if cfg.algorithm.dynamic_sampling else None)
+
+    def feed(self, step: int, count: int) -> None:
+        """``count`` prompts (a group of ``samples_per_prompt`` each) into ``step``."""
+        from asyncflow.data import next_batch
+
+        wf = self.cfg.workflow
+        prompts, answers = next_batch(self.source, count)
+        budgets = None
+        if hasattr(self.source, "sample_budgets"):
+            budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
+        first_group = None
+        if self.sampling is not None:
+            first_group = self.sampling.next_group_id(step)
+            self.sampling.fed(step, count)
+        self.pipe.feed(step, prompts, wf.samples_per_prompt, budgets, answers, first_group=first_group)
+
+    def feed_until(self, step: int) -> None:
+        """First rounds of every step below ``step``."""
+        while self.fed < min(step, self.cfg.workflow.steps):
+            self.ckpt.before_feed(self.fed)
+            self.feed(self.fed, self.cfg.workflow.prompts_per_step)
+            self.fed += 1
+
+    def top_up(self) -> None:
+        """Dynamic sampling: feed the rounds the advantage task's judgements call for; seal full steps."""
+        import ray
+
+        if self.sampling is None:
+            return
+        self.sampling.progress(ray.get(self.pipe.board.take_sampling.remote()))
+        more, full = self.sampling.plan()
+        for step, count in more.items():
+            self.feed(step, count)
+        for step in full:
+            self.pipe.seal(step)
+
+    def wait(self, refs: list, collect, ahead=None, sync: bool = False) -> None:
+        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile."""
+        import ray
+
+        while refs:
+            if ahead is not None:
+                self.feed_until(ahead())
+            self.top_up()
+            done, refs = ray.wait(refs, timeout=0.2)
+            results = ray.get(done)  # re-raises a service's failure here
+            if sync:
+                collect([r for r in results if isinstance(r, dict)])
+            else:
+                collect()
 
 
 def _model_dir(cfg: AsyncFlowConfig) -> Path:
@@ -79,5 +154,3 @@ def _model_dir(cfg: AsyncFlowConfig) -> Path:
         make_tiny_model(model_dir, family=cfg.model.tiny_family, charset=cfg.model.tiny_charset)
         print(f"created a tiny {cfg.model.tiny_family} model at {model_dir}", flush=True)
     return model_dir
-
-

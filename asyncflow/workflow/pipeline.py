@@ -29,38 +29,49 @@ class Pipeline:
     placement_group: object
     seq_len: int
     tasks: list[str]
+    """TransferQueue consumer tasks (a group may run several, e.g. the critic's ``values`` and ``critic``)."""
+    stages: list[tuple[str, str | None]]
+    """Sync mode's lock-step order within a step: (group, phase) pairs, phase None = the whole step."""
 
     @property
     def services(self) -> list:
         """Every service actor, in pipeline order."""
         return [handle for group in self.groups.values() for handle in group]
 
-    def create_partitions(self, steps: int, rows_per_step: int) -> None:
+    def create_partitions(self, steps: int, rows_per_step: int, first: int = 0) -> None:
         """Create every step's (empty) partition up front.
 
         Services run ahead on their own and ask for a step's rows before the prompts exist; the
         TransferQueue treats an unknown partition as an error, while an empty one makes them wait.
         Empty partitions cost a few bytes of metadata; rows are freed as soon as every task read them.
         """
-        for step in range(steps):
-            self.client.create_partition(partition_name(step), consumers=self.tasks, expected_rows=rows_per_step,
+        # Dynamic sampling grows a step in rounds; the driver seals it once enough groups are kept.
+        expected = None if self.cfg.algorithm.dynamic_sampling else rows_per_step
+        for step in range(first, steps):
+            self.client.create_partition(partition_name(step), consumers=self.tasks, expected_rows=expected,
                                          auto_clear=True)
 
     def feed(self, step: int, prompts: list[list[int]], group_size: int, budgets: list[int] | None = None,
-             answers: list | None = None) -> None:
+             answers: list | None = None, first_group: int | None = None) -> None:
         """Put the prompts of ``step``, each repeated ``group_size`` times (one GRPO group per prompt),
         with optional per-sample generation ``budgets`` (field ``max_new_tokens``) and per-prompt
-        reference ``answers`` (field ``ground_truth``, read by the reward task)."""
+        reference ``answers`` (field ``ground_truth``, read by the reward task). Group ids start at
+        ``first_group`` (default ``step x len(prompts)``)."""
         import torch
 
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts for _ in range(group_size)]
-        groups = [step * len(prompts) + i for i in range(len(prompts)) for _ in range(group_size)]
+        base = step * len(prompts) if first_group is None else first_group
+        groups = [base + i for i in range(len(prompts)) for _ in range(group_size)]
         data = {"prompt_ids": rows}
         if budgets is not None:
             data["max_new_tokens"] = torch.tensor(budgets, dtype=torch.long)
         if answers is not None:
             data["ground_truth"] = [a for a in answers for _ in range(group_size)]
         self.client.put(partition_name(step), data, group_ids=groups)
+
+    def seal(self, step: int) -> None:
+        """No more rows for ``step`` (dynamic sampling): its tasks finish once they have read what is there."""
+        self.client.seal(partition_name(step))
 
     def close(self) -> None:
         """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
@@ -82,21 +93,43 @@ class Pipeline:
             ray.shutdown()
 
 
+def check_algorithm(cfg: AsyncFlowConfig) -> None:
+    """Reject algorithm settings that cannot work together, naming the keys (before anything starts)."""
+    from asyncflow.algorithms.advantages import estimator_scope
+    from asyncflow.config import ConfigError
+
+    algo = cfg.algorithm
+    scope = estimator_scope(algo.advantage)
+    if algo.dynamic_sampling:
+        if scope != "group":
+            raise ConfigError(f"algorithm.dynamic_sampling needs a group estimator (grpo, rloo); "
+                              f"algorithm.advantage={algo.advantage!r} is {scope}-scoped")
+        if algo.kl_coef > 0 and algo.kl_mode == "reward":
+            raise ConfigError("algorithm.dynamic_sampling with algorithm.kl_mode=reward is not supported: the "
+                              "reference would have to score groups before they are kept; use kl_mode=loss "
+                              "or kl_coef=0")
+
+
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
-                   answers: bool = False) -> Pipeline:
+                   answers: bool = False, resume_dir: Path | None = None, start_step: int = 0) -> Pipeline:
     """Bring up Ray, the TransferQueue and every service for ``cfg.workflow.mode``.
 
     ``budgets``: rows carry per-sample generation budgets (``max_new_tokens``), used to the end.
     ``answers``: rows carry reference answers (``ground_truth``) for the reward function.
+    ``resume_dir``: a committed run checkpoint the actor (and critic) load; training continues at ``start_step``.
     """
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from asyncflow import transfer_queue
+    from asyncflow.algorithms.advantages import estimator_scope
+    from asyncflow.workflow.resume import checkpoint_root
 
     wf, algo = cfg.workflow, cfg.algorithm
+    check_algorithm(cfg)
     colocated = wf.mode == "sync"
+    critic = estimator_scope(algo.advantage) == "critic"
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
              include_dashboard=False, log_to_driver=False)
     tq = transfer_queue.start(cfg.transfer_queue)
@@ -116,8 +149,12 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     rollout_cpus = list(range(cores)) if colocated else [0]
     train_cpus = list(range(cores)) if colocated else list(range(1, cores))
     board = ray.remote(VersionBoard).options(num_cpus=0).remote()
-    common = dict(tq_address=tq.address, tq_cfg=cfg.transfer_queue, board=board, timeout_s=wf.step_timeout_s)
+    common = dict(tq_address=tq.address, tq_cfg=cfg.transfer_queue, board=board, timeout_s=wf.step_timeout_s,
+                  partial_batches=algo.dynamic_sampling)
     seq_len = max_prompt_len + cfg.rollout.max_new_tokens
+    persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,
+                               "steps": wf.steps},
+                   resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
     rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
 
     groups: dict[str, list] = {"rollout": [
@@ -134,14 +171,30 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
         # The reference forward shares rollout's cores: the actor update is the longer task, and the
         # rollout side idles whenever it waits for weights (measured: it balances the two cores).
         groups["reference"] = megatron_group(place, train_services.ReferenceService, 0, cfg.trainer, 0,
-                                             chunk=wf.score_chunk, cpus=rollout_cpus, **megatron)
+                                             chunk=wf.score_chunk, after_advantage=algo.dynamic_sampling,
+                                             cpus=rollout_cpus, **megatron)
     groups["advantage"] = [place(services.AdvantageService, train_bundle, 0, algo=algo,
                                  group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
                                  threads=1, **common)]
     groups["actor"] = megatron_group(place, train_services.ActorService, train_bundle, cfg.trainer, 1, algo=algo,
                                      rows_per_step=rows_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
-                                     cpus=train_cpus, **megatron)
-    pipeline = Pipeline(cfg, tq, client, board, groups, pg, seq_len, list(groups))
+                                     cpus=train_cpus, **persist, **megatron)
+    stages = [(name, None) for name in groups]
+    if algo.dynamic_sampling and "reference" in groups:  # it scores only the kept rows: after advantage
+        stages.remove(("reference", None))
+        stages.insert([name for name, _ in stages].index("actor"), ("reference", None))
+    if critic:
+        # The critic shares the trainer's cores: its values pass is short and its update runs while the
+        # actor waits for the next step's rows.
+        groups["critic"] = megatron_group(place, train_services.CriticService, train_bundle, cfg.critic, 0,
+                                          algo=algo, rows_per_step=rows_per_step, chunk=wf.score_chunk,
+                                          cpus=train_cpus, **persist, **{**megatron, "megatron_cfg": cfg.critic})
+        at = [name for name, _ in stages].index("advantage")
+        stages[at:at] = [("critic", "values")]  # GAE needs the values; the critic update follows the actor
+        stages.append(("critic", "critic"))
+    multi_task = {"critic": train_services.CriticService.tasks}
+    tasks = [task for name in groups for task in multi_task.get(name, (name,))]
+    pipeline = Pipeline(cfg, tq, client, board, groups, pg, seq_len, tasks, stages)
     try:
         ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
     except BaseException:

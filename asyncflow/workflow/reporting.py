@@ -16,14 +16,19 @@ class Reporter:
     """Collects reports from the version board; a step is logged once its actor and advantage reports
     are both in (the advantage service sees every reward of the step, the actor every lag)."""
 
-    def __init__(self, cfg: AsyncFlowConfig, pipe):
+    def __init__(self, cfg: AsyncFlowConfig, pipe, first_step: int = 0, trained_groups: dict | None = None,
+                 on_step=None):
         self.cfg, self.pipe = cfg, pipe
+        self.first_step, self.on_step = first_step, on_step
+        # A step is complete once these have reported (the critic's update, when PPO runs one).
+        self.required = {"actor", "advantage", "rollout"} | ({"critic"} if "critic" in pipe.groups else set())
         self.observer = RunObserver(cfg.observability, total_steps=cfg.workflow.steps,
                                     run_config=dataclasses.asdict(cfg))
         self.pending: dict[int, dict] = defaultdict(dict)
         self.history: list[dict] = []
-        self.trained_steps = 0
-        self.trained_groups: dict[int, list[int]] = {}
+        self.trained_steps = first_step
+        # Resumed runs start with the record of the checkpoint, so the summary covers the whole run.
+        self.trained_groups: dict[int, list[int]] = {int(k): v for k, v in (trained_groups or {}).items()}
         self.t_start = time.time()
         self.t_last = self.t_start
 
@@ -46,10 +51,12 @@ class Reporter:
         while True:
             step = self.trained_steps
             have = self.pending.get(step, {}).get("_services", set())
-            if not {"actor", "advantage", "rollout"} <= have:
+            if not self.required <= have:
                 return
             self._log(step, self.pending.pop(step))
             self.trained_steps += 1
+            if self.on_step is not None:
+                self.on_step(step)
 
     def _log(self, step: int, metrics: dict) -> None:
         metrics.pop("_services")
@@ -76,6 +83,7 @@ class Reporter:
             "mode": self.cfg.workflow.mode,
             "max_staleness": self.cfg.workflow.max_staleness,
             "steps": len(self.history),
+            "first_step": self.first_step,
             "wall_s": wall,
             "reward_first": rewards[0] if rewards else math.nan,
             "reward_last10_mean": sum(tail) / len(tail) if tail else math.nan,

@@ -35,7 +35,7 @@ class TaskService:
     name = "task"
 
     def __init__(self, tq_address: str, tq_cfg: TransferQueueConfig, board, threads: int, worker: int = 0,
-                 timeout_s: float = 600.0, cpus: list[int] | None = None):
+                 timeout_s: float = 600.0, cpus: list[int] | None = None, partial_batches: bool = False):
         from asyncflow.observability import Timeline
         from asyncflow.transfer_queue import TransferQueueClient
 
@@ -46,11 +46,16 @@ class TaskService:
         self.board = board
         self.worker = worker
         self.timeout_s = timeout_s
+        # Dynamic sampling grows a step's partition in rounds of any size: take what is ready, never
+        # wait for a full batch that may not come until the partition is sealed.
+        self.partial_batches = partial_batches
         self.timeline = Timeline()
 
-    def stream(self, step: int, fields: list[str], batch_size: int, **kwargs):
-        """Micro-batches of this task's unread rows of ``step`` until the partition is exhausted."""
-        return self.tq.iter_batches(partition_name(step), self.name, fields, batch_size,
+    def stream(self, step: int, fields: list[str], batch_size: int, task: str | None = None, **kwargs):
+        """Micro-batches of this task's unread rows of ``step`` until the partition is exhausted
+        (``task``: the TransferQueue consumer name, when a service runs more than one task)."""
+        kwargs.setdefault("allow_partial", self.partial_batches)
+        return self.tq.iter_batches(partition_name(step), task or self.name, fields, batch_size,
                                     timeout=self.timeout_s, **kwargs)
 
     def post(self, report: dict | None) -> None:
@@ -67,6 +72,10 @@ class TaskService:
         """A step's metrics plus the spans recorded since the last report (and ``extra`` records)."""
         return {"step": step, "service": self.name, "worker": self.worker, "metrics": metrics,
                 "spans": self.timeline.export_spans(clear=True), **extra}
+
+    def run_phase(self, step: int, phase: str | None = None) -> dict | None:
+        """One phase of a step in sync mode (services with a single phase run the whole step)."""
+        return self.run_step(step)
 
     def run(self, first: int, last: int) -> int:
         """Process steps ``first .. last-1`` in order, posting each report to the board."""
@@ -204,21 +213,75 @@ class AdvantageService(TaskService):
         from asyncflow.algorithms.advantages import estimator_scope
 
         self.algo, self.group_size = algo, group_size
-        # Group-scope estimators stream whole groups; batch-scope ones (whitening) need the whole step.
-        whole_step = estimator_scope(algo.advantage) == "batch"
+        self.scope = estimator_scope(algo.advantage)
+        # Group-scope estimators stream whole groups; batch-scope ones (whitening) need the whole step;
+        # GAE (critic scope) is per sequence and streams, unless its advantages are whitened over the batch.
+        whole_step = self.scope == "batch" or (self.scope == "critic" and algo.whiten_advantages)
         self.chunk = rows_per_step if whole_step else max(chunk // group_size, 1) * group_size
         self.kl_in_reward = algo.kl_coef > 0 and algo.kl_mode == "reward"
+        self.rows_per_step = rows_per_step
+        self.dynamic_sampling = algo.dynamic_sampling
+        if self.dynamic_sampling:  # judged a group at a time: a round of extra prompts may be one group
+            self.chunk = group_size
 
     def run_step(self, step: int) -> dict:
+        if self.scope == "critic":
+            return self._gae_step(step)
+        return self._outcome_step(step)
+
+    def _gae_step(self, step: int) -> dict:
+        """PPO: per-token advantages and returns by GAE over the critic's values (fields ``advantages`` and
+        ``returns``, one value per response token); the outcome reward sits on the last token."""
+        from asyncflow.algorithms import gae, kl_penalty, outcome_token_rewards, whiten
+
+        fields = ["rewards", "values"] + (["behaviour_logprobs", "ref_logprobs"] if self.kl_in_reward else [])
+        all_rewards = []
+        for batch in self.stream(step, fields, self.chunk):
+            with self.timeline.span(self.name, "gae", self.worker, rows=len(batch)):
+                scores = torch.as_tensor(batch["rewards"]).float().reshape(-1)
+                all_rewards.append(scores)
+                lengths = [len(v) for v in batch["values"]]
+                width = max(max(lengths), 1)
+                mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).float()
+                values = torch.zeros(len(lengths), width)
+                for i, v in enumerate(batch["values"]):
+                    values[i, : len(v)] = torch.as_tensor(v).float()
+                kl = None
+                if self.kl_in_reward:
+                    kl = torch.zeros(len(lengths), width)
+                    for i, (b, r) in enumerate(zip(batch["behaviour_logprobs"], batch["ref_logprobs"])):
+                        kl[i, : len(b)] = kl_penalty(self.algo.kl_estimator, torch.as_tensor(b), torch.as_tensor(r))
+                token_rewards = outcome_token_rewards(scores, mask, kl, self.algo.kl_coef)
+                adv, returns = gae(token_rewards, values, mask, self.algo.gae_gamma, self.algo.gae_lambda)
+                if self.algo.whiten_advantages:
+                    adv = whiten(adv, mask)
+                self.tq.put(partition_name(step), {"advantages": [adv[i, :n].clone() for i, n in enumerate(lengths)],
+                                                   "returns": [returns[i, :n].clone() for i, n in enumerate(lengths)]},
+                            indexes=batch.indexes)
+        return self._reward_report(step, all_rewards)
+
+    def _reward_report(self, step: int, all_rewards: list, **metrics) -> dict:
+        rewards = torch.cat(all_rewards) if all_rewards else torch.zeros(0)
+        return self.report(step, {"reward/mean": rewards.mean().item() if len(rewards) else float("nan"),
+                                  "reward/max": rewards.max().item() if len(rewards) else float("nan"), **metrics})
+
+    def _outcome_step(self, step: int) -> dict:
         from asyncflow.algorithms import compute_advantages, kl_penalty
 
         fields = ["rewards"] + (["behaviour_logprobs", "ref_logprobs"] if self.kl_in_reward else [])
-        all_rewards = []
+        all_rewards, kept, judged = [], 0, 0
         for batch in self.stream(step, fields, self.chunk, sampler="group",
                                  sampler_args={"group_size": self.group_size}):
             with self.timeline.span(self.name, "advantages", self.worker, rows=len(batch)):
                 rewards = torch.as_tensor(batch["rewards"]).float().reshape(-1)
                 all_rewards.append(rewards)
+                if self.dynamic_sampling:
+                    judged += len(batch)
+                    batch, rewards = self._keep_groups(step, batch, rewards, self.rows_per_step - kept)
+                    kept += len(rewards)
+                    self.board.sampling_progress.remote(step, kept, judged)
+                    if not len(rewards):
+                        continue
                 if self.kl_in_reward:
                     kl = torch.stack([kl_penalty(self.algo.kl_estimator, b, r).sum()
                                       for b, r in zip(batch["behaviour_logprobs"], batch["ref_logprobs"])])
@@ -226,9 +289,23 @@ class AdvantageService(TaskService):
                 adv = compute_advantages(self.algo.advantage, rewards, batch.meta.group_ids,
                                          **_advantage_kwargs(self.algo))
                 self.tq.put(partition_name(step), {"advantages": adv}, indexes=batch.indexes)
-        rewards = torch.cat(all_rewards) if all_rewards else torch.zeros(0)
-        return self.report(step, {"reward/mean": rewards.mean().item() if len(rewards) else float("nan"),
-                                  "reward/max": rewards.max().item() if len(rewards) else float("nan")})
+        extra = {"sampling/judged_rows": float(judged), "sampling/kept_rows": float(kept)} \
+            if self.dynamic_sampling else {}
+        return self._reward_report(step, all_rewards, **extra)
+
+    def _keep_groups(self, step: int, batch, rewards: torch.Tensor, room: int):
+        """DAPO dynamic sampling: keep the groups whose rewards differ, up to ``room`` rows; drop the rest
+        from the TransferQueue (nobody reads them again) and return the kept rows."""
+        groups = torch.as_tensor(batch.meta.group_ids)
+        keep = torch.zeros(len(rewards), dtype=torch.bool)
+        for gid in torch.unique(groups, sorted=False).tolist():
+            rows = groups == gid
+            if rewards[rows].max() > rewards[rows].min() and int(keep.sum()) + int(rows.sum()) <= room:
+                keep |= rows
+        dropped = [i for i, k in zip(batch.indexes, keep.tolist()) if not k]
+        if dropped:
+            self.tq.clear(partition_name(step), dropped, force=True)
+        return batch.select(keep.nonzero().flatten().tolist()), rewards[keep]
 
 
 def _advantage_kwargs(algo: AlgorithmConfig) -> dict:

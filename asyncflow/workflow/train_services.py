@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import torch
 
 from asyncflow.config import AlgorithmConfig, MegatronConfig
-from asyncflow.workflow.batching import ACTOR_FIELDS, fit_seq_len, pack_tokens, response_slices, to_micro_batch
+from asyncflow.workflow.batching import (
+    ACTOR_FIELDS,
+    fit_seq_len,
+    pack_tokens,
+    response_slices,
+    to_critic_micro_batch,
+    to_micro_batch,
+)
 from asyncflow.workflow.services import TaskService, partition_name
 
 
@@ -30,9 +38,7 @@ class MegatronService(TaskService):
         super().__init__(worker=rank, **kw)
         from megatron.core import parallel_state as ps
 
-        from asyncflow.engines.base import make_train_engine
-
-        self.engine = make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir)
+        self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
         self.fixed_shape = megatron_cfg.pipeline_parallel > 1  # stages exchange fixed shapes
         tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -42,6 +48,31 @@ class MegatronService(TaskService):
         self.mp_size = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
         self.writer = ps.is_pipeline_last_stage() and tp == 0  # holds the logprobs of its replica
         self.reporter = self.writer and self.dp_rank == 0
+
+    def restore(self, resume_dir: str | None, version: int) -> None:
+        """Load this group's part of a run checkpoint (model and optimizer) and continue at ``version``."""
+        if resume_dir is not None:
+            with self.timeline.span(self.name, "load_checkpoint", self.worker):
+                self.engine.load(str(Path(resume_dir) / self.name))
+            self.engine.version = version
+
+    def maybe_save(self, step: int, checkpoint: dict | None) -> bool:
+        """After the update of ``step``: write this group's part of the run checkpoint when one is due
+        (collective over the group; the driver commits the folder once every group has reported)."""
+        from asyncflow.workflow.resume import checkpoint_due, staging_path
+
+        trained = step + 1
+        if not checkpoint or not checkpoint_due(trained, checkpoint["interval"], checkpoint["steps"]):
+            return False
+        with self.timeline.span(self.name, "save_checkpoint", self.worker, step=trained):
+            self.engine.save(str(staging_path(checkpoint["root"], trained) / self.name))
+        return True
+
+    def make_engine(self, megatron_cfg: MegatronConfig, model_dir: str):
+        """This group's engine (a policy by default; the critic overrides it)."""
+        from asyncflow.engines.base import make_train_engine
+
+        return make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir)
 
     def stream(self, step: int, fields: list[str], batch_size: int, **kwargs):
         """This rank's share: the same rows for every TP/PP rank of a replica, distinct across replicas."""
@@ -58,12 +89,14 @@ class ReferenceService(MegatronService):
 
     name = "reference"
 
-    def __init__(self, chunk: int, **kw):
+    def __init__(self, chunk: int, after_advantage: bool = False, **kw):
         super().__init__(**kw)
         self.chunk = chunk
+        # Dynamic sampling: score only the rows the advantage task kept (dropped groups never reach here).
+        self.fields = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantage else [])
 
     def run_step(self, step: int) -> dict | None:
-        for batch in self.stream(step, ["prompt_ids", "response_ids"], self.chunk):
+        for batch in self.stream(step, self.fields, self.chunk):
             with self.timeline.span(self.name, "ref_logprobs", self.worker, rows=len(batch)):
                 prompts, responses = batch["prompt_ids"], batch["response_ids"]
                 tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
@@ -79,9 +112,13 @@ class ActorService(MegatronService):
 
     name = "actor"
 
-    def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, **kw):
+    def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, checkpoint: dict | None = None,
+                 resume_dir: str | None = None, start_version: int = 0, **kw):
         super().__init__(**kw)
         from asyncflow.algorithms.objective import make_objective
+
+        self.checkpoint = checkpoint
+        self.restore(resume_dir, start_version)
 
         self.algo = algo
         self.mbs = self.engine.trainer.cfg.micro_batch_size
@@ -118,7 +155,7 @@ class ActorService(MegatronService):
         version = self.engine.version
 
         def first_pass():
-            for batch in self.stream(step, self.fields, self.mbs):
+            for batch in self.stream(step, self.fields, self.mbs, allow_partial=False):
                 groups.extend(batch.meta.group_ids)
                 mb = to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
                 cache.append(mb)
@@ -133,13 +170,114 @@ class ActorService(MegatronService):
                 results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
         self.engine.version += 1
         self.publish()
+        saved = self.maybe_save(step, self.checkpoint)
         all_groups = _gather_over_data_parallel(groups)
         if not self.reporter:
             return None
         # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
         metrics = _actor_metrics(results, cache, time.time() - t0)
         metrics["actor/rows"] = float(len(all_groups))  # every replica's rows, not only this one's
+        metrics["actor/checkpoint_saved"] = float(saved)
+        metrics["actor/flat_groups"] = float(_flat_groups(cache, groups))
         return self.report(step, metrics, trained_groups=sorted(all_groups))
+
+
+class CriticService(MegatronService):
+    """PPO's critic, two TransferQueue tasks on the same ranks: ``values`` (a forward over each step's rows,
+    read by the advantage task's GAE) and ``critic`` (the update on the GAE returns).
+
+    The values of step s come from the critic updated through step s-1: the two phases alternate in one
+    actor, so the critic is never stale, while rollout and the actor keep their own pace.
+    """
+
+    name = "critic"
+    tasks = ("values", "critic")
+
+    def __init__(self, algo: AlgorithmConfig, rows_per_step: int, chunk: int, checkpoint: dict | None = None,
+                 resume_dir: str | None = None, start_version: int = 0, **kw):
+        super().__init__(**kw)
+        from asyncflow.algorithms.objective import make_value_objective
+
+        self.checkpoint = checkpoint
+        self.restore(resume_dir, start_version)
+
+        self.algo, self.chunk = algo, chunk
+        self.mbs = self.engine.trainer.cfg.micro_batch_size
+        if rows_per_step % (self.mbs * self.dp_size):
+            raise ValueError(f"rows per step {rows_per_step} must be a multiple of critic.micro_batch_size "
+                             f"{self.mbs} x data-parallel size {self.dp_size}")
+        self.num_micro = rows_per_step // (self.mbs * self.dp_size)
+        self.loss_fn = make_value_objective(algo)
+
+    def make_engine(self, megatron_cfg: MegatronConfig, model_dir: str):
+        from asyncflow.engines.base import make_critic_engine
+
+        return make_critic_engine(megatron_cfg.engine, megatron_cfg, model_dir)
+
+    def values_step(self, step: int) -> None:
+        """Values of every row of ``step`` (field ``values``, one per response token)."""
+        for batch in self.stream(step, ["prompt_ids", "response_ids"], self.chunk, task="values"):
+            with self.timeline.span("values", "values", self.worker, rows=len(batch)):
+                prompts, responses = batch["prompt_ids"], batch["response_ids"]
+                tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
+                values = self.engine.compute_values(tokens)
+                if self.writer:
+                    self.tq.put(partition_name(step), {"values": response_slices(values, prompts, responses)},
+                                indexes=batch.indexes)
+
+    def update_step(self, step: int) -> dict | None:
+        """``ppo_epochs`` critic updates on the step's GAE returns; the first streams from the TransferQueue."""
+        cache: list[dict] = []
+
+        def first_pass():
+            for batch in self.stream(step, ["prompt_ids", "response_ids", "values", "returns"], self.mbs,
+                                     task="critic", allow_partial=False):
+                mb = to_critic_micro_batch(batch, self.seq_len, self.pad_id, self.fixed_shape)
+                cache.append(mb)
+                yield mb
+
+        t0 = time.time()
+        with self.timeline.span(self.name, "critic_train", self.worker, step=step):
+            results = [self.engine.train_step(first_pass(), self.num_micro, self.loss_fn)]
+            for _ in range(self.algo.ppo_epochs - 1):
+                results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
+        self.engine.version += 1
+        self.maybe_save(step, self.checkpoint)
+        if not self.reporter:
+            return None
+        first, last = results[0]["micro"], results[-1]["micro"]
+        tokens = max(sum(float(o["tokens"]) for o in first), 1.0)
+        metrics = {
+            "critic/vf_loss": sum(float(o["vf_sum"]) for o in first) / tokens,
+            "critic/value_mean": sum(float(o["value_sum"]) for o in first) / tokens,
+            "critic/abs_error": sum(float(o["abs_err_sum"]) for o in first) / tokens,
+            "critic/grad_norm": results[-1]["grad_norm"],
+            "critic/train_s": time.time() - t0,
+        }
+        if "clip_sum" in last[0]:
+            metrics["critic/clip_frac"] = sum(float(o["clip_sum"]) for o in last) / tokens
+        return self.report(step, metrics)
+
+    def run_phase(self, step: int, phase: str | None = None) -> dict | None:
+        if phase == "values":
+            return self.values_step(step)
+        if phase == "critic":
+            return self.update_step(step)
+        return self.run_step(step)
+
+    def run_step(self, step: int) -> dict | None:
+        self.values_step(step)
+        return self.update_step(step)
+
+
+def _flat_groups(cache: list[dict], groups: list[int]) -> int:
+    """GRPO groups (of this replica's rows) whose advantages are all zero: no signal, only batch filler
+    (dynamic sampling keeps this at 0)."""
+    rows = torch.cat([mb["advantages"].abs().sum(-1) for mb in cache]) if cache else torch.zeros(0)
+    signal: dict[int, bool] = {}
+    for gid, value in zip(groups, rows.tolist()):
+        signal[gid] = signal.get(gid, False) or value > 0
+    return sum(not v for v in signal.values())
 
 
 def _gather_over_data_parallel(items: list[int]) -> list[int]:
@@ -168,6 +306,8 @@ def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> di
     }
     if "kl_sum" in first[0]:
         metrics["actor/kl"] = sum(float(o["kl_sum"]) for o in first) / max(tokens, 1)
+    if "entropy_sum" in first[0]:
+        metrics["actor/entropy"] = sum(float(o["entropy_sum"]) for o in first) / max(tokens, 1)
     if "clip_sum" in first[0]:
         metrics["actor/clip_frac"] = sum(float(o["clip_sum"]) for o in results[-1]["micro"]) / max(tokens, 1)
     if gaps:

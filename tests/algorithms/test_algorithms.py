@@ -74,7 +74,7 @@ def test_aggregation_modes_sum_over_micro_batches():
 
 
 def test_registry_errors_list_valid_names_and_dotted_paths_load():
-    with pytest.raises(RegistryError, match="valid: grpo"):
+    with pytest.raises(RegistryError, match="valid: gae, grpo"):
         ADVANTAGE_ESTIMATORS.get("gae-typo")
     assert ADVANTAGE_ESTIMATORS.resolve("asyncflow.algorithms.advantages:grpo") is ADVANTAGE_ESTIMATORS.get("grpo")
     with pytest.raises(RegistryError, match="cannot import"):

@@ -22,8 +22,8 @@ class MegatronActor(TrainEngine):
     first pass stream micro-batches from the TransferQueue before the batch's token count is known.
     """
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True):
-        self.trainer = MegatronTrainer(cfg, model_dir)
+    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True, head: str = "lm"):
+        self.trainer = MegatronTrainer(cfg, model_dir, head=head)
         if load_weights:
             self.trainer.load_hf(model_dir)
         self.version = 0
@@ -70,9 +70,12 @@ class MegatronActor(TrainEngine):
         return self.trainer.export_hf()
 
     def save(self, path: str) -> None:
-        """Megatron distributed checkpoint of the model."""
-        self.trainer.save_dist_checkpoint(path)
+        """Model and optimizer state, a Megatron distributed checkpoint (collective on every rank).
+
+        ``version`` is not stored: the run checkpoint's ``meta.json`` holds it.
+        """
+        self.trainer.save_checkpoint(path)
 
     def load(self, path: str) -> None:
-        """Load a Megatron distributed checkpoint (any TP/PP)."""
-        self.trainer.load_dist_checkpoint(path)
+        """Restore ``save`` output at any TP/PP (the caller restores ``version``)."""
+        self.trainer.load_checkpoint(path)

@@ -1,8 +1,25 @@
-"""Per-token log-probabilities from Megatron logits, without gathering the full vocabulary on one rank."""
+"""Per-token log-probabilities and entropies from Megatron logits, without gathering the full vocabulary."""
 
 from __future__ import annotations
 
 import torch
+
+
+def _tp_rank() -> int:
+    """This process's tensor-parallel rank; 0 when Megatron's parallel state is not initialized."""
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+
+
+def _tp_group():
+    """The tensor-parallel process group, or None when there is nothing to reduce over (TP=1, no state)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    group = parallel_state.get_tensor_model_parallel_group()
+    return group if group.size() > 1 else None
 
 
 def mask_padded_vocab(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
@@ -11,10 +28,8 @@ def mask_padded_vocab(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
     Padded rows exist only so the vocabulary divides evenly; Hugging Face and vLLM have no such
     tokens, so leaving their logits in the softmax would shift every log-probability.
     """
-    from megatron.core import parallel_state
-
     shard = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * shard
+    start = _tp_rank() * shard
     first_padded = true_vocab - start
     if first_padded >= shard:
         return logits
@@ -33,3 +48,30 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, true_vocab: int)
         logits.transpose(0, 1).contiguous().float(), targets.transpose(0, 1).contiguous()
     )
     return -loss.transpose(0, 1)
+
+
+def token_entropy(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
+    """Entropy [b, s] (float32) of the softmax of vocab-parallel ``logits`` [b, s, V/tp]; differentiable.
+
+    With the global max m, S = sum exp(x - m) and T = sum exp(x - m) (x - m) over the whole
+    vocabulary, H = log S - T / S. Each rank sums its shard and all-reduces S and T only. The
+    all-reduce's backward is the identity, which is the right gradient because every tensor-parallel
+    rank computes the same loss from the reduced H, as with Megatron's vocab-parallel cross entropy.
+    """
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    group = _tp_group()
+    logits = mask_padded_vocab(logits.float(), true_vocab)
+    with torch.no_grad():  # H does not depend on m; it only keeps exp() in range
+        m = logits.max(-1, keepdim=True).values
+        if group is not None:
+            torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    shifted = logits - m
+    exp = shifted.exp()
+    # Padded rows: exp is 0 but shifted is -inf, and 0 * -inf is nan (in backward too): zero them first.
+    shifted = torch.where(shifted.isneginf(), 0.0, shifted)
+    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+    if group is not None:
+        sums = reduce_from_tensor_model_parallel_region(sums, group)
+    total, weighted = sums.unbind(0)
+    return total.log() - weighted / total

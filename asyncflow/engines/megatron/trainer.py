@@ -8,6 +8,7 @@ so no rank ever holds the full-vocabulary logits of another rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator
@@ -27,15 +28,25 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class MegatronTrainer:
-    """Holds this rank's model chunk, DDP wrapper and optimizer; call collectively on every rank."""
+    """Holds this rank's model chunk, DDP wrapper and optimizer; call collectively on every rank.
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path):
+    ``head="lm"`` is the policy (per-position outputs are log-probabilities of the next token);
+    ``head="value"`` is a critic: the language-model head is replaced by a scalar value head
+    (``ValueHead``) and per-position outputs are values.
+    """
+
+    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, head: str = "lm"):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.cfg = cfg
         init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed, expert_parallel=cfg.expert_parallel)
+        if head not in ("lm", "value"):
+            raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
+        self.head = head
         self.arch = GPTArch.from_pretrained(model_dir)
+        if head == "value":  # the critic has no output embedding to tie to the input one
+            self.arch = dataclasses.replace(self.arch, tie_word_embeddings=False)
         dtype = _DTYPES[cfg.params_dtype]
         self.tconfig = transformer_config(
             self.arch,
@@ -53,6 +64,8 @@ class MegatronTrainer:
             module = build_gpt_model(
                 self.arch, self.tconfig, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by
             )
+        if head == "value" and getattr(module, "post_process", False):
+            module.output_layer = ValueHead(self.arch.hidden_size, dtype)  # before DDP wraps the parameters
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -94,7 +107,9 @@ class MegatronTrainer:
         from asyncflow.bridge.mcore import HFReader, load_hf_into, model_rank
 
         layout = self.bridge_layout()
-        load_hf_into(self.model.module, self.arch, layout, model_rank()[0], HFReader(model_dir))
+        # A critic keeps its fresh value head: the checkpoint's lm_head has no counterpart in it.
+        skip = ("output_layer.",) if self.head == "value" else ()
+        load_hf_into(self.model.module, self.arch, layout, model_rank()[0], HFReader(model_dir), skip=skip)
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's chunk as full Hugging Face ``(name, tensor)`` pairs, any TP/PP stage.
@@ -149,6 +164,34 @@ class MegatronTrainer:
         state = dist_checkpointing.load(self.model.module.sharded_state_dict(), str(ckpt_dir))
         self.model.module.load_state_dict(state, strict=False)
 
+    def _train_state(self, is_loading: bool) -> dict:
+        """The sharded state of model and optimizer, keyed as Megatron-LM's own checkpoints are."""
+        model_state = self.model.module.sharded_state_dict()
+        # The optimizer maps its state to the model's ShardedTensors by parameter identity, so both
+        # must come from one call; is_loading makes it allocate the Adam moments it will be read into.
+        optim_state = self.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def save_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Save model and optimizer state (Adam moments and step) as a Megatron distributed checkpoint.
+
+        Collective over every rank of the world. The model part loads at any TP/PP; so does the
+        optimizer part, since its tensors are sharded exactly like the parameters they belong to.
+        """
+        from megatron.core import dist_checkpointing
+
+        Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
+        dist_checkpointing.save(self._train_state(is_loading=False), str(ckpt_dir))
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
+        """Restore model and optimizer from ``save_checkpoint`` output written at any TP/PP (collective)."""
+        from megatron.core import dist_checkpointing
+
+        state = dist_checkpointing.load(self._train_state(is_loading=True), str(ckpt_dir))
+        # strict: a resumed run must not silently keep freshly initialized weights.
+        self.model.module.load_state_dict(state["model"], strict=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+
     # ------------------------------------------------------------------ compute
     def forward_backward(
         self,
@@ -185,8 +228,14 @@ class MegatronTrainer:
             out = model(tokens, positions.expand(tokens.shape[0], -1), None)
             if not parallel_state.is_pipeline_last_stage():
                 return out, functools.partial(scaled_loss, mb)  # hidden states for the next stage
+            if self.head == "value":  # aligned like the logprobs: position t is the state before token t+1
+                return out[:, :-1, 0].float(), functools.partial(scaled_loss, mb)
             # Position t predicts token t+1: logprobs of tokens 1..s-1.
             logprobs = token_logprobs(out[:, :-1], tokens[:, 1:], self.arch.vocab_size)
+            if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus reads the whole distribution
+                from asyncflow.engines.megatron.logprobs import token_entropy
+
+                mb = {**mb, "entropy": token_entropy(out[:, :-1], self.arch.vocab_size)}
             return logprobs, functools.partial(scaled_loss, mb)
 
         return get_forward_backward_func()(
@@ -249,6 +298,24 @@ class MegatronTrainer:
         if not outputs:
             return None
         return torch.cat([o["logprobs"] for o in outputs], dim=0)
+
+
+class ValueHead(torch.nn.Module):
+    """A scalar value per position, in place of ``GPTModel.output_layer`` (same call signature).
+
+    Replicated on every tensor-parallel rank: without sequence parallelism the final hidden states are
+    identical across TP ranks, so the head's gradients are too and need no extra reduction.
+    Zero-initialized, so the critic starts from V = 0 (the usual choice for outcome rewards in [0, 1]).
+    """
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype):
+        super().__init__()
+        # Named ``weight`` (not a nested Linear): Megatron's sharded_state_dict expects output_layer.weight.
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
 def _user_model(path: str, tconfig):
