@@ -1,0 +1,98 @@
+"""Kill a PPO run for real (SIGKILL of its whole process group, mid-step) and resume it.
+
+Checked: no prompt group is trained twice and none is skipped, every step is logged once, the weights
+(actor and critic) and the weight version continue from the checkpoint, old checkpoints are pruned and
+crashed staging folders are cleaned.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS, PROMPTS = 12, 16
+
+
+def _cmd(tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+            f"model.path={tmp_path / 'model'}", f"observability.output_dir={tmp_path / 'run'}",
+            f"workflow.steps={STEPS}", f"workflow.prompts_per_step={PROMPTS}", "checkpoint.interval=2",
+            "checkpoint.keep_last=2", "algorithm.advantage=gae", "critic.micro_batch_size=64",
+            "observability.tensorboard=false", *extra]
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _session_processes(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (zombies waiting to be reaped by init do not count)."""
+    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
+    return [int(pid) for pid, s, stat in (line.split() for line in out.splitlines())
+            if s == str(sid) and not stat.startswith("Z")]
+
+
+def _kill_session(sid: int) -> None:
+    """SIGKILL every process of the run's session: the driver, Ray's daemons (in their own process groups)
+    and every worker, as when a node dies."""
+    for _ in range(3):
+        for pid in _session_processes(sid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
+    run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen(_cmd(tmp_path), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 600
+        # Kill once the step-4 checkpoint is committed: the services are then busy with steps 4..6.
+        while not (ckpts / "latest").is_file() or (ckpts / "latest").read_text().strip() < "step_000004":
+            assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
+            assert time.time() < deadline, "no checkpoint within 10 minutes"
+            time.sleep(0.05)
+    finally:
+        _kill_session(proc.pid)
+        proc.wait()
+        log.close()
+    assert not _session_processes(proc.pid), "processes of the killed run survived"
+    assert not (run / "summary.json").exists(), "the first run finished before it was killed"
+    killed_at = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "meta.json").read_text())["step"]
+    trained_before_kill = {m["step"] for m in _metrics(run)}
+    (ckpts / "step_999999.tmp").mkdir()  # a crashed save's leftovers must not confuse the resume
+
+    resumed = subprocess.run(_cmd(tmp_path, "--resume"), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
+    assert f"continuing from {ckpts / f'step_{killed_at:06d}'}" in resumed.stdout
+
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["first_step"] == killed_at and summary["steps"] == STEPS - killed_at
+    # Exactly once: every step trained the groups fed to it, and every group id appears once overall.
+    groups = {int(step): ids for step, ids in summary["trained_groups"].items()}
+    assert sorted(groups) == list(range(STEPS))
+    for step, ids in groups.items():  # one id per trained row: each prompt's group of 8 samples
+        assert ids == sorted(i for i in range(step * PROMPTS, (step + 1) * PROMPTS) for _ in range(8)), step
+    # The curve continues: one line per step, no repeats of the steps trained after the checkpoint.
+    metrics = _metrics(run)
+    assert [m["step"] for m in metrics] == list(range(STEPS))
+    assert max(trained_before_kill) >= killed_at - 1
+    first = metrics[killed_at]
+    assert first["rollout/version"] == killed_at  # rollout got the checkpoint's weights as version n
+    # A restart from scratch has KL exactly 0 and a zero value head at its first step; a resume does not.
+    assert metrics[0]["actor/kl"] == 0.0 and metrics[0]["critic/value_mean"] == 0.0
+    assert first["actor/kl"] > 0.3 * metrics[killed_at - 1]["actor/kl"] > 0
+    assert first["critic/value_mean"] != 0.0
+    # Pruned to keep_last=2; crashed staging folders are gone.
+    assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
