@@ -129,6 +129,16 @@ class RayConfig:
     """CPUs of a local cluster (None: all)."""
     namespace: str = "asyncflow"
     """Ray namespace of this job's actors."""
+    accelerator: str | None = None
+    """Ray resource name of the devices (``GPU``, ``NPU``, ...): one bundle per trainer rank and per rollout
+    engine (see ``asyncflow.workflow.placement``). None: the CPU layout of the tiny recipes."""
+    cpus_per_device: int = 4
+    """CPU cores reserved beside each device (data loading, tokenization, the vLLM scheduler)."""
+    local_devices: int | None = None
+    """Devices a *local* cluster declares (None: Ray's own detection); lets the device layout be tested on a
+    machine without them."""
+    placement_timeout_s: float = 600.0
+    """How long to wait for the placement group (all devices of the run) before failing."""
 
 
 @dataclass

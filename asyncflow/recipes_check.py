@@ -203,15 +203,23 @@ def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) 
 
 
 def _check_devices(name: str, cfg: AsyncFlowConfig, cluster: ClusterSpec) -> list[str]:
+    from asyncflow.algorithms.advantages import estimator_scope
+    from asyncflow.workflow.placement import world_size
+
+    problems = []
+    if cfg.ray.accelerator != cluster.device_resource:
+        problems.append(f"{name}: ray.accelerator={cfg.ray.accelerator!r} but DEVICE_RESOURCE="
+                        f"{cluster.device_resource} in cluster.env (the placement group asks Ray for ray.accelerator)")
+    # asyncflow.workflow.placement gives trainer ranks and rollout engines their own devices in both modes; a
+    # critic shares the trainer's devices when its parallel sizes match the actor's, else it needs its own.
+    needed, how = cluster.trainer_devices + cluster.rollout_devices, "trainer + rollout"
+    if estimator_scope(cfg.algorithm.advantage) == "critic" and world_size(cfg.critic) != world_size(cfg.trainer):
+        needed, how = needed + world_size(cfg.critic), how + " + critic"
     total = cluster.total_devices
-    if cfg.workflow.mode == "sync":  # colocated: trainer and rollout take turns on the same devices
-        needed, how = max(cluster.trainer_devices, cluster.rollout_devices), "max(trainer, rollout)"
-    else:
-        needed, how = cluster.trainer_devices + cluster.rollout_devices, "trainer + rollout"
     if needed > total:
-        return [f"{name}: too many devices: {how} = {needed} > NODES x DEVICES_PER_NODE = "
-                f"{cluster.nodes} x {cluster.devices_per_node} = {total}"]
-    return []
+        problems.append(f"{name}: too many devices: {how} = {needed} > NODES x DEVICES_PER_NODE = "
+                        f"{cluster.nodes} x {cluster.devices_per_node} = {total}")
+    return problems
 
 
 def _compare_checkpoint(name: str, facts: dict, model_dir: Path) -> list[str]:

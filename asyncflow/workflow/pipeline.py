@@ -1,8 +1,7 @@
 """Start and stop everything the loop needs: Ray, the TransferQueue, the version board, the services.
 
-Worker groups are Ray actors in one placement group. ``async`` (task-separated) gives rollout and
-training a bundle each and pins them to different cores; ``sync`` (colocated) puts every worker in one
-bundle and lets the heavy ones use all its cores, taking turns.
+Worker groups are Ray actors in one placement group; ``asyncflow.workflow.placement`` decides the
+bundles (cores on a CPU machine, one device per trainer rank and per rollout engine on a cluster).
 """
 
 from __future__ import annotations
@@ -119,35 +118,44 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     ``resume_dir``: a committed run checkpoint the actor (and critic) load; training continues at ``start_step``.
     """
     import ray
-    from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from asyncflow import transfer_queue
     from asyncflow.algorithms.advantages import estimator_scope
+    from asyncflow.workflow.placement import Placement
     from asyncflow.workflow.resume import checkpoint_root
 
     wf, algo = cfg.workflow, cfg.algorithm
     check_algorithm(cfg)
     colocated = wf.mode == "sync"
     critic = estimator_scope(algo.advantage) == "critic"
+    reference = algo.kl_coef > 0
+    local = {}
+    if cfg.ray.address is None and cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
+        local = ({"num_gpus": cfg.ray.local_devices} if cfg.ray.accelerator == "GPU"
+                 else {"resources": {cfg.ray.accelerator: cfg.ray.local_devices}})
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
-             include_dashboard=False, log_to_driver=False)
+             include_dashboard=False, log_to_driver=False, **local)
     tq = transfer_queue.start(cfg.transfer_queue)
     client = tq.client()
-    cores = 2 if cfg.ray.num_cpus is None else max(int(cfg.ray.num_cpus), 1)
-    bundles = [{"CPU": cores}] if colocated else [{"CPU": 1}, {"CPU": max(cores - 1, 1)}]
-    pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready(), timeout=120)
+    where = Placement(cfg, critic, reference)
 
-    def place(cls, bundle: int, num_cpus: float, **kwargs):
-        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
-        return ray.remote(cls).options(num_cpus=num_cpus, scheduling_strategy=strategy).remote(**kwargs)
+    def place(cls, opts: dict, **kwargs):
+        return ray.remote(cls).options(**opts).remote(**kwargs)
+
+    def megatron_group(cls, group: str, mcfg, **kwargs) -> list:
+        """``TP x PP x DP`` Ray actors of ``cls`` forming one torch.distributed world."""
+        from asyncflow.engines.megatron.parallel import free_port
+        from asyncflow.workflow.placement import world_size
+
+        world, port, addr = world_size(mcfg), free_port(), where.master_addr(group)
+        handles = []
+        for rank in range(world):
+            opts, cpus = where.megatron(group, rank)
+            handles.append(place(cls, opts, rank=rank, world_size=world, master_port=port, master_addr=addr,
+                                 cpus=cpus, **kwargs))
+        return handles
 
     threads = wf.sync_worker_threads if colocated else wf.worker_threads
-    train_bundle = 0 if colocated else 1
-    # Async: rollout on core 0, trainer-side workers on the rest; sync: everyone may use every core.
-    rollout_cpus = list(range(cores)) if colocated else [0]
-    train_cpus = list(range(cores)) if colocated else list(range(1, cores))
     board = ray.remote(VersionBoard).options(num_cpus=0).remote()
     common = dict(tq_address=tq.address, tq_cfg=cfg.transfer_queue, board=board, timeout_s=wf.step_timeout_s,
                   partial_batches=algo.dynamic_sampling)
@@ -157,61 +165,46 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
                    resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
     rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
 
-    groups: dict[str, list] = {"rollout": [
-        place(services.RolloutService, 0, 1 if i == 0 else 0, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
-              max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
-              budgets=budgets, worker=i, cpus=rollout_cpus, **common)
-        for i in range(wf.rollout_instances)
-    ]}
-    groups["reward"] = [place(services.RewardService, train_bundle, 0, reward=algo.reward, model_dir=str(model_dir),
+    groups: dict[str, list] = {"rollout": []}
+    for i in range(wf.rollout_instances):
+        opts, cpus = where.rollout(i)
+        groups["rollout"].append(place(
+            services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
+            max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
+            budgets=budgets, worker=i, cpus=cpus, **common))
+    groups["reward"] = [place(services.RewardService, where.light(), reward=algo.reward, model_dir=str(model_dir),
                               chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
                               threads=1, **common)]
-    megatron = dict(megatron_cfg=cfg.trainer, model_dir=str(model_dir), seq_len=seq_len, threads=threads, **common)
-    if algo.kl_coef > 0:
-        # The reference forward shares rollout's cores: the actor update is the longer task, and the
-        # rollout side idles whenever it waits for weights (measured: it balances the two cores).
-        groups["reference"] = megatron_group(place, train_services.ReferenceService, 0, cfg.trainer, 0,
-                                             chunk=wf.score_chunk, after_advantage=algo.dynamic_sampling,
-                                             cpus=rollout_cpus, **megatron)
-    groups["advantage"] = [place(services.AdvantageService, train_bundle, 0, algo=algo,
+    megatron = dict(model_dir=str(model_dir), seq_len=seq_len, threads=threads, **common)
+    if reference:
+        groups["reference"] = megatron_group(train_services.ReferenceService, "reference", cfg.trainer,
+                                             megatron_cfg=cfg.trainer, chunk=wf.score_chunk,
+                                             after_advantage=algo.dynamic_sampling, **megatron)
+    groups["advantage"] = [place(services.AdvantageService, where.light(), algo=algo,
                                  group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
                                  threads=1, **common)]
-    groups["actor"] = megatron_group(place, train_services.ActorService, train_bundle, cfg.trainer, 1, algo=algo,
-                                     rows_per_step=rows_per_step, max_new_tokens=cfg.rollout.max_new_tokens,
-                                     cpus=train_cpus, **persist, **megatron)
+    groups["actor"] = megatron_group(train_services.ActorService, "actor", cfg.trainer, megatron_cfg=cfg.trainer,
+                                     algo=algo, rows_per_step=rows_per_step,
+                                     max_new_tokens=cfg.rollout.max_new_tokens, **persist, **megatron)
     stages = [(name, None) for name in groups]
-    if algo.dynamic_sampling and "reference" in groups:  # it scores only the kept rows: after advantage
+    if algo.dynamic_sampling and reference:  # it scores only the kept rows: after advantage
         stages.remove(("reference", None))
         stages.insert([name for name, _ in stages].index("actor"), ("reference", None))
     if critic:
-        # The critic shares the trainer's cores: its values pass is short and its update runs while the
-        # actor waits for the next step's rows.
-        groups["critic"] = megatron_group(place, train_services.CriticService, train_bundle, cfg.critic, 0,
-                                          algo=algo, rows_per_step=rows_per_step, chunk=wf.score_chunk,
-                                          cpus=train_cpus, **persist, **{**megatron, "megatron_cfg": cfg.critic})
+        # The critic shares the trainer's cores (devices): its values pass is short and its update runs
+        # while the actor waits for the next step's rows.
+        groups["critic"] = megatron_group(train_services.CriticService, "critic", cfg.critic,
+                                          megatron_cfg=cfg.critic, algo=algo, rows_per_step=rows_per_step,
+                                          chunk=wf.score_chunk, **persist, **megatron)
         at = [name for name, _ in stages].index("advantage")
         stages[at:at] = [("critic", "values")]  # GAE needs the values; the critic update follows the actor
         stages.append(("critic", "critic"))
     multi_task = {"critic": train_services.CriticService.tasks}
     tasks = [task for name in groups for task in multi_task.get(name, (name,))]
-    pipeline = Pipeline(cfg, tq, client, board, groups, pg, seq_len, tasks, stages)
+    pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages)
     try:
         ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
     except BaseException:
         pipeline.close()
         raise
     return pipeline
-
-
-def megatron_group(place, cls, bundle: int, mcfg, num_cpus: float, **kwargs) -> list:
-    """``TP x PP x DP`` Ray actors of ``cls`` forming one torch.distributed world.
-
-    Only rank 0 reserves ``num_cpus``: all ranks of a group must be scheduled together (they rendezvous
-    in their constructors), and on a small machine reserving a CPU per rank could leave one unplaced.
-    """
-    from asyncflow.engines.megatron.parallel import free_port
-
-    world = mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.data_parallel
-    port = free_port()
-    return [place(cls, bundle, num_cpus if rank == 0 else 0, rank=rank, world_size=world, master_port=port,
-                  **kwargs) for rank in range(world)]

@@ -87,6 +87,15 @@ class TaskService:
         """Liveness check used at start-up."""
         return self.name
 
+    def where(self) -> dict:
+        """This worker's node and the accelerator ids Ray assigned to it (for placement checks and logs)."""
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {"node": ctx.get_node_id(), "devices": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
+                "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "master_addr": os.environ.get("MASTER_ADDR")}
+
     def shutdown(self) -> None:
         """Release what the service holds beyond its own process (before the actor is killed)."""
         self.tq.close()

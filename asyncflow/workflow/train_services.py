@@ -31,9 +31,9 @@ class MegatronService(TaskService):
     """A rank of a Megatron worker group: joins the group's process group, knows its DP/MP position."""
 
     def __init__(self, megatron_cfg: MegatronConfig, model_dir: str, seq_len: int, rank: int = 0,
-                 world_size: int = 1, master_port: int = 0, **kw):
-        if world_size > 1:  # torch.distributed rendezvous of the worker group (127.0.0.1: one node here)
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                 world_size: int = 1, master_port: int = 0, master_addr: str = "127.0.0.1", **kw):
+        if world_size > 1:  # torch.distributed rendezvous of the worker group at its rank 0's node
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                               MASTER_PORT=str(master_port))
         super().__init__(worker=rank, **kw)
         from megatron.core import parallel_state as ps

@@ -108,9 +108,27 @@ def test_too_many_devices(tmp_path):
     ]
 
 
-def test_colocated_mode_shares_devices(tmp_path):
+def test_sync_mode_still_gives_rollout_and_trainer_their_own_devices(tmp_path):
+    # Colocating vLLM and Megatron on the same devices (vLLM sleep mode) is not implemented: the placement
+    # group asks for trainer + rollout devices in both modes, and the check says so.
     recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.mode": "sync"}, env={"NODES": 1})
-    assert check_recipe(recipe) == []
+    assert check_recipe(recipe) == [
+        "qwen2.5-7b: too many devices: trainer + rollout = 16 > NODES x DEVICES_PER_NODE = 1 x 8 = 8"
+    ]
+
+
+def test_accelerator_must_match_the_cluster_resource(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", env={"DEVICE_RESOURCE": "NPU"})
+    _one_problem_with(check_recipe(recipe), "ray.accelerator='GPU'", "DEVICE_RESOURCE=NPU")
+
+
+def test_a_critic_of_another_shape_needs_devices_of_its_own(tmp_path):
+    same = _copy(tmp_path / "a", "qwen2.5-7b", config={"algorithm.advantage": "gae", "critic.tensor_parallel": 2,
+                                                       "critic.data_parallel": 4})
+    assert check_recipe(same) == []  # shares the actor's 8 devices
+    other = _copy(tmp_path / "b", "qwen2.5-7b", config={"algorithm.advantage": "gae", "critic.tensor_parallel": 2,
+                                                        "critic.data_parallel": 2})
+    _one_problem_with(check_recipe(other), "trainer + rollout + critic = 20")
 
 
 def test_device_counts_must_match_parallel_sizes(tmp_path):

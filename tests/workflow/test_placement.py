@@ -1,0 +1,43 @@
+"""The device layout of clusters, on a local Ray cluster that declares GPUs this machine does not have.
+
+Megatron and vLLM still compute on the CPU here; what is checked is the placement: each trainer rank
+gets its own device, rollout engines get theirs, the reference shares the actor's devices, the Megatron
+group rendezvouses at its rank 0's node address, and a short run trains in this layout.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from asyncflow.config import load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_device_layout_places_ranks_on_their_own_devices(tiny_model_dir, tmp_path):
+    import ray
+
+    from asyncflow.workflow.loop import train
+    from asyncflow.workflow.pipeline import start_pipeline
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+        f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path / 'run'}", "ray.accelerator=GPU",
+        "ray.local_devices=4", "ray.num_cpus=4", "ray.cpus_per_device=1", "trainer.tensor_parallel=2",
+        "workflow.steps=2", "workflow.prompts_per_step=16", "observability.tensorboard=false"])
+    pipe = start_pipeline(cfg, Path(tiny_model_dir), max_prompt_len=6)
+    try:
+        where = {name: [ray.get(h.where.remote()) for h in group] for name, group in pipe.groups.items()}
+    finally:
+        pipe.close()
+    rollout = where["rollout"][0]["devices"]["GPU"]
+    actor = [w["devices"]["GPU"] for w in where["actor"]]
+    assert len(rollout) == 1 and all(len(ids) == 1 for ids in actor)
+    assert len({ids[0] for ids in actor}) == 2 and not set(rollout) & {ids[0] for ids in actor}
+    assert [w["devices"]["GPU"] for w in where["reference"]] == actor  # takes turns on the actor's devices
+    assert not where["reward"][0]["devices"] and not where["advantage"][0]["devices"]
+    # The group meets at the node of its rank 0 (the CPU layout uses 127.0.0.1 instead).
+    assert {w["master_addr"] for w in where["actor"]} == {where["actor"][0]["node_ip"]}
+
+    summary = train(cfg)  # and it trains in that layout
+    assert summary["steps"] == 2 and summary["max_version_lag"] <= 1
