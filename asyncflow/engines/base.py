@@ -34,53 +34,44 @@ class Sample:
     request_id: str = ""
 
 
-class TrainEngine(abc.ABC):
-    """A policy (or reference) model that computes logprobs, trains, and exports its weights."""
+class TrainableEngine(abc.ABC):
+    """What every trained model offers: a streaming optimizer step and model + optimizer checkpoints."""
 
     version: int
     """Weight version: 0 as loaded, +1 per optimizer step."""
+
+    @abc.abstractmethod
+    def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
+                   loss_fn: Callable) -> dict[str, float]:
+        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step."""
+
+    @abc.abstractmethod
+    def save(self, path: str) -> None:
+        """Write a checkpoint of the model (and optimizer) to ``path``."""
+
+    @abc.abstractmethod
+    def load(self, path: str) -> None:
+        """Restore a checkpoint written by ``save``."""
+
+
+class TrainEngine(TrainableEngine):
+    """A policy (or reference) model that computes logprobs, trains, and exports its weights."""
 
     @abc.abstractmethod
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         """log p(tokens[:, 1:]) as [b, s-1] (collective over the engine's ranks)."""
 
     @abc.abstractmethod
-    def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
-                   loss_fn: Callable) -> dict[str, float]:
-        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step."""
-
-    @abc.abstractmethod
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named tensors of the current weights (for the weight bridge)."""
 
-    @abc.abstractmethod
-    def save(self, path: str) -> None:
-        """Write a checkpoint of the model (and optimizer) to ``path``."""
 
-    @abc.abstractmethod
-    def load(self, path: str) -> None:
-        """Restore a checkpoint written by ``save``."""
-
-
-class CriticEngine(abc.ABC):
+class CriticEngine(TrainableEngine):
     """A value model (PPO's critic): per-token values and its own training."""
 
     @abc.abstractmethod
     def compute_values(self, tokens: torch.Tensor) -> torch.Tensor:
         """V at every position as [b, s-1], aligned like ``compute_logprobs`` (position t: before token t+1)."""
-
-    @abc.abstractmethod
-    def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
-                   loss_fn: Callable) -> dict[str, float]:
-        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step."""
-
-    @abc.abstractmethod
-    def save(self, path: str) -> None:
-        """Write a checkpoint of the model (and optimizer) to ``path``."""
-
-    @abc.abstractmethod
-    def load(self, path: str) -> None:
-        """Restore a checkpoint written by ``save``."""
 
 
 class RolloutEngine(abc.ABC):

@@ -51,3 +51,12 @@ def test_user_engine_by_dotted_path_honours_the_contract():
 def test_unknown_engine_lists_valid_names():
     with pytest.raises(RegistryError, match="valid: .*vllm"):
         make_rollout_engine("sglang-typo", None, None)
+
+
+def test_critic_engines_resolve_by_name_and_list_the_valid_ones():
+    from asyncflow.engines.base import CRITIC_ENGINES, CriticEngine, make_critic_engine
+    from asyncflow.engines.megatron.critic import MegatronCritic
+
+    assert CRITIC_ENGINES.resolve("megatron") is MegatronCritic and issubclass(MegatronCritic, CriticEngine)
+    with pytest.raises(RegistryError, match="megatron"):
+        make_critic_engine("no-such-critic", None, None)
