@@ -83,3 +83,28 @@ def test_gae_is_a_critic_scoped_registry_marker():
     assert estimator_scope("gae") == "critic"
     with pytest.raises(TypeError, match="critic values"):
         compute_advantages("gae", [1.0, 0.0], [0, 0])
+
+
+def test_objective_entropy_bonus_and_value_objective_hand_computed():
+    from asyncflow.algorithms.objective import make_objective, make_value_objective
+    from asyncflow.config import AlgorithmConfig
+
+    mb = {"mask": torch.tensor([[1.0, 1.0, 0.0]]), "advantages": torch.tensor([[1.0, 1.0, 0.0]]),
+          "behaviour_logprobs": torch.zeros(1, 3), "lag": torch.tensor([0]),
+          "entropy": torch.tensor([[0.5, 1.5, 9.0]])}
+    logprobs = torch.zeros(1, 3)
+    plain = make_objective(AlgorithmConfig(kl_coef=0.0, policy_loss="ppo"), 3)
+    bonus = make_objective(AlgorithmConfig(kl_coef=0.0, policy_loss="ppo", entropy_coef=0.1), 3)
+    assert not plain.needs_entropy and bonus.needs_entropy  # the trainer computes entropy only when asked
+    loss0, _ = plain(logprobs, mb)
+    loss1, metrics = bonus(logprobs, mb)
+    # ratio 1, advantage 1 -> -1 per token, 2 tokens; the bonus subtracts 0.1 x (0.5 + 1.5), masked token ignored
+    assert loss0.item() == pytest.approx(-2.0) and loss1.item() == pytest.approx(-2.2)
+    assert metrics["entropy_sum"].item() == pytest.approx(2.0) and metrics["normalizer"].item() == 2
+
+    value = make_value_objective(AlgorithmConfig(value_loss="mse"))
+    vmb = {"mask": torch.tensor([[1.0, 1.0, 0.0]]), "returns": torch.tensor([[1.0, 0.0, 5.0]]),
+           "old_values": torch.zeros(1, 3)}
+    loss, metrics = value(torch.tensor([[0.5, 0.5, 0.0]]), vmb)
+    assert loss.item() == pytest.approx(0.5 * 0.25 * 2)  # 0.5 (v - R)^2 on the two response tokens
+    assert metrics["normalizer"].item() == 2 and metrics["abs_err_sum"].item() == pytest.approx(1.0)

@@ -40,10 +40,10 @@ def _train(tmp_path, recipe: str, *overrides: str) -> tuple[dict, list[dict]]:
 
 @pytest.mark.slow
 def test_async_ppo_with_a_megatron_critic_learns_add1(tmp_path):
-    # Measured: 0.054 -> 0.807 (mean of the last 10 of 70 steps), 45 s of training.
-    summary, metrics = _train(tmp_path, "recipes/tiny_cpu/ppo_async.yaml", "workflow.steps=70")
+    # Measured: 0.054 -> 0.72 (mean of steps 40-49), 0.80 (60-69); 45 s of training for 70 steps.
+    summary, metrics = _train(tmp_path, "recipes/tiny_cpu/ppo_async.yaml", "workflow.steps=55")
     assert summary["reward_first"] < 0.2
-    assert summary["reward_last10_mean"] > 0.6, summary["rewards"]
+    assert summary["reward_last10_mean"] > 0.5, summary["rewards"]
     assert metrics[0]["critic/value_mean"] == 0.0  # the value head starts at zero ...
     late = metrics[-10:]  # ... and learns to predict the return: values follow the rising reward
     assert sum(m["critic/value_mean"] for m in late) / 10 > 0.3
@@ -51,9 +51,8 @@ def test_async_ppo_with_a_megatron_critic_learns_add1(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, mode):
-    steps = 6
+@pytest.mark.parametrize("mode, steps", [("async", 6), ("sync", 3)])
+def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, mode, steps):
     summary, metrics = _train(tmp_path, "recipes/tiny_cpu/dapo_async.yaml", f"workflow.mode={mode}",
                               f"workflow.steps={steps}")
     assert [m["step"] for m in metrics] == list(range(steps))

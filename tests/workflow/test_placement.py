@@ -1,8 +1,8 @@
 """The device layout of clusters, on a local Ray cluster that declares GPUs this machine does not have.
 
 Megatron and vLLM still compute on the CPU here; what is checked is the placement: each trainer rank
-gets its own device, rollout engines get theirs, the reference shares the actor's devices, the Megatron
-group rendezvouses at its rank 0's node address, and a short run trains in this layout.
+gets its own device, rollout engines get theirs, the reference shares the actor's devices, and the
+Megatron groups (TP=2) form at their rank 0's node address and load the model there.
 """
 
 from pathlib import Path
@@ -18,7 +18,6 @@ REPO = Path(__file__).resolve().parents[2]
 def test_device_layout_places_ranks_on_their_own_devices(tiny_model_dir, tmp_path):
     import ray
 
-    from asyncflow.workflow.loop import train
     from asyncflow.workflow.pipeline import start_pipeline
 
     cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
@@ -38,6 +37,3 @@ def test_device_layout_places_ranks_on_their_own_devices(tiny_model_dir, tmp_pat
     assert not where["reward"][0]["devices"] and not where["advantage"][0]["devices"]
     # The group meets at the node of its rank 0 (the CPU layout uses 127.0.0.1 instead).
     assert {w["master_addr"] for w in where["actor"]} == {where["actor"][0]["node_ip"]}
-
-    summary = train(cfg)  # and it trains in that layout
-    assert summary["steps"] == 2 and summary["max_version_lag"] <= 1
