@@ -13,7 +13,8 @@
     sync:  the driver runs the same services one after another per step (the colocated baseline).
 
 The driver feeds prompts ahead of the services, grows steps under DAPO dynamic sampling
-(``workflow.sampling``) and commits checkpoints as steps complete (``workflow.resume``).
+(``workflow.feeder``, ``workflow.sampling``) and commits checkpoints as steps complete
+(``workflow.resume``).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
 
     from asyncflow.config import replace_section
     from asyncflow.data import make_prompt_source
+    from asyncflow.workflow.feeder import Feeder
     from asyncflow.workflow.pipeline import start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
@@ -54,7 +56,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt, first=start)
         reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"),
                             on_step=lambda step: ckpt.step_done(step, reporter.trained_groups))
-        feeder = Feeder(cfg, pipe, source, ckpt, start)
+        feeder = Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay"))
         if wf.mode == "sync":
             for step in range(start, wf.steps):
                 feeder.feed_until(step + 1)
@@ -78,70 +80,6 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
-
-
-class Feeder:
-    """Puts prompts into the TransferQueue: a step's first round, then (dynamic sampling) top-up rounds."""
-
-    def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int):
-        from asyncflow.workflow.sampling import DynamicSampling
-
-        self.cfg, self.pipe, self.source, self.ckpt = cfg, pipe, source, ckpt
-        wf = cfg.workflow
-        self.fed = start
-        self.sampling = (DynamicSampling(wf.prompts_per_step, wf.samples_per_prompt,
-                                         cfg.algorithm.max_sampling_factor)
-                         if cfg.algorithm.dynamic_sampling else None)
-
-    def feed(self, step: int, count: int) -> None:
-        """``count`` prompts (a group of ``samples_per_prompt`` each) into ``step``."""
-        from asyncflow.data import next_batch
-
-        wf = self.cfg.workflow
-        prompts, answers = next_batch(self.source, count)
-        budgets = None
-        if hasattr(self.source, "sample_budgets"):
-            budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
-        first_group = None
-        if self.sampling is not None:
-            first_group = self.sampling.next_group_id(step)
-            self.sampling.fed(step, count)
-        self.pipe.feed(step, prompts, wf.samples_per_prompt, budgets, answers, first_group=first_group)
-
-    def feed_until(self, step: int) -> None:
-        """First rounds of every step below ``step``."""
-        while self.fed < min(step, self.cfg.workflow.steps):
-            self.ckpt.before_feed(self.fed)
-            self.feed(self.fed, self.cfg.workflow.prompts_per_step)
-            self.fed += 1
-
-    def top_up(self) -> None:
-        """Dynamic sampling: feed the rounds the advantage task's judgements call for; seal full steps."""
-        import ray
-
-        if self.sampling is None:
-            return
-        self.sampling.progress(ray.get(self.pipe.board.take_sampling.remote()))
-        more, full = self.sampling.plan()
-        for step, count in more.items():
-            self.feed(step, count)
-        for step in full:
-            self.pipe.seal(step)
-
-    def wait(self, refs: list, collect, ahead=None, sync: bool = False) -> None:
-        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile."""
-        import ray
-
-        while refs:
-            if ahead is not None:
-                self.feed_until(ahead())
-            self.top_up()
-            done, refs = ray.wait(refs, timeout=0.2)
-            results = ray.get(done)  # re-raises a service's failure here
-            if sync:
-                collect([r for r in results if isinstance(r, dict)])
-            else:
-                collect()
 
 
 def _model_dir(cfg: AsyncFlowConfig) -> Path:

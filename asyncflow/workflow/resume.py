@@ -8,10 +8,9 @@ Who writes what, for a checkpoint after ``n`` trained steps (``step_n``):
   the data cursor before step ``n``'s prompts, the trained-prompt record) and commits the folder.
 
 A resumed run loads the newest complete checkpoint, re-creates the TransferQueue partitions from step
-``n`` and feeds prompts from the saved cursor. Samples generated for steps >= n before the crash are
-not saved: they are generated again by the restored weights, so no prompt is trained twice and none is
-skipped. (With ``algorithm.dynamic_sampling``, extra prompt rounds of step n-1 drawn after step n's
-first round are drawn again after a resume.)
+``n``, restores the prompt stream's cursor and replays the draws logged since it (``workflow.feeder``).
+Samples generated for steps >= n before the crash are not saved: they are generated again by the
+restored weights, so no prompt is trained twice and none is skipped.
 """
 
 from __future__ import annotations
@@ -66,7 +65,9 @@ class RunCheckpoints:
         self.interval, self.steps = cfg.checkpoint.interval, cfg.workflow.steps
         self.root = checkpoint_root(cfg)
         self.manager = CheckpointManager(self.root, cfg.checkpoint.keep_last)
-        self.cursors: dict[int, dict | None] = {}
+        self.cursors: dict[int, tuple[dict, int]] = {}  # step -> (cursor before its first prompts, draw index)
+        self.draws: list[tuple[int, int, bool]] = []  # every (step, count, first round) drawn, in order
+        self.draws_offset = 0  # draws before this index were pruned
         if self.interval > 0 and not hasattr(source, "state_dict"):
             raise TypeError(f"prompt source {type(source).__name__} has no state_dict(): checkpoints need the "
                             "data cursor (add state_dict/load_state_dict, or set checkpoint.interval=0)")
@@ -92,7 +93,12 @@ class RunCheckpoints:
     def before_feed(self, step: int) -> None:
         """Remember the data cursor before the first prompts of ``step`` are drawn."""
         if self.interval > 0 and step not in self.cursors:
-            self.cursors[step] = self.source.state_dict()
+            self.cursors[step] = (self.source.state_dict(), self.draws_offset + len(self.draws))
+
+    def log_draw(self, step: int, count: int, first: bool) -> None:
+        """``count`` prompts were drawn for ``step`` (its first round or a top-up)."""
+        if self.interval > 0:
+            self.draws.append((step, count, first))
 
     def step_done(self, step: int, trained_groups: dict[int, list[int]]) -> Path | None:
         """Step ``step`` is complete (all its reports are in): commit its checkpoint when one is due."""
@@ -100,10 +106,15 @@ class RunCheckpoints:
         if not checkpoint_due(trained, self.interval, self.steps):
             return None
         # Not fed yet (sync mode feeds a step just before it runs): the source is exactly there now.
-        cursor = self.cursors.get(trained) or self.source.state_dict()
+        cursor, index = self.cursors.get(trained) or (self.source.state_dict(), self.draws_offset + len(self.draws))
         meta = {"step": trained, "weight_version": trained, "data_cursor": cursor,
+                # draws since the cursor: a resume replays them (dropping those of steps < trained)
+                "replay": [list(d) for d in self.draws[index - self.draws_offset:]],
                 "trained_groups": {str(k): v for k, v in sorted(trained_groups.items())}}
         path = self.manager.commit(trained, meta)
         for old in [s for s in self.cursors if s <= trained]:
             del self.cursors[old]
+        keep_from = min([i for _, i in self.cursors.values()] + [index])  # what a later checkpoint may need
+        del self.draws[: keep_from - self.draws_offset]
+        self.draws_offset = keep_from
         return path

@@ -22,6 +22,10 @@ def test_cursor_of_a_checkpoint_replays_the_next_steps_prompts(tiny_model_dir, t
     for step in range(6):  # the driver feeds ahead of training
         run.before_feed(step)
         fed[step] = source.next_prompts(4)
+        run.log_draw(step, 4, True)
+        if step == 4:  # a dynamic-sampling top-up of step 3, drawn after step 4's first prompts
+            source.next_prompts(2)
+            run.log_draw(3, 2, False)
     assert run.step_done(2, {}) is None  # 3 trained steps: not due
     (run.manager.staging(4) / "actor").mkdir()  # what the actor ranks write
     path = run.step_done(3, {0: [0], 1: [1], 2: [2], 3: [3]})
@@ -30,7 +34,11 @@ def test_cursor_of_a_checkpoint_replays_the_next_steps_prompts(tiny_model_dir, t
     again = make_prompt_source("add1", tok, 0)
     start, found, meta = RunCheckpoints(cfg, again).resume()
     assert (start, found) == (4, path) and meta["weight_version"] == 4 and meta["trained_groups"]["3"] == [3]
-    assert again.next_prompts(4) == fed[4] and again.next_prompts(4) == fed[5]
+    # The draws since the cursor, in order: what a resume replays (dropping the top-up of step 3).
+    assert meta["replay"] == [[4, 4, True], [3, 2, False], [5, 4, True]]
+    assert again.next_prompts(4) == fed[4]
+    again.next_prompts(2)
+    assert again.next_prompts(4) == fed[5]
 
 
 def test_trim_metrics_drops_steps_trained_again(tmp_path):

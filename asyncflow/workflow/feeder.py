@@ -1,0 +1,88 @@
+"""The driver's prompt feeder: first rounds ahead of the services, top-up rounds under dynamic sampling.
+
+Every draw from the prompt stream is logged as ``(step, count, first_round)``. A checkpoint after ``n``
+steps saves the stream's cursor from before step ``n``'s first prompts plus the draws made since then;
+in async mode those include prompts already fed to later steps and, with dynamic sampling, top-ups of
+earlier steps. A resumed run restores the cursor and replays the logged draws in order: draws for steps
+below ``n`` (already trained) are discarded, the others go to the same steps as before. So the stream
+is consumed exactly as it was, no prompt is trained twice and none is skipped, and the driver keeps
+feeding ahead of the services.
+"""
+
+from __future__ import annotations
+
+from asyncflow.config import AsyncFlowConfig
+
+
+class Feeder:
+    """Puts prompts into the TransferQueue: a step's first round, then (dynamic sampling) top-up rounds."""
+
+    def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int, replay: list | None = None):
+        from asyncflow.workflow.sampling import DynamicSampling
+
+        self.cfg, self.pipe, self.source, self.ckpt = cfg, pipe, source, ckpt
+        wf = cfg.workflow
+        self.fed = start
+        self.sampling = (DynamicSampling(wf.prompts_per_step, wf.samples_per_prompt,
+                                         cfg.algorithm.max_sampling_factor)
+                         if cfg.algorithm.dynamic_sampling else None)
+        for step, count, first in replay or []:
+            if first and step >= start:
+                self.ckpt.before_feed(step)
+            self.feed(step, count, first, keep=step >= start)
+            if first and step >= start:
+                self.fed = max(self.fed, step + 1)
+
+    def feed(self, step: int, count: int, first: bool = False, keep: bool = True) -> None:
+        """Draw ``count`` prompts (a group of ``samples_per_prompt`` each) for ``step`` and put them, unless
+        ``keep`` is False (a replayed draw of a step the checkpoint already trained)."""
+        from asyncflow.data import next_batch
+
+        wf = self.cfg.workflow
+        prompts, answers = next_batch(self.source, count)
+        budgets = None
+        if hasattr(self.source, "sample_budgets"):
+            budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
+        self.ckpt.log_draw(step, count, first)
+        if not keep:
+            return
+        first_group = None
+        if self.sampling is not None:
+            first_group = self.sampling.next_group_id(step)
+            self.sampling.fed(step, count)
+        self.pipe.feed(step, prompts, wf.samples_per_prompt, budgets, answers, first_group=first_group)
+
+    def feed_until(self, step: int) -> None:
+        """First rounds of every step below ``step``."""
+        while self.fed < min(step, self.cfg.workflow.steps):
+            self.ckpt.before_feed(self.fed)
+            self.feed(self.fed, self.cfg.workflow.prompts_per_step, first=True)
+            self.fed += 1
+
+    def top_up(self) -> None:
+        """Dynamic sampling: feed the rounds the advantage task's judgements call for; seal full steps."""
+        import ray
+
+        if self.sampling is None:
+            return
+        self.sampling.progress(ray.get(self.pipe.board.take_sampling.remote()))
+        more, full = self.sampling.plan()
+        for step, count in more.items():
+            self.feed(step, count)
+        for step in full:
+            self.pipe.seal(step)
+
+    def wait(self, refs: list, collect, ahead=None, sync: bool = False) -> None:
+        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile."""
+        import ray
+
+        while refs:
+            if ahead is not None:
+                self.feed_until(ahead())
+            self.top_up()
+            done, refs = ray.wait(refs, timeout=0.2)
+            results = ray.get(done)  # re-raises a service's failure here
+            if sync:
+                collect([r for r in results if isinstance(r, dict)])
+            else:
+                collect()
