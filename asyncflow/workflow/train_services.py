@@ -79,6 +79,19 @@ class MegatronService(TaskService):
         return super().stream(step, fields, batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
                               mp_rank=self.mp_rank, mp_size=self.mp_size, **kwargs)
 
+    def forward_pass(self, step: int, fields: list[str], chunk: int, out_field: str, forward,
+                     task: str | None = None) -> None:
+        """``forward(tokens) -> [b, s-1]`` over the rows of ``step`` as they become ready; the writer rank puts
+        each row's response-token slice into ``out_field`` (reference logprobs, critic values)."""
+        for batch in self.stream(step, fields, chunk, task=task):
+            with self.timeline.span(task or self.name, out_field, self.worker, rows=len(batch)):
+                prompts, responses = batch["prompt_ids"], batch["response_ids"]
+                tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
+                out = forward(tokens)
+                if self.writer:
+                    self.tq.put(partition_name(step), {out_field: response_slices(out, prompts, responses)},
+                                indexes=batch.indexes)
+
     def seq_len_for(self, prompts, responses) -> int:
         """Micro-batch width: fixed under pipeline parallelism, the longest row otherwise."""
         return self.seq_len if self.fixed_shape else fit_seq_len(prompts, responses, self.seq_len)
@@ -96,14 +109,7 @@ class ReferenceService(MegatronService):
         self.fields = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantage else [])
 
     def run_step(self, step: int) -> dict | None:
-        for batch in self.stream(step, self.fields, self.chunk):
-            with self.timeline.span(self.name, "ref_logprobs", self.worker, rows=len(batch)):
-                prompts, responses = batch["prompt_ids"], batch["response_ids"]
-                tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
-                logprobs = self.engine.compute_logprobs(tokens)
-                if self.writer:
-                    self.tq.put(partition_name(step), {"ref_logprobs": response_slices(logprobs, prompts, responses)},
-                                indexes=batch.indexes)
+        self.forward_pass(step, self.fields, self.chunk, "ref_logprobs", self.engine.compute_logprobs)
         return self.report(step, {}) if self.reporter else None
 
 
@@ -216,14 +222,8 @@ class CriticService(MegatronService):
 
     def values_step(self, step: int) -> None:
         """Values of every row of ``step`` (field ``values``, one per response token)."""
-        for batch in self.stream(step, ["prompt_ids", "response_ids"], self.chunk, task="values"):
-            with self.timeline.span("values", "values", self.worker, rows=len(batch)):
-                prompts, responses = batch["prompt_ids"], batch["response_ids"]
-                tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
-                values = self.engine.compute_values(tokens)
-                if self.writer:
-                    self.tq.put(partition_name(step), {"values": response_slices(values, prompts, responses)},
-                                indexes=batch.indexes)
+        self.forward_pass(step, ["prompt_ids", "response_ids"], self.chunk, "values", self.engine.compute_values,
+                          task="values")
 
     def update_step(self, step: int) -> dict | None:
         """``ppo_epochs`` critic updates on the step's GAE returns; the first streams from the TransferQueue."""
