@@ -151,7 +151,8 @@ class PutHandlers:
 
     def _allocate(self, specs: dict[str, tuple], count: int):
         """Place rows on units: [(unit, start, stop, {field: (block, offset)})], or None if full."""
-        units = sorted((u for u in self.units.values() if u.alive), key=lambda u: u.alloc.used)
+        # Least used first; ties by id, so placement does not depend on the order units registered in.
+        units = sorted((u for u in self.units.values() if u.alive), key=lambda u: (u.alloc.used, u.id))
         if not units:
             raise StorageUnitError("no storage unit is alive")
         row_bytes = sum(s[1] for s in specs.values())

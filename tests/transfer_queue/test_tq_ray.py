@@ -37,7 +37,10 @@ def test_ray_mode(ray_cluster, make_tq):
         assert offsets == [0, 0, 1, 3, 6]
         local = client.get("p", "remote", ["x"], 4)  # the same task continues where the other left
         assert local.indexes == [4, 5, 6, 7]
-        tq.kill_unit(0)
+        # Kill the unit that holds the rows (a put this small goes to one unit), so they are really lost.
+        units = client.status()["units"]
+        holder = next(int(uid) for uid, unit in units.items() if unit["used_bytes"] > 0)
+        tq.kill_unit(holder)
         with pytest.raises(Exception, match="died|closed the connection"):
             client.get("p", "after-death", ["x", "reward"], 8, timeout=120)
 
