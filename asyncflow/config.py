@@ -240,8 +240,6 @@ class WorkflowConfig:
     """Torch threads per heavy worker in sync mode (workers take turns on the same cores)."""
     seed: int = 0
     """Seed of the prompt stream."""
-    stop_at_reward: float | None = None
-    """Stop early once the rolling mean reward reaches this (None: run all steps)."""
     step_timeout_s: float = 600.0
     """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
 
