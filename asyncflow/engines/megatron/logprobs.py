@@ -54,24 +54,37 @@ def token_entropy(logits: torch.Tensor, true_vocab: int) -> torch.Tensor:
     """Entropy [b, s] (float32) of the softmax of vocab-parallel ``logits`` [b, s, V/tp]; differentiable.
 
     With the global max m, S = sum exp(x - m) and T = sum exp(x - m) (x - m) over the whole
-    vocabulary, H = log S - T / S. Each rank sums its shard and all-reduces S and T only. The
-    all-reduce's backward is the identity, which is the right gradient because every tensor-parallel
-    rank computes the same loss from the reduced H, as with Megatron's vocab-parallel cross entropy.
+    vocabulary, H = log S - T / S. Each rank sums its shard and all-reduces S and T only. Backward uses
+    dH/dx = -p (log p + H) on each rank's own shard, which is the right gradient because every
+    tensor-parallel rank computes the same loss from the reduced H (as with Megatron's vocab-parallel
+    cross entropy). Only the logits, m, S and H are kept for backward, not exp() or the products.
     """
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    return _VocabParallelEntropy.apply(mask_padded_vocab(logits.float(), true_vocab), _tp_group())
 
-    group = _tp_group()
-    logits = mask_padded_vocab(logits.float(), true_vocab)
-    with torch.no_grad():  # H does not depend on m; it only keeps exp() in range
-        m = logits.max(-1, keepdim=True).values
+
+class _VocabParallelEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, group):
+        m = logits.max(-1, keepdim=True).values  # H does not depend on m; it only keeps exp() in range
         if group is not None:
             torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-    shifted = logits - m
-    exp = shifted.exp()
-    # Padded rows: exp is 0 but shifted is -inf, and 0 * -inf is nan (in backward too): zero them first.
-    shifted = torch.where(shifted.isneginf(), 0.0, shifted)
-    sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
-    if group is not None:
-        sums = reduce_from_tensor_model_parallel_region(sums, group)
-    total, weighted = sums.unbind(0)
-    return total.log() - weighted / total
+        shifted = logits - m
+        exp = shifted.exp()
+        # Padded rows: exp is 0 but shifted is -inf, and 0 * -inf is nan: zero them first.
+        shifted = torch.where(shifted.isneginf(), 0.0, shifted)
+        sums = torch.stack([exp.sum(-1), (exp * shifted).sum(-1)])
+        if group is not None:
+            torch.distributed.all_reduce(sums, group=group)
+        total, weighted = sums.unbind(0)
+        entropy = total.log() - weighted / total
+        ctx.save_for_backward(logits, m, total, entropy)
+        return entropy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, m, total, entropy = ctx.saved_tensors
+        log_p = logits - m - total.log()[..., None]
+        p = log_p.exp()
+        # p log p is 0 where p is 0 (padded rows): never 0 * -inf.
+        grad_logits = -grad[..., None] * p * torch.where(p > 0, log_p + entropy[..., None], 0.0)
+        return grad_logits, None
