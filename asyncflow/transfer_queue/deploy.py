@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 
 from .config import TransferQueueConfig
 from .errors import ServerUnavailableError
-from .shm import new_shm_prefix, remove_leftovers
+from .shm import new_shm_prefix, remove_leftovers, remove_stale
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,6 +60,7 @@ class ThreadDeployment(Deployment):
         from .storage import StorageUnit
 
         self.config = config
+        remove_stale()  # arenas of crashed runs on this host
         self.shm_prefix = new_shm_prefix()
         # Also at interpreter exit without shutdown(): shared memory outlives processes otherwise.
         self._finalizer = weakref.finalize(self, remove_leftovers, self.shm_prefix)
@@ -106,6 +107,7 @@ class ProcessDeployment(Deployment):
 
     def __init__(self, config: TransferQueueConfig):
         self.config = config
+        remove_stale()  # arenas of crashed runs on this host
         self.shm_prefix = new_shm_prefix()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)

@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 from .config import TransferQueueConfig
 from .deploy import _PACKAGE_ROOT, Deployment, _wait_ready
-from .shm import new_shm_prefix, remove_leftovers
+from .shm import new_shm_prefix, remove_leftovers, remove_stale
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -61,6 +61,7 @@ class RayDeployment(Deployment):
         if not ray.is_initialized():
             ray.init()
         self.config = config
+        remove_stale()  # arenas of crashed runs on this host
         self.shm_prefix = new_shm_prefix()
         cpus = config.ray_num_cpus_per_actor
         bundles = [{"CPU": cpus} if cpus else {} for _ in range(1 + config.num_storage_units)]

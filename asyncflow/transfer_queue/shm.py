@@ -96,6 +96,30 @@ def remove_leftovers(prefix: str) -> int:
     return removed
 
 
+def remove_stale() -> int:
+    """Remove this user's arenas left by deployments whose creating process is gone (a SIGKILLed run
+    cannot clean up; tmpfs pages it wrote would stay in RAM). Arenas of live processes are kept."""
+    removed = 0
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return 0
+    for name in names:
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "afq" or not parts[1].isdigit():
+            continue
+        try:
+            if os.stat(os.path.join(SHM_DIR, name)).st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)  # the creator is alive (or the pid was reused): keep it
+        except ProcessLookupError:
+            unlink_quietly(name)
+            removed += 1
+        except (FileNotFoundError, PermissionError):
+            continue
+    return removed
+
+
 def can_open(name: str) -> bool:
     """True when this process sees the same /dev/shm as the process that created ``name``."""
     return bool(name) and os.path.exists(os.path.join(SHM_DIR, name))

@@ -70,3 +70,26 @@ def test_inline_reader_fails_when_its_unit_dies(tq_procs):
         tq_procs.kill_unit(0)
         with pytest.raises(ServerUnavailableError, match="closed the connection"):
             client.get_data(meta)
+
+
+def test_arenas_of_crashed_runs_are_removed_at_the_next_start(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from asyncflow.transfer_queue.shm import SHM_DIR, remove_stale
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)  # exited: its arenas are leftovers
+    stale = os.path.join(SHM_DIR, f"afq-{dead_pid}-0badc0de-unit0")
+    live = os.path.join(SHM_DIR, f"afq-{os.getpid()}-0badc0de-unit0")
+    for path in (stale, live):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    try:
+        assert remove_stale() >= 1
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            if os.path.exists(path):
+                os.unlink(path)

@@ -94,5 +94,7 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
     assert metrics[0]["actor/kl"] == 0.0 and metrics[0]["critic/value_mean"] == 0.0
     assert first["actor/kl"] > 0.3 * metrics[killed_at - 1]["actor/kl"] > 0
     assert first["critic/value_mean"] != 0.0
+    # The killed run's TransferQueue arenas in /dev/shm were swept when the resumed run started.
+    assert not list(Path("/dev/shm").glob(f"afq-{proc.pid}-*"))
     # Pruned to keep_last=2; crashed staging folders are gone.
     assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
