@@ -82,14 +82,17 @@ def unlink_quietly(name: str) -> None:
         pass
 
 
+def _shm_names() -> list[str]:
+    try:
+        return os.listdir(SHM_DIR)
+    except FileNotFoundError:  # no /dev/shm on this system: nothing to clean
+        return []
+
+
 def remove_leftovers(prefix: str) -> int:
     """Remove shared-memory files of a deployment whose processes died without cleaning up."""
     removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return 0
-    for name in names:
+    for name in _shm_names():
         if name.startswith(prefix):
             unlink_quietly(name)
             removed += 1
@@ -100,11 +103,7 @@ def remove_stale() -> int:
     """Remove this user's arenas left by deployments whose creating process is gone (a SIGKILLed run
     cannot clean up; tmpfs pages it wrote would stay in RAM). Arenas of live processes are kept."""
     removed = 0
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return 0
-    for name in names:
+    for name in _shm_names():
         parts = name.split("-")
         if len(parts) < 3 or parts[0] != "afq" or not parts[1].isdigit():
             continue
