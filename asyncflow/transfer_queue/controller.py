@@ -202,8 +202,7 @@ class Controller(PutHandlers, GetHandlers):
         part = self.partitions.get(req.header.get("partition"))
         task = req.header.get("task")
         if part is not None and isinstance(task, str):
-            rows = self._rows_arg(part, req.header.get("indexes"))
-            part.ack(task, rows)
+            rows = part.ack(task, self._rows_arg(part, req.header.get("indexes")))
             if part.auto_clear and len(rows):
                 rows = rows[part.alive[rows]]
                 read_by_all = np.ones(len(rows), bool)

@@ -88,7 +88,7 @@ class GetHandlers:
         dp_rank, dp_size, mp_rank, mp_size = p.dp
         joint = p.sampler.joint_dp and dp_size > 1
         if mp_size == 1 and not joint:
-            rows = self._sample(part, p, p.batch_size)
+            rows = self._sample(part, p, p.batch_size, readers=1)
             return None if rows is None else self._meta_reply(part, p, rows)
         key = (part.name, p.task, "joint" if joint else dp_rank)
         rb = self.replicas.setdefault(key, ReplicaBatches())
@@ -97,7 +97,8 @@ class GetHandlers:
         signature = [p.fields, p.batch_size, p.sampler.name]
         entry = rb.batches.get(seq)
         if entry is None:
-            rows = self._sample(part, p, p.batch_size * (dp_size if joint else 1))
+            # Each row goes to the mp_size ranks of one replica: all of them must ack it before it is read.
+            rows = self._sample(part, p, p.batch_size * (dp_size if joint else 1), readers=mp_size)
             if rows is None:
                 return None
             parts = p.sampler.split(rows, part.lengths[rows], dp_size) if joint else [rows]
@@ -112,13 +113,13 @@ class GetHandlers:
             del rb.batches[seq]
         return self._meta_reply(part, p, entry[1][dp_rank if joint else 0])
 
-    def _sample(self, part: Partition, p: ParkedGet, n: int) -> list[int] | None:
+    def _sample(self, part: Partition, p: ParkedGet, n: int, readers: int) -> list[int] | None:
         view = part.view(p.task, tuple(sorted(p.fields)))
         rows = p.sampler.select(view, n)
         if len(rows) < n and not (rows and p.allow_partial):
             if not part.sealed or part.remaining_unready(p.task, view.fields) > 0:
                 return None  # more rows can still come: wait
-        part.hand_out(p.task, rows)
+        part.hand_out(p.task, rows, readers)
         return rows
 
     def _meta_reply(self, part: Partition, p: ParkedGet, rows: list[int]):

@@ -99,6 +99,9 @@ class TaskState:
 
     def __init__(self, capacity: int):
         self.consumed = np.zeros(capacity, np.int8)
+        # Acks still owed for rows in flight: every model-parallel rank of the replica reads the row, and
+        # it counts as read (and may be auto-cleared, its storage reused) only after the last of them.
+        self.readers = np.zeros(capacity, np.int16)
         self.views: dict[tuple[str, ...], ReadyView] = {}
 
 
@@ -139,6 +142,7 @@ class Partition:
             f.grow(capacity)
         for t in self.tasks.values():
             t.consumed = _grow(t.consumed, capacity, FREE)
+            t.readers = _grow(t.readers, capacity, 0)
 
     def add_rows(self, count: int) -> np.ndarray:
         """Append ``count`` rows (alive, no field produced) and return their indexes."""
@@ -216,9 +220,11 @@ class Partition:
                     ok &= self.fields[name].produced[rows]
                 view.add(rows[ok])
 
-    def hand_out(self, task: str, rows: list[int]) -> None:
+    def hand_out(self, task: str, rows: list[int], readers: int = 1) -> None:
+        """Mark ``rows`` in flight for ``task``; they become read once ``readers`` clients acked them."""
         state = self.task(task)
         state.consumed[rows] = IN_FLIGHT
+        state.readers[rows] = readers
         for view in state.views.values():
             view.remove(rows)
 
@@ -231,6 +237,7 @@ class Partition:
         else:
             rows = rows[consumed[rows] == IN_FLIGHT]
         state.consumed[rows] = FREE
+        state.readers[rows] = 0
         for fields, view in state.views.items():
             ok = self.alive[rows] & ~self.lost[rows]
             for name in fields:
@@ -238,12 +245,18 @@ class Partition:
             view.add(rows[ok], front=True)
         return len(rows)
 
-    def ack(self, task: str, rows: np.ndarray) -> None:
+    def ack(self, task: str, rows: np.ndarray) -> np.ndarray:
+        """One reader of ``task`` has read ``rows``; returns the rows that all their readers have now read."""
         state = self.tasks.get(task)
-        if state is not None and len(rows):
-            rows = rows[(rows >= 0) & (rows < self.n)]
-            sub = state.consumed[rows]
-            state.consumed[rows[sub == IN_FLIGHT]] = READ
+        if state is None or not len(rows):
+            return rows[:0]
+        rows = np.unique(rows[(rows >= 0) & (rows < self.n)])
+        rows = rows[state.consumed[rows] == IN_FLIGHT]
+        state.readers[rows] -= 1
+        done = rows[state.readers[rows] <= 0]
+        state.consumed[done] = READ
+        state.readers[done] = 0
+        return done
 
     def remaining_unready(self, task: str, fields: tuple[str, ...]) -> int:
         """Unconsumed live rows that may still become ready for (task, fields)."""

@@ -292,6 +292,22 @@ def test_auto_clear_after_all_consumers_read(client):
     assert client.status("p")["partitions"]["p"]["live_rows"] == 0
 
 
+def test_auto_clear_waits_for_every_model_parallel_rank(client):
+    # Both TP ranks of a replica read the same rows. The first rank's ack must not free them: the storage
+    # would be reused by the next put while the second rank still reads it (it then trained on another
+    # step's tokens, a silent corruption seen as a vLLM/Megatron logprob gap at TP=2).
+    client.create_partition("p", consumers=["train"], auto_clear=True)
+    put_rows(client, "p", 8)
+    first = client.get("p", "train", ["ids"], 4, mp_rank=0, mp_size=2)
+    assert client.status("p")["partitions"]["p"]["live_rows"] == 8
+    client.create_partition("q")
+    put_rows(client, "q", 64, start=1000)  # would land in freed storage
+    second = client.get("p", "train", ["ids"], 4, mp_rank=1, mp_size=2)
+    assert second.indexes == first.indexes
+    assert torch.equal(second["ids"], first["ids"]) and torch.equal(first["ids"][:, 0], torch.arange(4))
+    assert client.status("p")["partitions"]["p"]["live_rows"] == 4
+
+
 def test_rows_spread_over_storage_units(client):
     client.create_partition("p")
     client.put("p", {"x": torch.zeros(64, 8192)})  # 2 MiB: split over both units
