@@ -47,6 +47,7 @@ class MegatronService(TaskService):
         self.mp_rank = tp + ps.get_tensor_model_parallel_world_size() * pp
         self.mp_size = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
         self.writer = ps.is_pipeline_last_stage() and tp == 0  # holds the logprobs of its replica
+        self._fingerprints: list[torch.Tensor] = []
         self.reporter = self.writer and self.dp_rank == 0
 
     def restore(self, resume_dir: str | None, version: int) -> None:
@@ -75,9 +76,28 @@ class MegatronService(TaskService):
         return make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir)
 
     def stream(self, step: int, fields: list[str], batch_size: int, **kwargs):
-        """This rank's share: the same rows for every TP/PP rank of a replica, distinct across replicas."""
-        return super().stream(step, fields, batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                              mp_rank=self.mp_rank, mp_size=self.mp_size, **kwargs)
+        """This rank's share: the same rows for every TP/PP rank of a replica, distinct across replicas.
+
+        Under model parallelism each batch's fingerprint is kept for ``verify_same_rows``.
+        """
+        batches = super().stream(step, fields, batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
+                                 mp_rank=self.mp_rank, mp_size=self.mp_size, **kwargs)
+        for batch in batches:
+            if self.mp_size > 1:
+                self._fingerprints.append(batch_fingerprint(batch))
+            yield batch
+
+    def verify_same_rows(self, step: int) -> None:
+        """Raise unless every model-parallel rank of this replica read the same batches since the last call.
+
+        Collective over the model-parallel group, called once a pass is over (not inside the pipeline
+        schedule, where stages pull micro-batches at different times).
+        """
+        mine, self._fingerprints = self._fingerprints, []
+        if self.mp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            check_same_batches(mine, ps.get_model_parallel_group(), f"step {step} of {self.name}")
 
     def forward_pass(self, step: int, fields: list[str], chunk: int, out_field: str, forward,
                      task: str | None = None) -> None:
@@ -91,10 +111,37 @@ class MegatronService(TaskService):
                 if self.writer:
                     self.tq.put(partition_name(step), {out_field: response_slices(out, prompts, responses)},
                                 indexes=batch.indexes)
+        self.verify_same_rows(step)
 
     def seq_len_for(self, prompts, responses) -> int:
         """Micro-batch width: fixed under pipeline parallelism, the longest row otherwise."""
         return self.seq_len if self.fixed_shape else fit_seq_len(prompts, responses, self.seq_len)
+
+
+def batch_fingerprint(batch) -> torch.Tensor:
+    """``[rows, index sum, token checksum]`` of a batch's rows and token ids (int64)."""
+    total = 0
+    for name in ("prompt_ids", "response_ids"):
+        if name in batch:
+            for i, ids in enumerate(batch[name]):
+                ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1)
+                weights = torch.arange(1, ids.numel() + 1, dtype=torch.long)
+                total = (total * 1_000_003 + (i + 1) * int(((ids + 1) * weights).sum())) % (1 << 61)
+    return torch.tensor([len(batch.indexes), sum(batch.indexes), total], dtype=torch.long)
+
+
+def check_same_batches(fingerprints: list[torch.Tensor], group, what: str) -> None:
+    """Raise on every rank of ``group`` unless all of them hold the same ``batch_fingerprint`` list.
+
+    Model-parallel ranks that computed on different rows would not fail by themselves: they would silently
+    combine the logits of different sequences (this once happened when the TransferQueue freed rows after
+    the first rank's read and the next step's rows reused the storage).
+    """
+    everyone: list = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(everyone, [f.tolist() for f in fingerprints], group=group)
+    if any(other != everyone[0] for other in everyone):
+        raise RuntimeError(f"{what}: the model-parallel ranks of one replica read different rows (batch "
+                           f"fingerprints per rank: {everyone}); they must receive identical batches")
 
 
 class ReferenceService(MegatronService):
@@ -174,6 +221,7 @@ class ActorService(MegatronService):
                 mb["old_logprobs"] = out["old_logprobs"]  # the proximal policy of this step
             for _ in range(self.algo.ppo_epochs - 1):
                 results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
+        self.verify_same_rows(step)
         self.engine.version += 1
         self.publish()
         saved = self.maybe_save(step, self.checkpoint)
@@ -241,6 +289,7 @@ class CriticService(MegatronService):
             results = [self.engine.train_step(first_pass(), self.num_micro, self.loss_fn)]
             for _ in range(self.algo.ppo_epochs - 1):
                 results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
+        self.verify_same_rows(step)
         self.engine.version += 1
         self.maybe_save(step, self.checkpoint)
         if not self.reporter:
