@@ -144,10 +144,9 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
 
     def megatron_group(cls, group: str, mcfg, **kwargs) -> list:
         """``TP x PP x DP`` Ray actors of ``cls`` forming one torch.distributed world."""
-        from asyncflow.engines.megatron.parallel import free_port
         from asyncflow.workflow.placement import world_size
 
-        world, port, addr = world_size(mcfg), free_port(), where.master_addr(group)
+        world, (addr, port) = world_size(mcfg), where.rendezvous(group)
         handles = []
         for rank in range(world):
             opts, cpus = where.megatron(group, rank)

@@ -100,12 +100,27 @@ class Placement:
             return self._options(bundle, 1 if group == "actor" and rank == 0 else 0), cpus
         return self._options(self.first[group] + rank, 0, self.fraction[group]), None
 
-    def master_addr(self, group: str) -> str:
-        """Where rank 0 of ``group`` listens for the group's torch.distributed rendezvous."""
-        if self.acc is None:
-            return "127.0.0.1"  # one machine: never listen beyond it
-        import ray
-        from ray.util.placement_group import placement_group_table
+    def rendezvous(self, group: str) -> tuple[str, int]:
+        """``(address, port)`` where rank 0 of ``group`` listens for the group's torch.distributed rendezvous.
 
-        node = placement_group_table(self.pg)["bundles_to_node_id"][self.first[group]]
-        return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+        On devices both are looked up on rank 0's node by a zero-resource task in its bundle: a port free
+        on the driver's host may be taken there.
+        """
+        import ray
+
+        from asyncflow.engines.megatron.parallel import free_port
+
+        if self.acc is None:
+            return "127.0.0.1", free_port()  # one machine: never listen beyond it
+        opts = self._options(self.first[group], 0)
+        return tuple(ray.get(ray.remote(_node_address_and_free_port).options(**opts).remote()))
+
+
+def _node_address_and_free_port() -> tuple[str, int]:
+    """This node's IP as Ray knows it and a TCP port free on it (run as a task on the node in question)."""
+    import ray
+
+    from asyncflow.engines.megatron.parallel import free_port
+
+    address = ray.util.get_node_ip_address()
+    return address, free_port(address)

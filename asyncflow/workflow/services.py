@@ -94,7 +94,7 @@ class TaskService:
         ctx = ray.get_runtime_context()
         return {"node": ctx.get_node_id(), "devices": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "master_addr": os.environ.get("MASTER_ADDR")}
+                "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT")}
 
     def shutdown(self) -> None:
         """Release what the service holds beyond its own process (before the actor is killed)."""

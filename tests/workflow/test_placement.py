@@ -37,3 +37,6 @@ def test_device_layout_places_ranks_on_their_own_devices(tiny_model_dir, tmp_pat
     assert not where["reward"][0]["devices"] and not where["advantage"][0]["devices"]
     # The group meets at the node of its rank 0 (the CPU layout uses 127.0.0.1 instead).
     assert {w["master_addr"] for w in where["actor"]} == {where["actor"][0]["node_ip"]}
+    # Each group has one port (looked up on its rank 0's node), and the two groups do not share it.
+    ports = {name: {w["master_port"] for w in where[name]} for name in ("actor", "reference")}
+    assert all(len(p) == 1 and None not in p for p in ports.values()) and ports["actor"] != ports["reference"]
