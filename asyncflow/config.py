@@ -242,6 +242,9 @@ class WorkflowConfig:
     """Seed of the prompt stream."""
     step_timeout_s: float = 600.0
     """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
+    weight_bucket_mb: float = 512.0
+    """Published weights are cut into buckets of about this size (fused groups kept whole): each is one
+    object in Ray's object store and one reload in vLLM, so neither side holds a whole stage at once."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ class VersionBoard:
     def __init__(self):
         self._version = 0
         self._weights: list | None = None  # ObjectRefs (one per part) in a list so Ray passes the refs
-        self._parts: dict[int, dict[int, object]] = {}  # version -> part -> ref, until all parts arrived
+        self._parts: dict[int, dict[int, list]] = {}  # version -> part -> refs, until all parts arrived
         self._cond: asyncio.Condition | None = None
         self._reports: list[dict] = []
         self._sampling: dict[int, tuple[int, int]] = {}  # step -> (kept rows, judged rows), dynamic sampling
@@ -33,18 +33,19 @@ class VersionBoard:
         return self._cond
 
     async def publish(self, version: int, weights: list, part: int = 0, num_parts: int = 1) -> None:
-        """Post part ``part`` of ``num_parts`` of weights ``version`` (``[ObjectRef]`` of a safetensors
-        blob; one part per pipeline stage). The version becomes the newest once every part is in."""
+        """Post part ``part`` of ``num_parts`` of weights ``version``: ``[ObjectRef, ...]``, the safetensors
+        buckets of one pipeline stage. The version becomes the newest once every part is in; readers get
+        all buckets in stage order."""
         cond = self._condition()
         async with cond:
             if version <= self._version and self._weights is not None:
                 raise ValueError(f"version {version} published after {self._version}: versions must increase")
             parts = self._parts.setdefault(version, {})
-            parts[part] = weights[0]
+            parts[part] = list(weights)
             if len(parts) < num_parts:
                 return
             del self._parts[version]
-            self._version, self._weights = version, [parts[i] for i in range(num_parts)]
+            self._version, self._weights = version, [ref for i in range(num_parts) for ref in parts[i]]
             cond.notify_all()
 
     async def wait_for_version(self, min_version: int, timeout_s: float) -> tuple[int, list | None]:

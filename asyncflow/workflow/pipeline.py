@@ -183,7 +183,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
                                  group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
                                  threads=1, **common)]
     groups["actor"] = megatron_group(train_services.ActorService, "actor", cfg.trainer, megatron_cfg=cfg.trainer,
-                                     algo=algo, rows_per_step=rows_per_step,
+                                     algo=algo, rows_per_step=rows_per_step, bucket_mb=wf.weight_bucket_mb,
                                      max_new_tokens=cfg.rollout.max_new_tokens, **persist, **megatron)
     stages = [(name, None) for name in groups]
     if algo.dynamic_sampling and reference:  # it scores only the kept rows: after advantage

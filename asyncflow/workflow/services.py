@@ -133,11 +133,13 @@ class RolloutService(TaskService):
         with self.timeline.span(self.name, "wait_weights", self.worker):
             version, weights = ray.get(self.board.wait_for_version.remote(
                 admitted_version(step, self.max_staleness), self.timeout_s))
+        self.buckets_loaded = 0
         if version > self.engine.weight_version:
-            with self.timeline.span(self.name, "load_weights", self.worker, version=version):
-                # One blob per pipeline stage; each holds whole layers, so no fused group is split.
+            with self.timeline.span(self.name, "load_weights", self.worker, version=version, buckets=len(weights)):
+                # Bucket by bucket (each keeps its fused groups whole): one in memory at a time.
                 for i, ref in enumerate(weights):
                     self.engine.apply_blob(ray.get(ref), version, final=i == len(weights) - 1)
+            self.buckets_loaded = len(weights)
         return self.engine.weight_version
 
     def run_step(self, step: int) -> dict:
@@ -167,7 +169,8 @@ class RolloutService(TaskService):
                 flush()
             rows += len(samples)
             tokens += sum(len(s.response_ids) for s in samples)
-        return self.report(step, {"rollout/rows": rows, "rollout/tokens": tokens, "rollout/version": version})
+        return self.report(step, {"rollout/rows": rows, "rollout/tokens": tokens, "rollout/version": version,
+                                  "rollout/weight_buckets": self.buckets_loaded})
 
 
 class RewardService(TaskService):
@@ -278,7 +281,7 @@ class AdvantageService(TaskService):
         from asyncflow.algorithms import compute_advantages, kl_penalty
 
         fields = ["rewards"] + (["behaviour_logprobs", "ref_logprobs"] if self.kl_in_reward else [])
-        all_rewards, kept, judged = [], 0, 0
+        all_rewards, kept_rewards, kept, judged = [], [], 0, 0
         for batch in self.stream(step, fields, self.chunk, sampler="group",
                                  sampler_args={"group_size": self.group_size}):
             with self.timeline.span(self.name, "advantages", self.worker, rows=len(batch)):
@@ -288,6 +291,7 @@ class AdvantageService(TaskService):
                     judged += len(batch)
                     batch, rewards = self._keep_groups(step, batch, rewards, self.rows_per_step - kept)
                     kept += len(rewards)
+                    kept_rewards.append(rewards)
                     self.board.sampling_progress.remote(step, kept, judged)
                     if not len(rewards):
                         continue
@@ -298,7 +302,10 @@ class AdvantageService(TaskService):
                 adv = compute_advantages(self.algo.advantage, rewards, batch.meta.group_ids,
                                          **_advantage_kwargs(self.algo))
                 self.tq.put(partition_name(step), {"advantages": adv}, indexes=batch.indexes)
-        extra = {"sampling/judged_rows": float(judged), "sampling/kept_rows": float(kept)} \
+        # reward/mean stays the mean over every judged row (the policy's reward, unbiased); the rows kept for
+        # training are biased towards groups with mixed outcomes and are reported apart.
+        extra = {"sampling/judged_rows": float(judged), "sampling/kept_rows": float(kept),
+                 "sampling/kept_reward_mean": torch.cat(kept_rewards).mean().item() if kept else float("nan")} \
             if self.dynamic_sampling else {}
         return self._reward_report(step, all_rewards, **extra)
 

@@ -166,8 +166,9 @@ class ActorService(MegatronService):
     name = "actor"
 
     def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, checkpoint: dict | None = None,
-                 resume_dir: str | None = None, start_version: int = 0, **kw):
+                 resume_dir: str | None = None, start_version: int = 0, bucket_mb: float = 512.0, **kw):
         super().__init__(**kw)
+        self.bucket_mb = bucket_mb
         from asyncflow.algorithms.objective import make_objective
 
         self.checkpoint = checkpoint
@@ -186,21 +187,28 @@ class ActorService(MegatronService):
     def publish(self) -> None:
         """Export the current weights; each pipeline stage of replica 0 posts its part to the board.
 
-        The export is collective over the tensor-parallel group; the board makes a version visible once
-        every stage's part has arrived, so rollout never loads half a model.
+        The export is collective over the tensor-parallel group and streams layer by layer; TP rank 0 cuts
+        it into safetensors buckets of ``weight_bucket_mb`` (fused groups whole), one object each. The board
+        makes a version visible once every stage's part has arrived, so rollout never loads half a model.
         """
         import ray
         from megatron.core import parallel_state as ps
         from safetensors.torch import save
 
+        from asyncflow.bridge.sync import iter_buckets
+
         if self.dp_rank != 0:
             return
         with self.timeline.span(self.name, "publish_weights", self.worker, version=self.engine.version):
-            tensors = {name: t.contiguous() for name, t in self.engine.export_weights()}
-            if self.tp_rank == 0:
-                ref = ray.put(save(tensors))
-                ray.get(self.board.publish.remote(self.engine.version, [ref], part=self.pp_rank,
-                                                  num_parts=ps.get_pipeline_model_parallel_world_size()))
+            tensors = self.engine.export_weights()
+            if self.tp_rank != 0:
+                for _ in tensors:  # take part in the gathers; rank 0 posts the result
+                    pass
+                return
+            refs = [ray.put(save({name: t.contiguous() for name, t in bucket}))
+                    for bucket in iter_buckets(tensors, self.engine.arch, int(self.bucket_mb * 2**20))]
+            ray.get(self.board.publish.remote(self.engine.version, refs, part=self.pp_rank,
+                                              num_parts=ps.get_pipeline_model_parallel_world_size()))
 
     def run_step(self, step: int) -> dict | None:
         cache: list[dict] = []

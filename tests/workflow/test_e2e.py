@@ -39,7 +39,8 @@ def runs(tmp_path_factory):
     return {
         "async": _run(tmp, "async", 1, "async"),
         # Megatron worker groups of several ranks: 2 data-parallel replicas, and tensor parallelism 2.
-        "sync": _run(tmp, "sync", 0, "sync", "trainer.data_parallel=2"),
+        # Small weight buckets: every published version reaches vLLM as several reloads.
+        "sync": _run(tmp, "sync", 0, "sync", "trainer.data_parallel=2", "workflow.weight_bucket_mb=0.05"),
         "async_tp2": _run(tmp, "async", 1, "async_tp2", "trainer.tensor_parallel=2"),
     }
 
@@ -67,11 +68,15 @@ def test_async_actually_runs_ahead(runs):
 
 
 def test_trainer_and_rollout_logprobs_agree(runs):
-    # Sync (k=0) trains every sample on the weights that generated it: vLLM == Megatron there; async
-    # runs meet such samples at step 0 (and with TP=2 the weights went through the TP-sharded export).
+    # Sync (k=0) trains every sample on the weights that generated it: vLLM == Megatron there, and from
+    # step 1 on those weights came from Megatron's export, bucket by bucket. Async runs meet such samples
+    # at step 0 only (both engines loaded the checkpoint themselves).
     for name in ("sync", "async", "async_tp2"):
         gap = runs[name]["fresh_logprob_gap_max"]
         assert gap is not None and gap < 1e-4, (name, gap)
+    records = [json.loads(line) for line in (runs["sync"]["_out"] / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["rollout/weight_buckets"] == 0  # version 0: the checkpoint vLLM started from
+    assert all(r["rollout/weight_buckets"] > 2 for r in records[1:]), [r["rollout/weight_buckets"] for r in records]
 
 
 @pytest.mark.parametrize("mode", ["async", "sync", "async_tp2"])

@@ -60,6 +60,7 @@ def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, mode, st
         assert m["actor/rows"] == 256 and m["sampling/kept_rows"] == 256  # the step is full ...
         assert m["actor/flat_groups"] == 0  # ... with groups that carry signal only
         assert 0 < m["actor/entropy"] < 3.0  # entropy bonus on: log(19) = 2.94 is the maximum
+        assert 0 < m["sampling/kept_reward_mean"] < 1  # every kept group mixes rewards (0..1 on add-one)
     assert sum(m["sampling/judged_rows"] for m in metrics) > steps * 256  # groups were dropped and topped up
     max_prompts = 4 * 32  # algorithm.max_sampling_factor x prompts_per_step: each step's own id range
     for step, ids in summary["trained_groups"].items():
