@@ -11,6 +11,8 @@ import argparse
 import sys
 
 from asyncflow.config import ConfigError, load_config
+from asyncflow.workflow.checkpoints import CheckpointError
+from asyncflow.workflow.sampling import SamplingBudgetError
 
 
 def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]]:
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncflow: config error: {exc}", file=sys.stderr)
         return 2
+    except (SamplingBudgetError, CheckpointError) as exc:  # the message says what to change; no traceback
+        print(f"asyncflow: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

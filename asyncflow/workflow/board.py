@@ -26,6 +26,7 @@ class VersionBoard:
         self._cond: asyncio.Condition | None = None
         self._reports: list[dict] = []
         self._sampling: dict[int, tuple[int, int]] = {}  # step -> (kept rows, judged rows), dynamic sampling
+        self._aborted: str | None = None
 
     def _condition(self) -> asyncio.Condition:
         if self._cond is None:  # created lazily: it must belong to the actor's event loop
@@ -53,13 +54,23 @@ class VersionBoard:
         cond = self._condition()
         async with cond:
             try:
-                await asyncio.wait_for(cond.wait_for(lambda: self._version >= min_version), timeout_s)
+                await asyncio.wait_for(cond.wait_for(lambda: self._version >= min_version or self._aborted),
+                                       timeout_s)
             except asyncio.TimeoutError:
                 raise TimeoutError(
                     f"rollout waited {timeout_s:.0f} s for weight version {min_version}; newest is "
                     f"{self._version} (is the trainer alive?)"
                 ) from None
+            if self._aborted and self._version < min_version:
+                raise RuntimeError(f"run aborted while waiting for weight version {min_version}: {self._aborted}")
             return self._version, self._weights
+
+    async def abort(self, reason: str) -> None:
+        """Fail every present and future wait for a version not published yet (the run has failed)."""
+        cond = self._condition()
+        async with cond:
+            self._aborted = reason
+            cond.notify_all()
 
     async def version(self) -> int:
         """The newest published version."""

@@ -76,6 +76,9 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
             feeder.wait(running, reporter.collect,
                         ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
         return reporter.finish()
+    except BaseException as exc:
+        pipe.abort(f"{type(exc).__name__}: {exc}")
+        raise
     finally:
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline

@@ -72,6 +72,22 @@ class Pipeline:
         """No more rows for ``step`` (dynamic sampling): its tasks finish once they have read what is there."""
         self.client.seal(partition_name(step))
 
+    def abort(self, reason: str) -> None:
+        """After a failure, make the services' waits fail now instead of after ``step_timeout_s``: every
+        partition is dropped (waiting gets and puts get an error) and the board fails waits for weights.
+        Their loops then end, and ``close`` can stop them gracefully."""
+        import ray
+
+        try:
+            ray.get(self.board.abort.remote(reason), timeout=10)
+        except Exception:  # the board is gone: nobody can be waiting on it
+            pass
+        try:
+            for name in self.client.status()["partitions"]:
+                self.client.clear(name, force=True)
+        except Exception:  # the TransferQueue itself failed: its clients' requests fail on their own
+            pass
+
     def close(self) -> None:
         """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
         import ray

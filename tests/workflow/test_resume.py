@@ -6,14 +6,14 @@ crashed staging folders are cleaned.
 """
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.workflow.processes import kill_session, session_processes
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS, PROMPTS = 12, 16
@@ -31,25 +31,6 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
-def _session_processes(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (zombies waiting to be reaped by init do not count)."""
-    out = subprocess.run(["ps", "-eo", "pid=,sid=,stat="], capture_output=True, text=True).stdout
-    return [int(pid) for pid, s, stat in (line.split() for line in out.splitlines())
-            if s == str(sid) and not stat.startswith("Z")]
-
-
-def _kill_session(sid: int) -> None:
-    """SIGKILL every process of the run's session: the driver, Ray's daemons (in their own process groups)
-    and every worker, as when a node dies."""
-    for _ in range(3):
-        for pid in _session_processes(sid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.5)
-
-
 @pytest.mark.slow
 def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
     run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
@@ -64,10 +45,10 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
             assert time.time() < deadline, "no checkpoint within 10 minutes"
             time.sleep(0.05)
     finally:
-        _kill_session(proc.pid)
+        kill_session(proc.pid)
         proc.wait()
         log.close()
-    assert not _session_processes(proc.pid), "processes of the killed run survived"
+    assert not session_processes(proc.pid), "processes of the killed run survived"
     assert not (run / "summary.json").exists(), "the first run finished before it was killed"
     killed_at = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "meta.json").read_text())["step"]
     trained_before_kill = {m["step"] for m in _metrics(run)}
