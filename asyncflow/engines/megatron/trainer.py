@@ -154,8 +154,11 @@ class MegatronTrainer:
         """Save the model as a Megatron distributed checkpoint (loadable at any TP/PP)."""
         from megatron.core import dist_checkpointing
 
+        from asyncflow.engines.megatron.checkpoint_io import InProcessSaveStrategy
+
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self.model.module.sharded_state_dict(), str(ckpt_dir))
+        dist_checkpointing.save(self.model.module.sharded_state_dict(), str(ckpt_dir),
+                                sharded_strategy=InProcessSaveStrategy())
 
     def load_dist_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Load a Megatron distributed checkpoint written at any TP/PP into this rank's chunk."""
@@ -180,8 +183,11 @@ class MegatronTrainer:
         """
         from megatron.core import dist_checkpointing
 
+        from asyncflow.engines.megatron.checkpoint_io import InProcessSaveStrategy
+
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self._train_state(is_loading=False), str(ckpt_dir))
+        dist_checkpointing.save(self._train_state(is_loading=False), str(ckpt_dir),
+                                sharded_strategy=InProcessSaveStrategy())
 
     def load_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Restore model and optimizer from ``save_checkpoint`` output written at any TP/PP (collective)."""

@@ -1,7 +1,7 @@
 """save_checkpoint/load_checkpoint restore model *and* optimizer: a resumed run repeats the original.
 
-Each run lives in spawned processes (non-daemonic: Megatron's checkpoint writer starts a helper
-process of its own), so Megatron's patches and process group never leak into pytest.
+Each run lives in spawned processes, so Megatron's patches and process group never leak into pytest.
+The save must not fork (Megatron's writer forks by default, unsafe in a multi-threaded Ray worker).
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ def _worker(rank, world, port, tp, model_dir, ckpt, out_dir, modes):
     from asyncflow.engines.megatron.trainer import MegatronTrainer
 
     tokens, mask = fixed_batch()
+    forks = []
+    os.register_at_fork(before=lambda: forks.append(1))
     results = {}
     for mode in modes:  # a fresh trainer per mode, as a restarted job would build it
         trainer = MegatronTrainer(MegatronConfig(tensor_parallel=tp, micro_batch_size=2, lr=1e-2), model_dir)
@@ -36,7 +38,9 @@ def _worker(rank, world, port, tp, model_dir, ckpt, out_dir, modes):
             trainer.load_hf(model_dir)
             for _ in range(STEPS):
                 trainer.train_step(tokens, mask)
+            before = len(forks)
             trainer.save_checkpoint(ckpt)
+            results["forks_during_save"] = len(forks) - before
         elif mode == "resume":
             trainer.load_checkpoint(ckpt)
         elif mode == "model_only":
@@ -57,6 +61,7 @@ def test_resume_restores_adam_state(tiny_model_dir, tmp_path):
     ckpt = tmp_path / "ckpt"
     [res] = _run(1, 1, tiny_model_dir, ckpt, tmp_path / "out", ["save", "resume", "model_only"])
     assert res["resume"] == pytest.approx(res["save"], abs=1e-6)
+    assert res["forks_during_save"] == 0  # files written in the process (InProcessSaveStrategy)
     # Model-only loading has the same weights (same first loss) but fresh Adam moments and step, so
     # the update differs: this is what makes the test above fail when the optimizer is not restored.
     assert res["model_only"][0] == pytest.approx(res["save"][0], abs=1e-6)
@@ -71,3 +76,4 @@ def test_tp2_checkpoint_resumes_at_tp1(tiny_model_dir, tmp_path):
     assert len(saved) == 2
     for res in saved:
         assert resumed["resume"] == pytest.approx(res["save"], abs=1e-5)
+        assert res["forks_during_save"] == 0
