@@ -118,6 +118,7 @@ class RolloutService(TaskService):
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
+        self.buckets_loaded = 0  # weight buckets applied when the current step was admitted
 
     def shutdown(self) -> None:
         """Stop the vLLM engine first: with TP > 1 its workers are separate processes."""

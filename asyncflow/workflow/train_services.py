@@ -168,9 +168,9 @@ class ActorService(MegatronService):
     def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, checkpoint: dict | None = None,
                  resume_dir: str | None = None, start_version: int = 0, bucket_mb: float = 512.0, **kw):
         super().__init__(**kw)
-        self.bucket_mb = bucket_mb
         from asyncflow.algorithms.objective import make_objective
 
+        self.bucket_mb = bucket_mb
         self.checkpoint = checkpoint
         self.restore(resume_dir, start_version)
 
