@@ -13,9 +13,15 @@ The divisibility rules are Megatron-core's (``TransformerConfig.__post_init__`` 
   of TP (fewer KV heads than TP ranks are replicated).
 - PP divides the layers.
 - EP divides the routed experts; Megatron builds a second rank grid for the experts, ETP x EP x PP, which
-  must divide the trainer's world TP x PP x DP (ETP defaults to TP, so with ETP = TP, EP must divide DP).
-- Trainer devices = TP x PP x DP (the expert grid reuses these ranks); rollout devices = instances x rollout
-  TP; in async mode the two sets are disjoint and together fit in nodes x devices per node.
+  must divide the trainer's world TP x PP x CP x DP (the trainer never sets ETP, so Megatron uses TP).
+- Trainer devices = TP x PP x CP x DP (the expert grid reuses these ranks); rollout devices = instances x
+  rollout TP; in async mode the two sets are disjoint and together fit in nodes x devices per node.
+- The memory features of the trainer (``asyncflow.engines.megatron.features``) are valid on a GPU cluster with
+  Transformer Engine: sequence parallelism needs TP > 1 (and MoE at TP > 1 needs it), parameter all-gather
+  overlap needs the distributed optimizer.
+
+``asyncflow plan`` (``asyncflow.planner``) reads recipes through ``load_recipe`` and adds the memory check
+against ``DEVICE_MEMORY_GB``.
 
     python -m asyncflow.recipes_check recipes/qwen2.5-7b [--model-dir DIR] [section.key=value ...]
 """
@@ -31,7 +37,7 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig, ConfigError, load_config
 
-__all__ = ["ClusterSpec", "check_recipe", "read_cluster_env", "main"]
+__all__ = ["ClusterSpec", "Recipe", "check_loaded", "check_recipe", "load_recipe", "read_cluster_env", "main"]
 
 RECIPE_FILES = ("config.yaml", "model_arch.json", "cluster.env", "launch.sh")
 
@@ -58,6 +64,8 @@ class ClusterSpec:
     """Accelerators for the vLLM rollout engines (instances x rollout TP)."""
     device_resource: str = "GPU"
     """Ray resource name of one accelerator (``GPU``; ``NPU`` on Ascend)."""
+    device_memory_gb: float | None = None
+    """Memory of one accelerator in GiB (``DEVICE_MEMORY_GB``; 80 for an H100 80GB), for ``asyncflow plan``."""
 
     @property
     def total_devices(self) -> int:
@@ -72,8 +80,9 @@ _ENV_FIELDS = {
     "ROLLOUT_DEVICES": "rollout_devices",
 }
 _ENV_REQUIRED = ("NODES", "DEVICES_PER_NODE", "TRAINER_DEVICES", "ROLLOUT_DEVICES")
-# The Ray resource name of a device; launcher settings (RAY_PORT, ...) come from the environment instead.
-_ENV_OTHER = ("DEVICE_RESOURCE",)
+# The Ray resource name and memory (GiB) of a device; launcher settings (RAY_PORT, ...) come from the
+# environment instead.
+_ENV_OTHER = ("DEVICE_RESOURCE", "DEVICE_MEMORY_GB")
 
 
 def read_cluster_env(path: str | Path) -> dict[str, str]:
@@ -111,6 +120,14 @@ def _cluster_spec(env: dict[str, str], name: str) -> tuple[ClusterSpec | None, l
         kwargs[attr] = int(env[key])
     if "DEVICE_RESOURCE" in env:
         kwargs["device_resource"] = env["DEVICE_RESOURCE"]
+    if "DEVICE_MEMORY_GB" in env:
+        try:
+            kwargs["device_memory_gb"] = float(env["DEVICE_MEMORY_GB"])
+        except ValueError:
+            kwargs["device_memory_gb"] = 0.0
+        if not kwargs["device_memory_gb"] > 0:
+            problems.append(f"{name}: cluster.env: DEVICE_MEMORY_GB={env['DEVICE_MEMORY_GB']!r} must be a "
+                            "positive number (GiB per device)")
     if problems:
         return None, problems
     return ClusterSpec(**kwargs), []
@@ -133,16 +150,29 @@ def _check_attention(name: str, key: str, tp: int, arch) -> list[str]:
 
 
 def _expert_sizes(cfg: AsyncFlowConfig) -> tuple[int, int]:
-    """EP and expert TP of the trainer; ETP is Megatron's default (the trainer's TP) until MegatronConfig has
-    an ``expert_tensor_parallel`` field."""
-    tr = cfg.trainer
-    etp = getattr(tr, "expert_tensor_parallel", None) or tr.tensor_parallel
-    return getattr(tr, "expert_parallel", 1), etp
+    """EP and expert TP of the trainer. ``MegatronConfig`` has no expert-TP field and the trainer never passes
+    ``expert_tensor_parallel_size`` to ``initialize_model_parallel``, so Megatron uses the trainer's TP."""
+    return cfg.trainer.expert_parallel, cfg.trainer.tensor_parallel
+
+
+def _uses_critic(cfg: AsyncFlowConfig) -> bool:
+    from asyncflow.algorithms.advantages import estimator_scope
+
+    return estimator_scope(cfg.algorithm.advantage) == "critic"
+
+
+def _check_features(name: str, section: str, mcfg, arch) -> list[str]:
+    """The trainer's memory features as a GPU cluster with Transformer Engine would run them."""
+    from asyncflow.engines.megatron.features import problems
+
+    head = "value" if section == "critic" else "lm"
+    return [f"{name}: {problem}" for problem in problems(mcfg, section, head=head, is_moe=arch.is_moe, cuda=True,
+                                                          te=True)]
 
 
 def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) -> list[str]:
     tr = cfg.trainer
-    tp, pp, dp = tr.tensor_parallel, tr.pipeline_parallel, tr.data_parallel
+    tp, pp, cp, dp = tr.tensor_parallel, tr.pipeline_parallel, tr.context_parallel, tr.data_parallel
     problems = _check_attention(name, "trainer.tensor_parallel", tp, arch)
     if not _divides(tp, arch.ffn_hidden_size):
         problems.append(f"{name}: trainer.tensor_parallel={tp} does not divide "
@@ -152,10 +182,12 @@ def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) 
     if tp > cluster.devices_per_node:
         problems.append(f"{name}: trainer.tensor_parallel={tp} exceeds DEVICES_PER_NODE={cluster.devices_per_node} "
                         "(tensor-parallel all-reduces would cross nodes)")
-    world = tp * pp * dp
+    world = tp * pp * cp * dp
     if world != cluster.trainer_devices:
+        sizes = f"{tp} x {pp} x {dp}" if cp == 1 else f"{tp} x {pp} x {cp} x {dp}"
+        factors = "pipeline_parallel x " + ("" if cp == 1 else "context_parallel x ") + "data_parallel"
         problems.append(f"{name}: trainer devices: TRAINER_DEVICES={cluster.trainer_devices} in cluster.env but "
-                        f"trainer.tensor_parallel x pipeline_parallel x data_parallel = {tp} x {pp} x {dp} = {world}")
+                        f"trainer.tensor_parallel x {factors} = {sizes} = {world}")
     ep, etp = _expert_sizes(cfg)
     if arch.is_moe:
         if not _divides(ep, arch.num_experts):
@@ -164,15 +196,16 @@ def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) 
             problems.append(f"{name}: expert tensor parallel ETP={etp} does not divide "
                             f"moe_intermediate_size={arch.moe_ffn_hidden_size}")
         if not _divides(etp * ep * pp, world):
+            what = "TP x PP x DP" if cp == 1 else "TP x PP x CP x DP"
             problems.append(f"{name}: expert grid ETP x EP x PP = {etp} x {ep} x {pp} = {etp * ep * pp} does not "
-                            f"divide the trainer's world TP x PP x DP = {world} (Megatron initialize_model_parallel)")
+                            f"divide the trainer's world {what} = {world} (Megatron initialize_model_parallel)")
     elif ep > 1:
         problems.append(f"{name}: trainer.expert_parallel={ep} on a dense model ({arch.model_type}); set it to 1")
     rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
     if rows % (tr.micro_batch_size * dp):
         problems.append(f"{name}: workflow.prompts_per_step x samples_per_prompt = {rows} rows is not a multiple of "
                         f"trainer.micro_batch_size x data_parallel = {tr.micro_batch_size} x {dp}")
-    return problems
+    return problems + _check_features(name, "trainer", tr, arch)
 
 
 def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) -> list[str]:
@@ -203,7 +236,6 @@ def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) 
 
 
 def _check_devices(name: str, cfg: AsyncFlowConfig, cluster: ClusterSpec) -> list[str]:
-    from asyncflow.algorithms.advantages import estimator_scope
     from asyncflow.workflow.placement import world_size
 
     problems = []
@@ -213,7 +245,7 @@ def _check_devices(name: str, cfg: AsyncFlowConfig, cluster: ClusterSpec) -> lis
     # asyncflow.workflow.placement gives trainer ranks and rollout engines their own devices in both modes; a
     # critic shares the trainer's devices when its parallel sizes match the actor's, else it needs its own.
     needed, how = cluster.trainer_devices + cluster.rollout_devices, "trainer + rollout"
-    if estimator_scope(cfg.algorithm.advantage) == "critic" and world_size(cfg.critic) != world_size(cfg.trainer):
+    if _uses_critic(cfg) and world_size(cfg.critic) != world_size(cfg.trainer):
         needed, how = needed + world_size(cfg.critic), how + " + critic"
     total = cluster.total_devices
     if needed > total:
@@ -232,9 +264,32 @@ def _compare_checkpoint(name: str, facts: dict, model_dir: Path) -> list[str]:
             for key in _ARCH_KEYS if key in facts and actual.get(key) != facts[key]]
 
 
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A recipe directory, read: its config (with overrides), model facts, architecture and cluster."""
+
+    name: str
+    """The directory name (``qwen2.5-7b``); every problem starts with it."""
+    cfg: AsyncFlowConfig
+    """``config.yaml`` plus the overrides."""
+    facts: dict
+    """``model_arch.json`` as read."""
+    arch: object
+    """``GPTArch`` of ``model_arch.json``."""
+    cluster: ClusterSpec
+    """``cluster.env``."""
+
+
+def load_recipe(recipe_dir: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[Recipe | None, list[str]]:
+    """Read a recipe directory: ``(Recipe, [])``, or ``(None, problems)`` when a file is missing or invalid."""
+    recipe = Path(recipe_dir)
+    loaded, problems = _load(recipe, recipe.name, overrides)
+    return (Recipe(recipe.name, *loaded) if loaded else None), problems
+
+
 def _load(recipe: Path, name: str, overrides: list[str] | tuple[str, ...]):
     """Config, architecture and cluster of a recipe, or the problems that stop the checks."""
-    from asyncflow.engines.megatron.model import GPTArch
+    from asyncflow.models.arch import GPTArch
 
     problems = [f"{name}: {f} is missing" for f in RECIPE_FILES if not (recipe / f).is_file()]
     if problems:
@@ -268,21 +323,27 @@ def check_recipe(recipe_dir: str | Path, model_dir: str | Path | None = None,
     KV heads, MLP width, layers and experts, the rollout TP against the heads and the devices, and the device
     split against the cluster. With ``model_dir``, also compares its ``config.json`` with ``model_arch.json``.
     """
-    recipe = Path(recipe_dir)
-    name = recipe.name
-    loaded, problems = _load(recipe, name, overrides)
-    if loaded is None:
+    recipe, problems = load_recipe(recipe_dir, overrides)
+    if recipe is None:
         return problems
-    cfg, facts, arch, cluster = loaded
+    return check_loaded(recipe, model_dir)
+
+
+def check_loaded(recipe: Recipe, model_dir: str | Path | None = None) -> list[str]:
+    """``check_recipe`` of an already read recipe (the planner checks the changes it tries this way)."""
+    name, cfg, facts, arch, cluster = recipe.name, recipe.cfg, recipe.facts, recipe.arch, recipe.cluster
     sizes = {"trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel":
              cfg.trainer.pipeline_parallel, "trainer.data_parallel": cfg.trainer.data_parallel,
              "trainer.expert_parallel": _expert_sizes(cfg)[0], "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+             "trainer.context_parallel": cfg.trainer.context_parallel,
              "rollout.tensor_parallel": cfg.rollout.tensor_parallel,
              "workflow.rollout_instances": cfg.workflow.rollout_instances}
-    problems += [f"{name}: {key}={value} must be at least 1" for key, value in sizes.items() if value < 1]
+    problems = [f"{name}: {key}={value} must be at least 1" for key, value in sizes.items() if value < 1]
     if problems:
         return problems
     problems += _check_trainer(name, cfg, arch, cluster)
+    if _uses_critic(cfg):
+        problems += _check_features(name, "critic", cfg.critic, arch)
     problems += _check_rollout(name, cfg, arch, cluster)
     problems += _check_devices(name, cfg, cluster)
     if model_dir is not None:

@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from asyncflow.cli import main as cli_main
+from asyncflow.config import ConfigError
+from asyncflow.planner.plan import plan_recipe, render
 from asyncflow.recipes_check import check_recipe, main, read_cluster_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -140,7 +143,7 @@ def test_device_counts_must_match_parallel_sizes(tmp_path):
 
 def test_batch_must_split_over_replicas(tmp_path):
     recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3})
-    _one_problem_with(check_recipe(recipe), "9 rows", "micro_batch_size x data_parallel = 2 x 4")
+    _one_problem_with(check_recipe(recipe), "9 rows", "micro_batch_size x data_parallel = 1 x 4")
 
 
 def test_overrides_are_checked_too():
@@ -195,6 +198,84 @@ def test_command_line_exit_status(tmp_path, capsys):
     assert "recipe check: qwen2.5-7b: too many devices" in capsys.readouterr().err
     assert main([str(ROOT / "recipes/qwen2.5-7b"), "rollout.tensor_parallel=3"]) == 1
     assert "rollout.tensor_parallel=3 does not divide num_attention_heads=28" in capsys.readouterr().err
+
+
+def test_moe_at_tp2_needs_sequence_parallel():
+    problems = check_recipe(ROOT / "recipes/qwen3-30b-a3b", overrides=["trainer.sequence_parallel=false"])
+    _one_problem_with(problems, "trainer.sequence_parallel=false", "MoE model at tensor_parallel=2")
+
+
+def test_cluster_env_device_memory_must_be_a_positive_number(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b", env={"DEVICE_MEMORY_GB": "lots"})
+    _one_problem_with(check_recipe(recipe), "DEVICE_MEMORY_GB='lots' must be a positive number")
+
+
+# ---- memory plan ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_fits_its_devices(recipe):
+    plan = plan_recipe(recipe)
+    assert plan.fits, render(plan)
+    assert {t.task for t in plan.tasks} >= {"trainer rank", "rollout device"}
+
+
+def test_plan_command_line_prints_a_table_per_task(capsys):
+    assert cli_main(["plan", str(ROOT / "recipes/qwen2.5-32b")]) == 0
+    out = capsys.readouterr().out
+    for needle in ("trainer rank", "rollout device", "TP8 PP2 DP2", "optimizer states", "KV cache", "verdict"):
+        assert needle in out, out
+
+
+def test_plan_names_the_smallest_change_that_fits(capsys):
+    # Without the distributed optimizer the 7B trainer rank holds 18 bytes per parameter and does not fit.
+    recipe = str(ROOT / "recipes/qwen2.5-7b")
+    assert cli_main(["plan", recipe, "trainer.use_distributed_optimizer=false"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out
+    fix = next(line for line in out.splitlines() if line.startswith("trainer rank: smallest change"))
+    assert "trainer.use_distributed_optimizer=true" in fix
+    changes = fix.split(": ")[-1].split()
+    assert plan_recipe(recipe, ["trainer.use_distributed_optimizer=false", *changes]).fits
+
+
+def test_plan_shrinks_the_kv_cache_to_what_fits():
+    plan = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["rollout.max_num_seqs=512"])
+    rollout = next(t for t in plan.tasks if t.task == "rollout device")
+    assert not rollout.fits and "512 x 5120 tokens wanted, room for 192 sequences" in rollout.notes[0]
+    changes, fixed = plan.fixes["rollout device"]
+    assert fixed.fits and changes == ["rollout.max_num_seqs=192"], changes
+
+
+def test_plan_counts_the_colocated_reference_model():
+    with_ref = plan_recipe(ROOT / "recipes/qwen2.5-7b").tasks[0]
+    without = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["algorithm.kl_coef=0"]).tasks[0]
+    assert "reference weights" in with_ref.terms and "reference weights" not in without.terms
+    assert with_ref.terms["reference weights"] == with_ref.terms["weights"]  # the same shards, forward only
+
+
+@pytest.mark.parametrize("placement,tasks", [("own", 3), ("offload", 2)])
+def test_plan_follows_the_reference_placement(placement, tasks):
+    from asyncflow.planner.plan import estimate
+    from asyncflow.recipes_check import load_recipe
+
+    recipe, _ = load_recipe(ROOT / "recipes/qwen2.5-7b")
+    colocated = estimate(recipe)[0]
+    # MegatronConfig has no reference_placement field yet; the planner reads it when it is there.
+    object.__setattr__(recipe.cfg.trainer, "reference_placement", placement)
+    planned = estimate(recipe)
+    assert len(planned) == tasks
+    assert planned[0].terms.get("reference weights", 0) < colocated.terms["reference weights"]
+    if placement == "own":
+        assert planned[2].task == "reference rank" and planned[2].terms["reference weights"] > 0
+
+
+def test_plan_needs_the_device_memory(tmp_path):
+    recipe = _copy(tmp_path, "qwen2.5-7b")
+    env = read_cluster_env(recipe / "cluster.env")
+    del env["DEVICE_MEMORY_GB"]
+    (recipe / "cluster.env").write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    with pytest.raises(ConfigError, match="DEVICE_MEMORY_GB"):
+        plan_recipe(recipe)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------------

@@ -1,0 +1,117 @@
+"""Memory features of ``MegatronConfig``, checked against this machine and converted once into Megatron's
+own config arguments (``TransformerConfig``, ``DistributedDataParallelConfig``, ``OptimizerConfig``).
+
+What runs where (megatron-core 0.16.1):
+
+- ``recompute``, ``overlap_grad_reduce``: CPU and GPU (on CPU through ``megatron_patches.recompute``);
+- ``use_distributed_optimizer`` (and ``overlap_param_gather``, which needs it), 16-bit ``params_dtype``:
+  GPU only: Megatron's ``DistributedOptimizer`` and mixed-precision optimizer accept only
+  ``torch.cuda.*Tensor`` parameters;
+- ``sequence_parallel``: GPU with Transformer Engine: the torch norms of the local spec assert it is off;
+- ``moe_token_dispatcher: alltoall``: GPU only (it creates CUDA streams);
+- ``moe_grouped_gemm``: GPU with Transformer Engine (TEGroupedMLP);
+- ``context_parallel`` > 1: nowhere yet: the trainer does not split sequences over CP ranks (Megatron's
+  ``get_batch_on_this_cp_rank``), and the local spec's attention asserts CP = 1.
+
+Megatron's ``MoELayer`` refuses to train an MoE model at TP > 1 without sequence parallelism, so on CPU MoE
+models train at TP = 1 only.
+
+``asyncflow plan`` estimates all of them; ``check`` stops a trainer that asks for one this machine cannot run,
+with a ``ConfigError`` naming the key, before Megatron fails somewhere deep inside.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from asyncflow.config import ConfigError, MegatronConfig
+
+
+def check(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm", is_moe: bool = False,
+          cuda: bool | None = None, te: bool | None = None) -> None:
+    """Raise ``ConfigError`` listing every feature of ``cfg`` that this machine (or this trainer) cannot run."""
+    found = problems(cfg, section, head=head, is_moe=is_moe, cuda=cuda, te=te)
+    if found:
+        raise ConfigError("; ".join(found))
+
+
+def problems(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm", is_moe: bool = False,
+             cuda: bool | None = None, te: bool | None = None) -> list[str]:
+    """Every feature of ``cfg`` that this machine (or this trainer) cannot run, each naming ``section.key``.
+
+    ``cuda`` / ``te`` default to what is installed (a CUDA device; Transformer Engine importable);
+    ``asyncflow.recipes_check`` passes True for both to check a cluster recipe.
+    """
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    if te is None:
+        from asyncflow.models.megatron import have_transformer_engine
+
+        te = have_transformer_engine()
+    found = []
+
+    def bad(key: str, why: str) -> None:
+        value = getattr(cfg, key)
+        value = str(value).lower() if isinstance(value, bool) else value  # as written in YAML
+        found.append(f"{section}.{key}={value}: {why}")
+
+    if cfg.params_dtype != "float32" and not cuda:
+        bad("params_dtype", "Megatron's mixed-precision optimizer (fp32 master weights) accepts only CUDA "
+            "parameters; use float32 on CPU")
+    if cfg.use_distributed_optimizer and not cuda:
+        bad("use_distributed_optimizer", "Megatron's DistributedOptimizer accepts only CUDA parameters "
+            "(torch.cuda.FloatTensor / BFloat16Tensor); not available on CPU")
+    if cfg.overlap_param_gather and not cfg.use_distributed_optimizer:
+        bad("overlap_param_gather", "needs use_distributed_optimizer=true (it overlaps the distributed "
+            "optimizer's parameter all-gather)")
+    if cfg.sequence_parallel:
+        if cfg.tensor_parallel == 1:
+            bad("sequence_parallel", "needs tensor_parallel > 1 (it splits activations over the TP ranks)")
+        if not te:
+            bad("sequence_parallel", "needs Transformer Engine's norms: the torch norms of Megatron's local "
+                "layer spec assert sequence_parallel is off (so never on CPU)")
+        if head == "value":
+            bad("sequence_parallel", "the critic's value head is replicated over TP ranks and expects the "
+                "whole sequence on each; not supported with sequence parallelism")
+    if cfg.context_parallel != 1:
+        bad("context_parallel", "the trainer does not split sequences over context-parallel ranks yet "
+            "(Megatron's get_batch_on_this_cp_rank) and the local layer spec's attention asserts CP = 1; "
+            "use it in `asyncflow plan` only")
+    if is_moe and cfg.tensor_parallel > 1 and not cfg.sequence_parallel:
+        bad("sequence_parallel", f"an MoE model at tensor_parallel={cfg.tensor_parallel} needs sequence parallelism: "
+            "Megatron's MoELayer refuses to train with TP > 1 without it")
+    if cfg.moe_token_dispatcher == "alltoall" and not cuda:
+        bad("moe_token_dispatcher", "the alltoall dispatcher creates CUDA streams; use allgather on CPU")
+    if cfg.moe_grouped_gemm and not te:
+        bad("moe_grouped_gemm", "needs Transformer Engine's grouped linear (TEGroupedMLP); not on CPU")
+    if cfg.recompute_num_layers < 1:
+        bad("recompute_num_layers", "must be at least 1")
+    return found
+
+
+def transformer_kwargs(cfg: MegatronConfig, is_moe: bool) -> dict[str, Any]:
+    """``TransformerConfig`` arguments of the recompute, parallelism and MoE features."""
+    kwargs: dict[str, Any] = dict(sequence_parallel=cfg.sequence_parallel,
+                                  context_parallel_size=cfg.context_parallel)
+    if cfg.recompute == "selective":  # Megatron's default module list: core attention
+        kwargs.update(recompute_granularity="selective")
+    elif cfg.recompute == "full":  # keep each chunk's input; chunks of recompute_num_layers layers
+        kwargs.update(recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=cfg.recompute_num_layers)
+    if is_moe:
+        kwargs.update(moe_token_dispatcher_type=cfg.moe_token_dispatcher, moe_grouped_gemm=cfg.moe_grouped_gemm)
+    return kwargs
+
+
+def ddp_kwargs(cfg: MegatronConfig) -> dict[str, Any]:
+    """``DistributedDataParallelConfig`` arguments (gradients are reduced in fp32, as before)."""
+    return dict(grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer,
+                overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather)
+
+
+def optimizer_kwargs(cfg: MegatronConfig) -> dict[str, Any]:
+    """``OptimizerConfig`` arguments of the distributed optimizer."""
+    return dict(use_distributed_optimizer=cfg.use_distributed_optimizer,
+                overlap_param_gather=cfg.overlap_param_gather)
