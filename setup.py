@@ -44,6 +44,7 @@ setup(
         "tqdm",
         "pyarrow",  # parquet prompt datasets
         "math-verify",  # the math reward
+        "setproctitle",  # vLLM workers show which weight version they are applying
     ],
     extras_require={
         "cpu": CPU_STACK,

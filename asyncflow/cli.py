@@ -3,6 +3,7 @@
     asyncflow train CONFIG [--resume] [section.key=value ...]   RL training (GRPO, PPO, DAPO...; async or sync)
     asyncflow demo [CONFIG] [section.key=value ...]     train with Megatron, move weights, generate with vLLM
     asyncflow config show [CONFIG] [section.key=value ...]   print the resolved configuration as YAML
+    asyncflow plan RECIPE [section.key=value ...]    per-device memory of a cluster recipe; exit 1 if it does not fit
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 from asyncflow.config import ConfigError, load_config
 from asyncflow.workflow.checkpoints import CheckpointError
+from asyncflow.workflow.errors import WeightApplyError, WorkerDiedError
 from asyncflow.workflow.sampling import SamplingBudgetError
 
 
@@ -52,6 +54,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0 if summary["max_abs_logprob_diff"] < 1e-5 or args.no_check else 1
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from asyncflow.planner.plan import run
+
+    return run(args.recipe, args.overrides)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and documentation)."""
     parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__,
@@ -69,6 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-check", action="store_true", help="exit 0 even if logprobs disagree by >= 1e-5")
     demo.set_defaults(func=_cmd_demo)
 
+    plan = sub.add_parser("plan", help="per-device memory of a cluster recipe's tasks against DEVICE_MEMORY_GB "
+                          "(see docs/recipes.md); exit 1 when a task does not fit")
+    plan.add_argument("recipe", metavar="RECIPE", help="recipe directory (recipes/<model>)")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for the launcher")
+    plan.set_defaults(func=_cmd_plan)
+
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     show = config_sub.add_parser("show", help="print the resolved configuration (defaults + file + overrides)")
@@ -85,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncflow: config error: {exc}", file=sys.stderr)
         return 2
-    except (SamplingBudgetError, CheckpointError) as exc:  # the message says what to change; no traceback
-        print(f"asyncflow: error: {exc}", file=sys.stderr)
+    except (SamplingBudgetError, CheckpointError, WeightApplyError, WorkerDiedError) as exc:
+        # The message says what failed or what to change; no traceback. Errors raised inside a Ray actor come
+        # wrapped: print the service's own message.
+        print(f"asyncflow: error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return 1
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from asyncflow import config_loader
+from asyncflow.bridge.config import WeightSyncConfig
 from asyncflow.config_loader import ConfigError
 from asyncflow.data.config import DataConfig
 from asyncflow.observability.config import ObservabilityConfig
@@ -88,6 +89,35 @@ class MegatronConfig:
     """Dotted path to your own ``fn(config, pre_process, post_process) -> GPTModel`` (Megatron-LM's
     model_provider shape); None builds the Llama/Qwen GPTModel from the checkpoint's config.json."""
 
+    # Memory features (``asyncflow plan RECIPE`` estimates what each one saves). Validated and turned into
+    # Megatron's own config arguments in ``asyncflow.engines.megatron.features``.
+    use_distributed_optimizer: bool = False
+    """Shard the fp32 master weights and Adam moments over the data-parallel ranks (Megatron's distributed
+    optimizer, ZeRO-1): 6 + 12/DP bytes per bf16 parameter instead of 18. Needs CUDA."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation: ``selective`` recomputes core attention (the s x s scores of Megatron's
+    unfused attention; nothing to gain with flash attention); ``full`` keeps only each layer's input and
+    recomputes the layer in the backward pass."""
+    recompute_num_layers: int = 1
+    """``recompute: full``: layers per recomputed chunk (Megatron's uniform method); one chunk's activations
+    are alive at once during the backward pass."""
+    sequence_parallel: bool = False
+    """Split the norm and residual activations over the TP ranks along the sequence (Megatron sequence
+    parallelism; TP > 1). Needs Transformer Engine's norms, so not on CPU."""
+    context_parallel: int = 1
+    """Context-parallel size (CP): each rank holds 1/CP of every sequence; a worker group has TP x PP x CP x DP
+    ranks. Used by the planner; the trainer does not split sequences over CP ranks yet, so it accepts 1 only."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient all-reduce / reduce-scatter with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward pass (needs
+    ``use_distributed_optimizer``)."""
+    moe_token_dispatcher: Literal["allgather", "alltoall"] = "allgather"
+    """MoE token dispatcher: ``allgather`` (works everywhere) or ``alltoall`` (less memory and traffic at large
+    EP; creates CUDA streams, so not on CPU)."""
+    moe_grouped_gemm: bool = False
+    """Run each rank's local experts as one grouped GEMM (Transformer Engine's TEGroupedMLP; not on CPU)."""
+
 
 @dataclass
 class VllmConfig:
@@ -117,6 +147,12 @@ class VllmConfig:
     """Tokens generated per response."""
     seed: int = 0
     """Sampling seed."""
+    gpu_memory_utilization: float = 0.5
+    """GPUs: fraction of each device vLLM may use for weights, activations and KV cache (the KV cache gets
+    what is left). On CPU ``kv_cache_gib`` sizes the KV cache instead. ``asyncflow plan`` checks it."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes (GRPO's samples of one prompt share it); the prefix cache
+    is dropped at every weight update."""
 
 
 @dataclass
@@ -242,9 +278,6 @@ class WorkflowConfig:
     """Seed of the prompt stream."""
     step_timeout_s: float = 600.0
     """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
-    weight_bucket_mb: float = 512.0
-    """Published weights are cut into buckets of about this size (fused groups kept whole): each is one
-    object in Ray's object store and one reload in vLLM, so neither side holds a whole stage at once."""
 
 
 @dataclass
@@ -289,6 +322,8 @@ class AsyncFlowConfig:
     """Metrics, progress, timeline and plots."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint and resume."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How each new weight version reaches the rollout engines (``asyncflow.bridge``)."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> AsyncFlowConfig:

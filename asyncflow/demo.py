@@ -1,13 +1,13 @@
 """``asyncflow demo``: the smallest honest slice of the AsyncFlow pipeline, on the real stack.
 
-    tiny HF model ──load──► Megatron trainer (Ray actor) ──train N steps──► export HF tensors
+    tiny HF model ──load──► Megatron trainer (Ray actor) ──train N steps──► stage its shards (shm)
                                                                                    │ weights v=N
-    prompts ──► vLLM rollout (Ray actor) ◄──────── safetensors blob, reload ───────┘
+    prompts ──► vLLM rollout (Ray actor) ◄──── read its boxes, reload by bucket ───┘
                       │ responses + vLLM logprobs
                       └──► Megatron recomputes logprobs ──► max |vLLM - Megatron|
 
-The asynchronous workflow (TransferQueue, staleness-bounded delayed updates, GRPO) replaces this
-script's fixed sequence once it lands; the engines used here are the ones it will use.
+The weights take the same path as in ``asyncflow train`` (``asyncflow.bridge.staging``); the full RL
+loop (TransferQueue, staleness-bounded delayed updates, GRPO) is ``asyncflow train``.
 """
 
 from __future__ import annotations
@@ -39,11 +39,20 @@ class _TrainerWorker:
         megatron_patches.apply()  # Ray may run this method on another thread than __init__
         return self.trainer.train_step(tokens, mask)
 
-    def export_blob(self) -> tuple[bytes, int]:
-        from safetensors.torch import save
+    def stage_weights(self, bucket_mb: float) -> tuple[dict, int]:
+        """Stage the current weights (the loop's path); returns the staging description and the version."""
+        from asyncflow.bridge.staging import source_key
 
-        blob = save({name: t.contiguous() for name, t in self.trainer.export_hf()})
-        return blob, self.trainer.version
+        if not hasattr(self, "stager"):
+            self.stager, self.plan = self.trainer.weight_stager(bucket_mb, "demo")
+        self.stager.stage(self.trainer.version)
+        staging = {"plan": self.plan, "segments": {source_key(self.stager.rank): self.stager.segment}}
+        return staging, self.trainer.version
+
+    def close(self) -> None:
+        """Remove the staging segment."""
+        if hasattr(self, "stager"):
+            self.stager.close()
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
         import megatron_patches
@@ -63,9 +72,9 @@ class _RolloutWorker:
     def generate(self, prompts, n: int = 1, temperature: float | None = None):
         return self.rollout.generate(prompts, n=n, temperature=temperature)
 
-    def apply_blob(self, blob: bytes, version: int) -> list[int]:
-        self.rollout.apply_blob(blob, version)
-        return self.rollout.served_versions()
+    def apply_staged(self, staging: dict, version: int) -> tuple[list[int], dict]:
+        stats = self.rollout.apply_staged(staging, version)
+        return self.rollout.served_versions(), stats
 
 
 def _say(step: int, total: int, text: str, t0: float) -> None:
@@ -125,11 +134,12 @@ def run_demo(cfg: AsyncFlowConfig) -> dict:
              t0)
 
         t_move = time.time()
-        blob, version = ray.get(trainer.export_blob.remote())
-        served = ray.get(rollout.apply_blob.remote(blob, version))
+        staging, version = ray.get(trainer.stage_weights.remote(cfg.weight_sync.bucket_mb))
+        served, stats = ray.get(rollout.apply_staged.remote(staging, version))
         move_ms = (time.time() - t_move) * 1e3
-        _say(4, total, f"moved weights v{version} Megatron -> vLLM ({len(blob) / 2**20:.2f} MiB safetensors, "
-             f"{move_ms:.0f} ms); vLLM ranks serve versions {served}", t0)
+        _say(4, total, f"moved weights v{version} Megatron -> vLLM through shared memory "
+             f"({max(stats['bytes_per_rank']) / 2**20:.2f} MiB in {stats['buckets']} bucket(s), {move_ms:.0f} ms); "
+             f"vLLM ranks serve versions {served}", t0)
 
         rollouts = ray.get(rollout.generate.remote(eval_prompts, n=4))
         greedy = ray.get(rollout.generate.remote(eval_prompts, temperature=0.0))
@@ -140,6 +150,10 @@ def run_demo(cfg: AsyncFlowConfig) -> dict:
         _say(6, total, f"Megatron recomputed the logprobs of every generated token: "
              f"max |vLLM logprob - Megatron logprob| = {max_diff:.3e}", t0)
     finally:
+        try:
+            ray.get(trainer.close.remote(), timeout=30)
+        except Exception:  # the trainer never started or died: nothing of it is left to close
+            pass
         ray.shutdown()
     summary = {
         "train_losses": losses,

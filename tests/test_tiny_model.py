@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-from asyncflow.engines.megatron.model import GPTArch
+from asyncflow.models.megatron import GPTArch
 from asyncflow.tiny_model import build_tokenizer, make_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.bridge.shards import ParallelLayout
-from asyncflow.engines.megatron.model import GPTArch
+from asyncflow.models.arch import GPTArch
 
 META_FILE = "asyncflow_bridge.json"
 HF_FILES = "hf_config"  # config.json + tokenizer files kept beside the Megatron checkpoint
@@ -93,8 +93,8 @@ def _hf_to_mcore_rank(
     from megatron.core import dist_checkpointing
 
     from asyncflow.bridge.mcore import HFReader, init_parallel, load_hf_into, model_rank
-    from asyncflow.engines.megatron.model import build_gpt_model, transformer_config
-    from asyncflow.engines.megatron.parallel import destroy_megatron
+    from asyncflow.models.megatron import build_gpt_model, transformer_config
+    from asyncflow.models.parallel import destroy_megatron
 
     arch = GPTArch.from_pretrained(hf_dir)
     init_parallel(layout.tp, layout.pp, layout.ep)
@@ -130,7 +130,7 @@ def hf_to_mcore(
     """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint written at ``layout``."""
     import torch.multiprocessing as mp
 
-    from asyncflow.engines.megatron.parallel import free_port
+    from asyncflow.models.parallel import free_port
 
     arch = read_arch(hf_dir)
     try:

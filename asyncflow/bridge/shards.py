@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from asyncflow.bridge.hf_layout import ParamInfo, Split, layer_param_names, param_info
-from asyncflow.engines.megatron.model import GPTArch, padded_vocab_size
+from asyncflow.models.arch import GPTArch, padded_vocab_size
 
 Box = tuple[tuple[int, int], ...]
 

@@ -25,7 +25,7 @@ import torch
 
 from asyncflow.bridge.hf_layout import hf_param_shapes, param_info
 from asyncflow.bridge.shards import Box, MRank, ParallelLayout, index, pieces
-from asyncflow.engines.megatron.model import GPTArch
+from asyncflow.models.arch import GPTArch
 
 VLLM_VOCAB_PADDING = 64  # vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 
@@ -231,12 +231,13 @@ def reference_shard(
     return out
 
 
-def _intersect(a: Box, b: Box) -> Box | None:
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None."""
     box = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return None if any(x0 >= x1 for x0, x1 in box) else box
 
 
-def _shift(box: Box, inner: Box, frm: Box) -> Box:
+def shift(box: Box, inner: Box, frm: Box) -> Box:
     """Where sub-box ``inner`` of ``frm`` lands in ``box`` (same extents as ``frm``)."""
     return tuple((b0 + i0 - f0, b0 + i1 - f0) for (b0, _), (i0, i1), (f0, _) in zip(box, inner, frm))
 
@@ -261,17 +262,17 @@ def kernel_plan(arch: GPTArch, layout: ParallelLayout, tp: int, rank: int) -> li
     for vname, (_, segments) in vllm_boxes(arch, tp, rank).items():
         for seg in segments:
             for src, mname, piece in sources[seg.hf]:
-                common = _intersect(seg.hf_box, piece.hf_box)
+                common = intersect(seg.hf_box, piece.hf_box)
                 if common is None:
                     continue
                 ops.append(
                     CopyOp(
                         src,
                         mname,
-                        _shift(piece.shard_box, common, piece.hf_box),
+                        shift(piece.shard_box, common, piece.hf_box),
                         vname,
                         seg.dst_prefix,
-                        _shift(seg.dst_box, common, seg.hf_box),
+                        shift(seg.dst_box, common, seg.hf_box),
                     )
                 )
     return ops

@@ -63,7 +63,13 @@ class TrainEngine(TrainableEngine):
 
     @abc.abstractmethod
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hugging Face-named tensors of the current weights (for the weight bridge)."""
+        """Hugging Face-named full tensors of this rank's part of the current weights (tools, tests)."""
+
+    @abc.abstractmethod
+    def weight_stager(self, bucket_mb: float, session: str) -> tuple[object | None, dict]:
+        """The loop's weight path: this rank's ``asyncflow.bridge.staging.StagingWriter`` (None on ranks that
+        send nothing) and the ``SyncPlan`` as plain data for the rollout side. ``session`` names the run's
+        staging segments. The writer's ``stage(version)`` is called after every optimizer step."""
 
 
 class CriticEngine(TrainableEngine):
@@ -85,6 +91,15 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def apply_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Serve weights ``version`` from now on (called between generations: never mixes versions)."""
+
+    def apply_staged(self, staging: dict, version: int) -> dict:
+        """Apply a version staged by the trainer's ``weight_stager`` writers (the loop's weight path).
+
+        ``staging`` holds the plan (plain data) and the staging segments; raises
+        ``asyncflow.bridge.staging.StaleStagingError`` when the trainer overwrote the version meanwhile (the
+        caller applies the newest one instead). Engines that only take full tensors leave this out.
+        """
+        raise NotImplementedError(f"{type(self).__name__} takes weights through apply_weights only")
 
     @property
     @abc.abstractmethod

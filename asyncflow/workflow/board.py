@@ -1,9 +1,14 @@
-"""The version board: where the trainer publishes weight versions and rollout waits for admission.
+"""The version board: where the trainer announces staged weight versions and rollout waits for admission.
 
-A small asyncio Ray actor. The staleness rule lives in ``admitted_version``: rollout may start
-generating the samples of step ``s`` once weights of version ``s - k`` exist, so every sample of step
-``s`` comes from a version ``v >= s - k`` and is trained at step ``s <= v + k``. Workers also drop
-their per-step metrics and timeline spans here for the driver to collect.
+A small asyncio Ray actor that carries metadata only: the weights themselves are staged by each exporting
+trainer rank in its shared-memory segment (``asyncflow.bridge.staging``) and never pass through Ray. A
+version becomes visible once every exporting rank announced it, so rollout never loads half a model.
+
+The staleness rule lives in ``admitted_version``: rollout may start generating the samples of step ``s``
+once weights of version ``s - k`` exist, so every sample of step ``s`` comes from a version ``v >= s - k``
+and is trained at step ``s <= v + k``. Rollout instances report which version they are applying and which
+they serve (for failure messages and metrics). Workers also drop their per-step metrics and timeline spans
+here for the driver to collect.
 """
 
 from __future__ import annotations
@@ -17,15 +22,19 @@ def admitted_version(step: int, max_staleness: int) -> int:
 
 
 class VersionBoard:
-    """Latest published weights (as an object reference), plus a mailbox of worker reports."""
+    """Newest complete staged version per staging domain, rollout states, and a mailbox of worker reports.
+
+    A domain is where a version is readable: ``"local"`` for the trainer's own segments (same host), or one
+    per rollout instance whose relay mirrors them (``asyncflow.bridge.relay``).
+    """
 
     def __init__(self):
-        self._version = 0
-        self._weights: list | None = None  # ObjectRefs (one per part) in a list so Ray passes the refs
-        self._parts: dict[int, dict[int, list]] = {}  # version -> part -> refs, until all parts arrived
+        self._domains: dict[str, dict] = {}  # domain -> {"version", "segments", "parts"}
+        self._plan: dict | None = None  # the SyncPlan as plain data, and the exporting ranks
         self._cond: asyncio.Condition | None = None
         self._reports: list[dict] = []
         self._sampling: dict[int, tuple[int, int]] = {}  # step -> (kept rows, judged rows), dynamic sampling
+        self._rollout: dict[int, dict] = {}  # rollout instance -> {"serving": v, "applying": v | None}
         self._aborted: str | None = None
 
     def _condition(self) -> asyncio.Condition:
@@ -33,37 +42,70 @@ class VersionBoard:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def publish(self, version: int, weights: list, part: int = 0, num_parts: int = 1) -> None:
-        """Post part ``part`` of ``num_parts`` of weights ``version``: ``[ObjectRef, ...]``, the safetensors
-        buckets of one pipeline stage. The version becomes the newest once every part is in; readers get
-        all buckets in stage order."""
+    def _domain(self, name: str) -> dict:
+        return self._domains.setdefault(name, {"version": -1, "segments": {}, "parts": {}})
+
+    async def set_plan(self, plan: dict, sources: list[str]) -> None:
+        """The trainer's ``SyncPlan`` (plain data) and its exporting ranks (``"tp.pp.ep"``)."""
         cond = self._condition()
         async with cond:
-            if version <= self._version and self._weights is not None:
-                raise ValueError(f"version {version} published after {self._version}: versions must increase")
-            parts = self._parts.setdefault(version, {})
-            parts[part] = list(weights)
-            if len(parts) < num_parts:
-                return
-            del self._parts[version]
-            self._version, self._weights = version, [ref for i in range(num_parts) for ref in parts[i]]
+            self._plan = {"plan": plan, "sources": sorted(sources)}
             cond.notify_all()
 
-    async def wait_for_version(self, min_version: int, timeout_s: float) -> tuple[int, list | None]:
-        """Block until a version >= ``min_version`` exists; return the newest ``(version, [ref, ...])``."""
+    async def wait_for_plan(self, timeout_s: float) -> dict:
+        """``{"plan": ..., "sources": [...]}`` once the trainer has set it."""
         cond = self._condition()
         async with cond:
+            await asyncio.wait_for(cond.wait_for(lambda: self._plan is not None or self._aborted), timeout_s)
+            if self._plan is None:
+                raise RuntimeError(f"run aborted before the trainer described its weights: {self._aborted}")
+            return self._plan
+
+    async def publish(self, version: int, source: str, segment: str, domain: str = "local") -> None:
+        """Exporting rank ``source`` (``"tp.pp.ep"``) staged ``version`` in ``segment``, readable in ``domain``.
+        The version becomes the domain's newest once every exporting rank staged it there."""
+        cond = self._condition()
+        async with cond:
+            if self._plan is None:
+                raise ValueError("publish before set_plan")
+            state = self._domain(domain)
+            if version <= state["version"]:
+                raise ValueError(f"version {version} staged in {domain} after {state['version']}: versions must "
+                                 f"increase")
+            state["segments"][source] = segment
+            parts = state["parts"].setdefault(version, set())
+            parts.add(source)
+            if len(parts) < len(self._plan["sources"]):
+                return
+            state["parts"] = {v: p for v, p in state["parts"].items() if v > version}
+            state["version"] = version
+            cond.notify_all()
+
+    async def wait_for_version(self, min_version: int, timeout_s: float, domain: str = "local") -> tuple[int, dict]:
+        """Block until a version >= ``min_version`` is staged in ``domain``; return the newest
+        ``(version, staging)``."""
+        cond = self._condition()
+        async with cond:
+            state = self._domain(domain)
             try:
-                await asyncio.wait_for(cond.wait_for(lambda: self._version >= min_version or self._aborted),
+                await asyncio.wait_for(cond.wait_for(lambda: state["version"] >= min_version or self._aborted),
                                        timeout_s)
             except asyncio.TimeoutError:
                 raise TimeoutError(
                     f"rollout waited {timeout_s:.0f} s for weight version {min_version}; newest is "
-                    f"{self._version} (is the trainer alive?)"
+                    f"{state['version']} (is the trainer alive?)"
                 ) from None
-            if self._aborted and self._version < min_version:
+            if self._aborted and state["version"] < min_version:
                 raise RuntimeError(f"run aborted while waiting for weight version {min_version}: {self._aborted}")
-            return self._version, self._weights
+            return state["version"], {"plan": self._plan["plan"], "segments": dict(state["segments"])}
+
+    async def rollout_state(self, instance: int, serving: int, applying: int | None = None) -> None:
+        """Rollout ``instance`` serves version ``serving`` (-1: none complete) and is applying ``applying``."""
+        self._rollout[instance] = {"serving": serving, "applying": applying}
+
+    async def rollout_states(self) -> dict[int, dict]:
+        """Every rollout instance's last reported state."""
+        return dict(self._rollout)
 
     async def abort(self, reason: str) -> None:
         """Fail every present and future wait for a version not published yet (the run has failed)."""
@@ -72,9 +114,9 @@ class VersionBoard:
             self._aborted = reason
             cond.notify_all()
 
-    async def version(self) -> int:
-        """The newest published version."""
-        return self._version
+    async def version(self, domain: str = "local") -> int:
+        """The newest complete version in ``domain`` (-1: none yet)."""
+        return self._domain(domain)["version"]
 
     async def report(self, item: dict) -> None:
         """A worker's per-step metrics and timeline spans."""

@@ -78,6 +78,9 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         return reporter.finish()
     except BaseException as exc:
         pipe.abort(f"{type(exc).__name__}: {exc}")
+        explained = pipe.explain(exc)
+        if explained is not exc:
+            raise explained from exc
         raise
     finally:
         if reporter is not None:

@@ -7,11 +7,13 @@ bundles (cores on a CPU machine, one device per trainer rank and per rollout eng
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.workflow import services, train_services
 from asyncflow.workflow.board import VersionBoard
+from asyncflow.workflow.errors import WorkerDiedError
 from asyncflow.workflow.services import partition_name
 
 
@@ -31,6 +33,8 @@ class Pipeline:
     """TransferQueue consumer tasks (a group may run several, e.g. the critic's ``values`` and ``critic``)."""
     stages: list[tuple[str, str | None]]
     """Sync mode's lock-step order within a step: (group, phase) pairs, phase None = the whole step."""
+    relay_store: object = None
+    """The weight relay's rendezvous store (``weight_sync.transport: relay``), alive for the whole run."""
 
     @property
     def services(self) -> list:
@@ -87,6 +91,29 @@ class Pipeline:
                 self.client.clear(name, force=True)
         except Exception:  # the TransferQueue itself failed: its clients' requests fail on their own
             pass
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """``exc``, or a ``WorkerDiedError`` naming the worker when a service's process died."""
+        import ray
+
+        actor_id = getattr(exc, "actor_id", None)
+        if not isinstance(exc, ray.exceptions.RayActorError) or actor_id is None:
+            return exc
+        for name, handles in self.groups.items():
+            for i, handle in enumerate(handles):
+                if handle._actor_id.hex() != actor_id:
+                    continue
+                what = f"{name} instance {i}" if name == "rollout" else f"{name} rank {i}"
+                doing = ""
+                if name == "rollout":
+                    try:
+                        state = ray.get(self.board.rollout_states.remote(), timeout=5).get(i, {})
+                    except Exception:  # the board is gone too: say what is known
+                        state = {}
+                    if state.get("applying") is not None:
+                        doing = f" while applying weight version {state['applying']}"
+                return WorkerDiedError(f"{what} died{doing} (its process exited; see its log in Ray's session folder)")
+        return exc
 
     def close(self) -> None:
         """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
@@ -180,13 +207,19 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
                    resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
     rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
 
+    relay_store, relay = None, None
+    if cfg.weight_sync.transport == "relay":  # one rendezvous store per run, hosted here
+        from asyncflow.bridge.relay import RelayStore
+
+        relay_store = RelayStore(cfg.weight_sync.store_host, cfg.weight_sync.store_port, wf.step_timeout_s)
+        relay = relay_store.spec(wf.rollout_instances, cfg.weight_sync.backend)
     groups: dict[str, list] = {"rollout": []}
     for i in range(wf.rollout_instances):
         opts, cpus = where.rollout(i)
         groups["rollout"].append(place(
             services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
             max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
-            budgets=budgets, worker=i, cpus=cpus, **common))
+            budgets=budgets, worker=i, cpus=cpus, relay=relay, **common))
     groups["reward"] = [place(services.RewardService, where.light(), reward=algo.reward, model_dir=str(model_dir),
                               chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
                               threads=1, **common)]
@@ -199,7 +232,8 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
                                  group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
                                  threads=1, **common)]
     groups["actor"] = megatron_group(train_services.ActorService, "actor", cfg.trainer, megatron_cfg=cfg.trainer,
-                                     algo=algo, rows_per_step=rows_per_step, bucket_mb=wf.weight_bucket_mb,
+                                     algo=algo, rows_per_step=rows_per_step, bucket_mb=cfg.weight_sync.bucket_mb,
+                                     staging_session=uuid.uuid4().hex[:8], relay=relay,
                                      max_new_tokens=cfg.rollout.max_new_tokens, **persist, **megatron)
     stages = [(name, None) for name in groups]
     if algo.dynamic_sampling and reference:  # it scores only the kept rows: after advantage
@@ -216,7 +250,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
         stages.append(("critic", "critic"))
     multi_task = {"critic": train_services.CriticService.tasks}
     tasks = [task for name in groups for task in multi_task.get(name, (name,))]
-    pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages)
+    pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages, relay_store)
     try:
         ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
     except BaseException:

@@ -18,10 +18,12 @@ rank); it receives only the config sections it needs.
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
 from asyncflow.config import AlgorithmConfig, TransferQueueConfig, VllmConfig
+from asyncflow.workflow.errors import WeightApplyError
 
 
 def partition_name(step: int) -> str:
@@ -107,10 +109,13 @@ class RolloutService(TaskService):
     name = "rollout"
 
     def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
-                 **kw):
+                 relay: dict | None = None, **kw):
         cpus = kw.get("cpus") or list(range(kw.get("threads", 1)))
-        # vLLM's CPU worker binds its OpenMP threads to these cores (it would claim every core otherwise).
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+        # vLLM's CPU workers bind their OpenMP threads to these cores (they would claim every core otherwise):
+        # one "|"-separated list per tensor-parallel rank; ranks share a core when there are fewer cores.
+        tp = vllm_cfg.tensor_parallel
+        per_rank = [cpus[i * len(cpus) // tp:(i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in per_rank))
         super().__init__(**kw)
         from asyncflow.engines.base import make_rollout_engine
 
@@ -118,30 +123,96 @@ class RolloutService(TaskService):
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
-        self.buckets_loaded = 0  # weight buckets applied when the current step was admitted
+        self.apply_stats: dict = {}  # how the version admitted for the current step was applied
+        self.max_stale_retries = 5
+        self.model_dir, self.relay, self.receivers = model_dir, relay, []
+        # Where this instance reads staged versions: the trainer's own segments, or its relay's mirrors.
+        self.domain = "local" if relay is None else f"rollout{self.worker}"
 
     def shutdown(self) -> None:
         """Stop the vLLM engine first: with TP > 1 its workers are separate processes."""
         self.engine.close()
+        for receiver in self.receivers:
+            receiver.close()
         super().shutdown()
 
+    def _start_relay(self) -> None:
+        """Mirror every exporting rank's slots on this host (``weight_sync.transport: relay``)."""
+        import uuid
+
+        import ray
+
+        from asyncflow.bridge.relay import RelayReceiver
+        from asyncflow.bridge.shards import MRank
+        from asyncflow.bridge.sync import plan_from_dict
+        from asyncflow.models.arch import GPTArch
+
+        info = ray.get(self.board.wait_for_plan.remote(self.timeout_s))
+        plan = plan_from_dict(GPTArch.from_pretrained(self.model_dir), info["plan"])
+        tag = uuid.uuid4().hex[:8]
+
+        def announce(version: int, source: str, segment: str) -> None:
+            self.board.publish.remote(version, source, segment, self.domain)
+
+        for key in info["sources"]:
+            src = MRank(*(int(x) for x in key.split(".")))
+            self.receivers.append(RelayReceiver(plan, src, self.relay, self.worker,
+                                                f"afq-{os.getpid()}-wr{tag}-{key}", announce))
+
     def _admit(self, step: int) -> int:
-        """Wait until weights recent enough for ``step`` exist, load the newest; return its version."""
+        """Wait until weights recent enough for ``step`` are staged, apply the newest; return its version."""
         import ray
 
         from asyncflow.workflow.board import admitted_version
 
+        if self.relay is not None and not self.receivers:
+            self._start_relay()
+        for receiver in self.receivers:
+            receiver.check()
         with self.timeline.span(self.name, "wait_weights", self.worker):
-            version, weights = ray.get(self.board.wait_for_version.remote(
-                admitted_version(step, self.max_staleness), self.timeout_s))
-        self.buckets_loaded = 0
-        if version > self.engine.weight_version:
-            with self.timeline.span(self.name, "load_weights", self.worker, version=version, buckets=len(weights)):
-                # Bucket by bucket (each keeps its fused groups whole): one in memory at a time.
-                for i, ref in enumerate(weights):
-                    self.engine.apply_blob(ray.get(ref), version, final=i == len(weights) - 1)
-            self.buckets_loaded = len(weights)
+            version, staging = ray.get(self.board.wait_for_version.remote(
+                admitted_version(step, self.max_staleness), self.timeout_s, self.domain))
+        self.apply_stats = {}
+        if version != self.engine.weight_version:
+            self._apply(version, staging)
         return self.engine.weight_version
+
+    def _apply(self, version: int, staging: dict) -> None:
+        """Apply staged ``version``, or a newer one if the trainer overwrote it meanwhile.
+
+        The engine serves either the old version or, once every bucket is in, the new one: it never
+        generates in between. A failed apply is retried once with the newest version; a second failure
+        stops the run with an error naming this instance and the version.
+        """
+        import ray
+
+        from asyncflow.bridge.staging import StaleStagingError
+
+        stale, failed, t0 = 0, None, time.perf_counter()
+        while True:
+            ray.get(self.board.rollout_state.remote(self.worker, self.engine.weight_version, version))
+            try:
+                with self.timeline.span(self.name, "load_weights", self.worker, version=version):
+                    stats = self.engine.apply_staged(staging, version)
+                break
+            except StaleStagingError:
+                stale += 1  # the trainer staged two newer versions while this one was read: take the newest
+                if stale > self.max_stale_retries:
+                    raise WeightApplyError(
+                        f"rollout instance {self.worker}: weight version {version} was overwritten {stale} times "
+                        f"while it was applied (applying is slower than two training steps)") from None
+            except Exception as exc:
+                if failed is not None:
+                    raise WeightApplyError(f"rollout instance {self.worker} failed to apply weight version "
+                                           f"{version} twice: {exc}") from exc
+                failed = exc
+                print(f"rollout instance {self.worker}: applying weight version {version} failed ({exc}); "
+                      f"retrying with the newest version", flush=True)
+            version, staging = ray.get(self.board.wait_for_version.remote(version, self.timeout_s, self.domain))
+        ray.get(self.board.rollout_state.remote(self.worker, version, None))
+        self.apply_stats = {"weights/apply_s": time.perf_counter() - t0, "weights/buckets": float(stats["buckets"]),
+                            "weights/stale_retries": float(stale),
+                            "weights/received_mb_per_rank": max(stats["bytes_per_rank"]) / 2**20}
 
     def run_step(self, step: int) -> dict:
         version = self._admit(step)
@@ -171,7 +242,8 @@ class RolloutService(TaskService):
             rows += len(samples)
             tokens += sum(len(s.response_ids) for s in samples)
         return self.report(step, {"rollout/rows": rows, "rollout/tokens": tokens, "rollout/version": version,
-                                  "rollout/weight_buckets": self.buckets_loaded})
+                                  "rollout/weight_buckets": self.apply_stats.get("weights/buckets", 0.0),
+                                  **self.apply_stats})
 
 
 class RewardService(TaskService):

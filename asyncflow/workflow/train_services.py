@@ -166,13 +166,28 @@ class ActorService(MegatronService):
     name = "actor"
 
     def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, checkpoint: dict | None = None,
-                 resume_dir: str | None = None, start_version: int = 0, bucket_mb: float = 512.0, **kw):
+                 resume_dir: str | None = None, start_version: int = 0, bucket_mb: float = 512.0,
+                 staging_session: str = "run", relay: dict | None = None, **kw):
         super().__init__(**kw)
         from asyncflow.algorithms.objective import make_objective
 
-        self.bucket_mb = bucket_mb
         self.checkpoint = checkpoint
         self.restore(resume_dir, start_version)
+        # The loop's weight path: this rank's staging writer over its live shards (None if it sends nothing).
+        self.stager, self.plan = self.engine.weight_stager(bucket_mb, staging_session)
+        self.relay = None
+        if self.stager is not None:
+            import ray
+
+            from asyncflow.bridge.staging import source_key
+
+            sources = sorted({source_key(src) for b in self.stager.plan.buckets for src in b.sources})
+            ray.get(self.board.set_plan.remote(self.plan, sources))
+            if relay is not None:  # other hosts: a thread broadcasts each staged version to their mirrors
+                from asyncflow.bridge.relay import RelaySender
+
+                self.relay = RelaySender(self.stager, relay)
+        self.stage_stats: dict = {}
 
         self.algo = algo
         self.mbs = self.engine.trainer.cfg.micro_batch_size
@@ -185,30 +200,36 @@ class ActorService(MegatronService):
         self.publish()  # version 0: the weights rollout starts from
 
     def publish(self) -> None:
-        """Export the current weights; each pipeline stage of replica 0 posts its part to the board.
+        """Stage the current weights as ``engine.version`` and announce them on the board (exporting ranks).
 
-        The export is collective over the tensor-parallel group and streams layer by layer; TP rank 0 cuts
-        it into safetensors buckets of ``weight_bucket_mb`` (fused groups whole), one object each. The board
-        makes a version visible once every stage's part has arrived, so rollout never loads half a model.
+        Each exporting rank copies its own pieces into its shared-memory slot and goes back to training: it
+        never waits for rollout, which applies the newest complete version when it admits a step
+        (``asyncflow.bridge.staging``). Nothing is gathered and nothing goes through Ray's object store.
         """
         import ray
-        from megatron.core import parallel_state as ps
-        from safetensors.torch import save
 
-        from asyncflow.bridge.sync import iter_buckets
+        from asyncflow.bridge.staging import source_key
 
-        if self.dp_rank != 0:
+        if self.stager is None:
             return
-        with self.timeline.span(self.name, "publish_weights", self.worker, version=self.engine.version):
-            tensors = self.engine.export_weights()
-            if self.tp_rank != 0:
-                for _ in tensors:  # take part in the gathers; rank 0 posts the result
-                    pass
-                return
-            refs = [ray.put(save({name: t.contiguous() for name, t in bucket}))
-                    for bucket in iter_buckets(tensors, self.engine.arch, int(self.bucket_mb * 2**20))]
-            ray.get(self.board.publish.remote(self.engine.version, refs, part=self.pp_rank,
-                                              num_parts=ps.get_pipeline_model_parallel_world_size()))
+        version = self.engine.version
+        with self.timeline.span(self.name, "stage_weights", self.worker, version=version):
+            stats = self.stager.stage(version)
+            if self.relay is not None:
+                self.relay.notify(version)  # returns at once; the receivers announce the version
+            else:
+                ray.get(self.board.publish.remote(version, source_key(self.stager.rank), self.stager.segment))
+        self.stage_stats = {"weights/stage_s": stats.seconds, "weights/staged_mb": stats.bytes / 2**20}
+
+    def shutdown(self) -> None:
+        """Remove this rank's staging segment too."""
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
+        super().shutdown()
 
     def run_step(self, step: int) -> dict | None:
         cache: list[dict] = []
@@ -237,7 +258,7 @@ class ActorService(MegatronService):
         if not self.reporter:
             return None
         # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
-        metrics = _actor_metrics(results, cache, time.time() - t0)
+        metrics = {**_actor_metrics(results, cache, time.time() - t0), **self.stage_stats}
         metrics["actor/rows"] = float(len(all_groups))  # every replica's rows, not only this one's
         metrics["actor/checkpoint_saved"] = float(saved)
         metrics["actor/flat_groups"] = float(_flat_groups(cache, groups))

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from asyncflow.bridge.hf_layout import hf_param_shapes
-from asyncflow.engines.megatron.model import GPTArch
+from asyncflow.models.megatron import GPTArch
 
 _BASE = dict(
     vocab_size=50,

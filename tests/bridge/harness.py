@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 
 
 def fixed_tokens(vocab: int = 19, batch: int = 2, seq: int = 10) -> torch.Tensor:
@@ -41,8 +41,20 @@ def _vllm_main(conn, model_dir: str, tp: int) -> None:
             if msg["cmd"] == "stop":
                 rollout.close()  # a spawned child exits via os._exit: vLLM's atexit cleanup would not run
                 break
-            if msg["cmd"] == "sync":
-                out = rollout.sync_weights(msg["link"], msg["plan"], msg["version"])
+            if msg["cmd"] == "staged":
+                out = rollout.apply_staged(msg["staging"], msg["version"])
+            elif msg["cmd"] == "staged_expect_failure":  # report the failure and what the engine does next
+                try:
+                    rollout.apply_staged(msg["staging"], msg["version"])
+                    out = {"error": None}
+                except Exception as exc:  # noqa: BLE001 - reported to the test
+                    out = {"error": f"{type(exc).__name__}: {exc}", "served": rollout.served_versions(),
+                           "version": rollout.weight_version}
+                    try:
+                        rollout.generate([[2, 5]], n=1)
+                        out["generate_error"] = None
+                    except Exception as gen_exc:  # noqa: BLE001
+                        out["generate_error"] = str(gen_exc)
             elif msg["cmd"] == "update":  # full tensors through the blob path (bucketed)
                 from safetensors.torch import load_file
 
@@ -134,76 +146,101 @@ class VllmProcess:
 
 
 # ---------------------------------------------------------------------------------------------- Megatron
-def _megatron_main(
-    rank, world, port, tp, pp, model_dir, out_dir, links, bucket_mb, steps_between, save_state
-):
+def _wait_file(path: Path, timeout: float = 600) -> None:
+    import time
+
+    t0 = time.time()
+    while not path.exists():
+        if time.time() - t0 > timeout:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def _stage_and_wait(out_dir: str, rank: int, version: int, stager, plan: dict, extra: dict) -> None:
+    """Stage ``version``, tell the test where it is, and wait until the test applied it (file handshake):
+    a rank stages into slot ``v % 2``, so version v+2 would overwrite v."""
+    from asyncflow.bridge.staging import source_key
+
+    stats = stager.stage(version).as_dict() if stager is not None else None
+    info = {"plan": plan, "stats": stats, **extra,
+            "source": None if stager is None else [source_key(stager.rank), stager.segment]}
+    tmp = Path(out_dir) / f".rank{rank}_v{version}.json"
+    tmp.write_text(json.dumps(info))
+    tmp.rename(Path(out_dir) / f"rank{rank}_v{version}.json")
+    _wait_file(Path(out_dir) / f"go_v{version}")
+
+
+def staged(out_dir, version: int, world: int, peers=None) -> tuple[dict, list[dict]]:
+    """Wait until all ``world`` ranks staged ``version``; the staging dict for vLLM and every rank's info."""
+    import time
+
+    paths = [Path(out_dir) / f"rank{r}_v{version}.json" for r in range(world)]
+    while not all(p.exists() for p in paths):
+        if peers is not None:
+            peers.join(timeout=0)  # raises ProcessRaisedException if a rank died
+        time.sleep(0.05)
+    infos = [json.loads(p.read_text()) for p in paths]
+    segments = dict(i["source"] for i in infos if i["source"])
+    return {"plan": infos[0]["plan"], "segments": segments}, infos
+
+
+def release(out_dir, version: int) -> None:
+    """Let the ranks go on after ``version`` (they may overwrite it two versions later)."""
+    (Path(out_dir) / f"go_v{version}").touch()
+
+
+def _megatron_main(rank, world, port, tp, pp, model_dir, out_dir, versions, bucket_mb, save_state):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from asyncflow.config import MegatronConfig
-    from asyncflow.engines.megatron.parallel import destroy_megatron
     from asyncflow.engines.megatron.trainer import MegatronTrainer
+    from asyncflow.models.parallel import destroy_megatron
 
     trainer = MegatronTrainer(
         MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, micro_batch_size=2, lr=2e-2), model_dir
     )
     trainer.load_hf(model_dir)
+    stager, plan = trainer.weight_stager(bucket_mb, f"t{port}")
     tokens = fixed_tokens()
     mask = torch.ones(tokens.shape[0], tokens.shape[1] - 1)
-    results = []
-    for link in links:
-        for _ in range(steps_between):
+    try:
+        for version in range(1, versions + 1):
             trainer.train_step(tokens, mask)
-        stats = trainer.export_weights(link, bucket_mb)
-        if save_state:  # the exact weights this version exported, for bit-exact checks
-            from safetensors.torch import save_file
-
-            from asyncflow.bridge.mcore import model_offsets, model_rank
-            from asyncflow.bridge.sync import global_state
-
-            layout = trainer.bridge_layout()
-            offsets = model_offsets(trainer.model.module, trainer.arch, layout, model_rank()[0])
-            state = {k: v.contiguous() for k, v in global_state(trainer.model.module, *offsets).items()}
-            save_file(state, str(Path(out_dir) / f"state{rank}_v{len(results) + 1}.st"))
-        logprobs = trainer.logprobs(tokens)
-        results.append({"stats": stats, "logprobs": None if logprobs is None else logprobs.tolist()})
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-    destroy_megatron()
+            if save_state:  # the exact weights this version staged, for bit-exact checks
+                _save_state(trainer.model.module, trainer.arch, trainer.bridge_layout(), out_dir, rank, version)
+            logprobs = trainer.logprobs(tokens)
+            _stage_and_wait(out_dir, rank, version, stager, plan,
+                            {"logprobs": None if logprobs is None else logprobs.tolist()})
+    finally:
+        if stager is not None:
+            stager.close()
+        destroy_megatron()
 
 
-def start_megatron(
-    tp: int,
-    pp: int,
-    model_dir,
-    out_dir,
-    links: list[dict],
-    bucket_mb: float,
-    steps_between: int = 1,
-    save_state: bool = False,
-):
-    """Start ``tp * pp`` Megatron ranks that train, then export each link's version; returns the context."""
+def _save_state(module, arch, layout, out_dir, rank: int, version: int) -> None:
+    from safetensors.torch import save_file
+
+    from asyncflow.bridge.mcore import model_offsets, model_rank
+    from asyncflow.bridge.sync import global_state
+
+    state = global_state(module, *model_offsets(module, arch, layout, model_rank()[0]))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / f"state{rank}_v{version}.st"))
+
+
+def start_megatron(tp: int, pp: int, model_dir, out_dir, versions: int, bucket_mb: float, save_state: bool = False):
+    """Start ``tp * pp`` Megatron ranks that, per version, train a step and stage their shards (then wait for
+    ``release``); returns the process context."""
     import torch.multiprocessing as tmp
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    args = (
-        tp * pp,
-        free_port(),
-        tp,
-        pp,
-        str(model_dir),
-        str(out_dir),
-        links,
-        bucket_mb,
-        steps_between,
-        save_state,
-    )
+    args = (tp * pp, free_port(), tp, pp, str(model_dir), str(out_dir), versions, bucket_mb, save_state)
     return tmp.start_processes(_megatron_main, args=args, nprocs=tp * pp, join=False, start_method="spawn")
 
 
-def join_megatron(ctx, out_dir) -> list[list[dict]]:
-    """Wait for the ranks (raising their errors) and return each rank's results."""
+def join(ctx) -> None:
+    """Wait for the ranks (raising their errors)."""
     while not ctx.join(timeout=600):
         pass
-    return [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
 
 
 def kill(ctx) -> None:
@@ -214,29 +251,20 @@ def kill(ctx) -> None:
             proc.join(10)
 
 
-def _moe_main(rank, world, port, ep, model_dir, out_dir, links, bucket_mb):
-    """A Megatron MoE rank at EP=``ep`` (TP=1): load HF, then per version perturb weights and export.
+def _moe_main(rank, world, port, ep, model_dir, out_dir, versions, bucket_mb):
+    """A Megatron MoE rank at EP=``ep`` (TP=1): load HF, then per version perturb the weights and stage them.
 
     Megatron refuses MoE training with TP > 1 unless sequence parallelism is on, which does not run on CPU,
     so the weights change by a seeded perturbation instead of an optimizer step.
     """
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from safetensors.torch import save_file
-
     from asyncflow.bridge.buckets import SyncPlan
-    from asyncflow.bridge.mcore import (
-        HFReader,
-        init_parallel,
-        load_hf_into,
-        model_layout,
-        model_offsets,
-        model_rank,
-    )
-    from asyncflow.bridge.sync import WeightExporter, global_state
-    from asyncflow.bridge.transport import LinkSpec
-    from asyncflow.engines.megatron.model import GPTArch, build_gpt_model, transformer_config
-    from asyncflow.engines.megatron.parallel import destroy_megatron
+    from asyncflow.bridge.mcore import HFReader, init_parallel, load_hf_into, model_layout, model_offsets, model_rank
+    from asyncflow.bridge.staging import StagingWriter, source_key
+    from asyncflow.bridge.sync import global_state, plan_to_dict
+    from asyncflow.models.megatron import GPTArch, build_gpt_model, transformer_config
+    from asyncflow.models.parallel import destroy_megatron
 
     init_parallel(1, 1, ep)
     arch = GPTArch.from_pretrained(model_dir)
@@ -244,34 +272,36 @@ def _moe_main(rank, world, port, ep, model_dir, out_dir, links, bucket_mb):
     layout = model_layout(model, arch)
     mrank, is_source = model_rank()
     load_hf_into(model, arch, layout, mrank, HFReader(model_dir))
-    plan = SyncPlan(arch, layout, int(bucket_mb * 2**20))
+    bucket_bytes = int(bucket_mb * 2**20)
+    plan = SyncPlan(arch, layout, bucket_bytes)
+    state = global_state(model, *model_offsets(model, arch, layout, mrank))
+    stager = StagingWriter(plan, mrank, state, f"afq-{os.getpid()}-wmoe{port}-{source_key(mrank)}") \
+        if is_source else None
     tokens = fixed_tokens()
     positions = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
-    results = []
-    for version, link in enumerate(links, start=1):
-        with torch.no_grad():
-            for name, p in global_state(model, *model_offsets(model, arch, layout, mrank)).items():
-                # Seeded by the global name, so data-parallel replicas of a parameter stay identical.
-                gen = torch.Generator().manual_seed(zlib.crc32(f"{version}:{name}".encode()))
-                p.add_(0.05 * torch.randn(p.shape, generator=gen))
-        state = global_state(model, *model_offsets(model, arch, layout, mrank))
-        save_file(
-            {k: v.contiguous() for k, v in state.items()}, str(Path(out_dir) / f"state{rank}_v{version}.st")
-        )
-        if is_source:
-            WeightExporter(plan, mrank, state).export(LinkSpec.from_dict(link))
-        with torch.no_grad():
-            logits = model(tokens, positions, None)[..., : arch.vocab_size]
-        logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
-        results.append({"logprobs": logprobs.tolist()})
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
-    destroy_megatron()
+    try:
+        for version in range(1, versions + 1):
+            with torch.no_grad():
+                for name, p in state.items():
+                    # Seeded by the global name, so data-parallel replicas of a parameter stay identical.
+                    gen = torch.Generator().manual_seed(zlib.crc32(f"{version}:{name}".encode()))
+                    p.add_(0.05 * torch.randn(p.shape, generator=gen))
+            _save_state(model, arch, layout, out_dir, rank, version)
+            with torch.no_grad():
+                logits = model(tokens, positions, None)[..., : arch.vocab_size]
+            logprobs = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+            _stage_and_wait(out_dir, rank, version, stager, plan_to_dict(plan, bucket_bytes),
+                            {"logprobs": logprobs.tolist()})
+    finally:
+        if stager is not None:
+            stager.close()
+        destroy_megatron()
 
 
-def start_moe(ep: int, model_dir, out_dir, links: list[dict], bucket_mb: float):
+def start_moe(ep: int, model_dir, out_dir, versions: int, bucket_mb: float):
     """Start ``ep`` Megatron MoE ranks (EP=``ep``); see ``_moe_main``."""
     import torch.multiprocessing as tmp
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    args = (ep, free_port(), ep, str(model_dir), str(out_dir), links, bucket_mb)
+    args = (ep, free_port(), ep, str(model_dir), str(out_dir), versions, bucket_mb)
     return tmp.start_processes(_moe_main, args=args, nprocs=ep, join=False, start_method="spawn")

@@ -14,8 +14,8 @@ def megatron_logits(ckpt: str, model_dir: str, out_dir: str, tp: int, pp: int) -
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from asyncflow.bridge.mcore import init_parallel
-    from asyncflow.engines.megatron.model import GPTArch, build_gpt_model, transformer_config
-    from asyncflow.engines.megatron.parallel import destroy_megatron
+    from asyncflow.models.megatron import GPTArch, build_gpt_model, transformer_config
+    from asyncflow.models.parallel import destroy_megatron
     from tests.bridge.harness import fixed_tokens
 
     init_parallel(tp, pp)

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from asyncflow.bridge.checkpoint import ConversionError, hf_to_mcore, mcore_to_hf
 from asyncflow.bridge.shards import ParallelLayout
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 from asyncflow.tiny_model import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]

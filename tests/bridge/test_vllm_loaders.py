@@ -12,7 +12,7 @@ import json
 import pytest
 import torch.multiprocessing as mp
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 from asyncflow.tiny_model import make_tiny_model
 from tests.bridge.vllm_loader_worker import compare_rank
 

@@ -40,7 +40,7 @@ def compare_rank(rank: int, world: int, port: int, model_dirs: list[str], out_di
     from asyncflow.bridge.mcore import HFReader
     from asyncflow.bridge.shards import index
     from asyncflow.bridge.vllm_layout import reference_shard, vllm_boxes
-    from asyncflow.engines.megatron.model import GPTArch
+    from asyncflow.models.megatron import GPTArch
 
     report = {}
     for i, model_dir in enumerate(model_dirs):

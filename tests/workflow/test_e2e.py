@@ -30,6 +30,7 @@ def _run(tmp_path, mode: str, k: int, name: str, *extra: str) -> dict:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     summary = json.loads((out / "summary.json").read_text())
     summary["_out"], summary["_stdout"] = out, proc.stdout
+    summary["_model_mb"] = (tmp_path / "model" / "model.safetensors").stat().st_size / 2**20
     return summary
 
 
@@ -40,12 +41,24 @@ def runs(tmp_path_factory):
         "async": _run(tmp, "async", 1, "async"),
         # Megatron worker groups of several ranks: 2 data-parallel replicas, and tensor parallelism 2.
         # Small weight buckets: every published version reaches vLLM as several reloads.
-        "sync": _run(tmp, "sync", 0, "sync", "trainer.data_parallel=2", "workflow.weight_bucket_mb=0.05"),
+        "sync": _run(tmp, "sync", 0, "sync", "trainer.data_parallel=2", "weight_sync.bucket_mb=0.05"),
         "async_tp2": _run(tmp, "async", 1, "async_tp2", "trainer.tensor_parallel=2"),
+        # The weight path at every parallel layout, with the smallest bucket (one fused group each) and one
+        # larger than the model: trainer TP2 -> vLLM TP2 (multi-process), trainer PP2 through the relay (the
+        # cross-host transport, gloo on loopback), and Qwen3-MoE at EP2.
+        "sync_tp2_vllm_tp2": _run(tmp, "sync", 0, "sync_tp2_vllm_tp2", "trainer.tensor_parallel=2",
+                                  "rollout.tensor_parallel=2", "rollout.in_process=false",
+                                  "weight_sync.bucket_mb=4096"),
+        "sync_pp2": _run(tmp, "sync", 0, "sync_pp2", "trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1e-6",
+                         "weight_sync.transport=relay"),
+        "sync_moe_ep2": _run(tmp, "sync", 0, "sync_moe_ep2", f"model.path={tmp / 'moe_model'}",
+                             "model.tiny_family=qwen3_moe", "trainer.expert_parallel=2", "trainer.data_parallel=2",
+                             "weight_sync.bucket_mb=1e-6"),
     }
+SYNC_LAYOUTS = ["sync", "sync_tp2_vllm_tp2", "sync_pp2", "sync_moe_ep2"]
 
 
-@pytest.mark.parametrize("name,k", [("async", 1), ("sync", 0), ("async_tp2", 1)])
+@pytest.mark.parametrize("name,k", [("async", 1), ("async_tp2", 1)] + [(n, 0) for n in SYNC_LAYOUTS])
 def test_staleness_bound_and_exactly_once(runs, name, k):
     s = runs[name]
     assert s["steps"] == STEPS
@@ -77,6 +90,35 @@ def test_trainer_and_rollout_logprobs_agree(runs):
     records = [json.loads(line) for line in (runs["sync"]["_out"] / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["rollout/weight_buckets"] == 0  # version 0: the checkpoint vLLM started from
     assert all(r["rollout/weight_buckets"] > 2 for r in records[1:]), [r["rollout/weight_buckets"] for r in records]
+
+
+def _records(run: dict) -> list[dict]:
+    return [json.loads(line) for line in (run["_out"] / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("name", SYNC_LAYOUTS)
+def test_every_version_reaches_vllm_exactly(runs, name):
+    # Sync (k=0): every sample is trained by the weights that generated it, and from step 1 on vLLM got
+    # them through the loop's weight path. Per version, vLLM's logprobs equal Megatron's.
+    records = _records(runs[name])
+    gaps = [r["check/fresh_logprob_gap_max"] for r in records]
+    assert max(gaps) <= 1e-5, gaps
+    buckets = [r["rollout/weight_buckets"] for r in records[1:]]
+    if name == "sync_tp2_vllm_tp2":
+        assert buckets == [1.0] * len(buckets)  # a bucket larger than the model
+    elif name in ("sync_pp2", "sync_moe_ep2"):
+        assert min(buckets) > 10  # the smallest buckets: one fused group (one expert) each
+    if name == "sync_tp2_vllm_tp2":
+        # Each of the two vLLM workers read only its own half of the sharded tensors.
+        whole = records[1]["weights/received_mb_per_rank"]
+        assert 0 < whole < 0.75 * runs["sync"]["_model_mb"], (whole, runs["sync"]["_model_mb"])
+
+
+@pytest.mark.parametrize("name", ["async", "async_tp2"] + SYNC_LAYOUTS)
+def test_no_weights_in_rays_object_store(runs, name):
+    # Sampled from Ray's own store stats at every step: weights are staged in shared memory instead.
+    used = [r["ray/object_store_bytes"] for r in _records(runs[name])]
+    assert max(used) < 100_000, used
 
 
 @pytest.mark.parametrize("mode", ["async", "sync", "async_tp2"])

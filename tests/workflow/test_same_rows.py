@@ -3,7 +3,7 @@
 import torch
 import torch.multiprocessing as mp
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 from asyncflow.transfer_queue.batch import Batch, BatchMeta
 from asyncflow.workflow.train_services import batch_fingerprint, check_same_batches
 

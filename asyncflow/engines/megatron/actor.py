@@ -69,6 +69,10 @@ class MegatronActor(TrainEngine):
         """Hugging Face-named tensors of this rank's shard (the bridge assembles vLLM layouts)."""
         return self.trainer.export_hf()
 
+    def weight_stager(self, bucket_mb: float, session: str):
+        """See ``TrainEngine.weight_stager`` (``MegatronTrainer.weight_stager``)."""
+        return self.trainer.weight_stager(bucket_mb, session)
+
     def save(self, path: str) -> None:
         """Model and optimizer state, a Megatron distributed checkpoint (collective on every rank).
 

@@ -31,3 +31,6 @@ class MegatronCritic(MegatronActor, CriticEngine):
 
     def export_weights(self):
         raise NotImplementedError("a critic's weights are not published to rollout")
+
+    def weight_stager(self, bucket_mb: float, session: str):
+        raise NotImplementedError("a critic's weights are not published to rollout")

@@ -18,8 +18,8 @@ import torch
 
 from asyncflow.config import MegatronConfig
 from asyncflow.engines.megatron.logprobs import token_logprobs
-from asyncflow.engines.megatron.model import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
-from asyncflow.engines.megatron.parallel import init_megatron
+from asyncflow.models.megatron import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
+from asyncflow.models.parallel import init_megatron
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(logprobs [mbs, s-1], micro_batch) -> (loss, metrics)``; losses sum to the batch loss."""
@@ -39,12 +39,16 @@ class MegatronTrainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from asyncflow.engines.megatron import features
+
+        self.arch = GPTArch.from_pretrained(model_dir)
+        # Features this machine cannot run fail here, naming the key, before any process group starts.
+        features.check(cfg, "critic" if head == "value" else "trainer", head=head, is_moe=self.arch.is_moe)
         self.cfg = cfg
         init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed, expert_parallel=cfg.expert_parallel)
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.head = head
-        self.arch = GPTArch.from_pretrained(model_dir)
         if head == "value":  # the critic has no output embedding to tie to the input one
             self.arch = dataclasses.replace(self.arch, tie_word_embeddings=False)
         dtype = _DTYPES[cfg.params_dtype]
@@ -54,6 +58,7 @@ class MegatronTrainer:
             pipeline_parallel=cfg.pipeline_parallel,
             params_dtype=dtype,
             expert_parallel=cfg.expert_parallel,
+            **features.transformer_kwargs(cfg, self.arch.is_moe),
         )
         self.padded_vocab = padded_vocab_size(
             self.arch.vocab_size, cfg.make_vocab_size_divisible_by, cfg.tensor_parallel
@@ -66,9 +71,7 @@ class MegatronTrainer:
             )
         if head == "value" and getattr(module, "post_process", False):
             module.output_layer = ValueHead(self.arch.hidden_size, dtype)  # before DDP wraps the parameters
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-        )
+        ddp_config = DistributedDataParallelConfig(**features.ddp_kwargs(cfg))
         self.model = DistributedDataParallel(self.tconfig, ddp_config, module)
         opt_config = OptimizerConfig(
             optimizer="adam",
@@ -80,6 +83,7 @@ class MegatronTrainer:
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
             fp16=dtype == torch.float16,
+            **features.optimizer_kwargs(cfg),
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
         self.version = 0
@@ -128,27 +132,32 @@ class MegatronTrainer:
         from asyncflow.bridge.sync import plan_to_dict
 
         bucket_bytes = int(bucket_mb * 2**20)
-        plan = SyncPlan(self.arch, self.bridge_layout(), bucket_bytes, _DTYPES[self.cfg.params_dtype])
+        # Checkpoint format, one reload call per version: experts may travel in separate buckets.
+        plan = SyncPlan(self.arch, self.bridge_layout(), bucket_bytes, _DTYPES[self.cfg.params_dtype],
+                        split_experts=True)
         return plan, plan_to_dict(plan, bucket_bytes)
 
-    def export_weights(self, link: dict, bucket_mb: float) -> dict:
-        """Stream this rank's shards to the vLLM receivers over the bridge (call on every rank).
+    def weight_stager(self, bucket_mb: float, session: str):
+        """This rank's ``bridge.staging.StagingWriter`` over its live parameters, and the plan as plain data.
 
-        ``link`` is a ``LinkSpec`` as a dict (``asyncflow.bridge.weight_sync.SyncSession``); ranks that
-        are data-parallel replicas send nothing. Returns this rank's stats.
+        The writer is None on ranks that send nothing (data-parallel and expert-data-parallel replicas, and
+        ranks whose every parameter another rank sends). Collective over the pipeline group (the layout).
+        Its segment is named ``afq-<pid>-w<session>-<tp.pp.ep>`` so that a SIGKILLed run's segments are
+        swept like the TransferQueue's (``transfer_queue.shm.remove_stale``).
         """
-        from asyncflow.bridge.mcore import model_offsets, model_rank
-        from asyncflow.bridge.sync import WeightExporter, global_state
-        from asyncflow.bridge.transport import LinkSpec
+        import os
 
-        plan, _ = self.sync_plan(bucket_mb)
+        from asyncflow.bridge.mcore import model_offsets, model_rank
+        from asyncflow.bridge.staging import StagingWriter, source_key
+        from asyncflow.bridge.sync import global_state
+
+        plan, plan_dict = self.sync_plan(bucket_mb)
         rank, is_source = model_rank()
-        if not is_source:
-            return {"seconds": 0.0, "bytes": 0, "buckets": 0}
+        if not is_source or not any(rank in b.sources for b in plan.buckets):
+            return None, plan_dict
         offsets = model_offsets(self.model.module, self.arch, plan.layout, rank)
-        exporter = WeightExporter(plan, rank, global_state(self.model.module, *offsets))
-        stats = exporter.export(LinkSpec.from_dict(link))
-        return {"seconds": stats.seconds, "bytes": stats.bytes, "buckets": stats.buckets}
+        segment = f"afq-{os.getpid()}-w{session}-{source_key(rank)}"
+        return StagingWriter(plan, rank, global_state(self.model.module, *offsets), segment), plan_dict
 
     def save_dist_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Save the model as a Megatron distributed checkpoint (loadable at any TP/PP)."""

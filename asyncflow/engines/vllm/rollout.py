@@ -47,6 +47,9 @@ class VllmRollout(RolloutEngine):
             distributed_executor_backend="uni" if cfg.in_process else "mp",
             worker_extension_cls=EXTENSION,
             seed=cfg.seed,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            # GPUs only: on CPU the KV cache is sized by VLLM_CPU_KVCACHE_SPACE (rollout.kv_cache_gib).
+            **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}),
         )
         self.version = 0
         self._request_ids = itertools.count()
@@ -71,6 +74,9 @@ class VllmRollout(RolloutEngine):
         """
         from vllm import SamplingParams
 
+        if self.version < 0:
+            raise RuntimeError("this vLLM engine holds a half-applied weight version; apply a complete version "
+                               "before generating")
         budgets = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
         engine = self.llm.llm_engine
         owner = self._in_flight = {}
@@ -137,8 +143,8 @@ class VllmRollout(RolloutEngine):
         if bucket_mb is None:
             buckets = [list(named_tensors)]
         else:
-            from asyncflow.bridge.sync import iter_buckets
-            from asyncflow.engines.megatron.model import GPTArch
+            from asyncflow.bridge.buckets import iter_buckets
+            from asyncflow.models.arch import GPTArch
 
             arch = GPTArch.from_pretrained(self.llm.model_config.model)
             buckets = iter_buckets(named_tensors, arch, int(bucket_mb * 2**20))
@@ -152,29 +158,45 @@ class VllmRollout(RolloutEngine):
 
     def apply_blob(self, blob: bytes, version: int, final: bool = True) -> None:
         """Apply a safetensors blob of Hugging Face-named tensors as ``version`` (its end if ``final``)."""
+        from asyncflow.engines.vllm.worker_extension import MIXED
+
+        self.version = MIXED  # until the final blob is in on every rank
         served = self.llm.collective_rpc("asyncflow_apply_weights", args=(blob, version, final))
-        expected = version if final else -1
+        expected = version if final else MIXED
         if any(v != expected for v in served):
             raise RuntimeError(f"vLLM ranks report versions {served} after applying version {version}")
         if final:
             self._weights_changed()
             self.version = version
 
-    def sync_weights(self, link: dict, plan: dict, version: int, receiver_base: int = 0,
-                     apply_format: str = "checkpoint") -> list[dict]:
-        """Receive ``version`` from the weight bridge's exporting Megatron ranks (run them concurrently).
+    def apply_staged(self, staging: dict, version: int, apply_format: str = "checkpoint") -> dict:
+        """Apply ``version`` staged by the trainer's exporting ranks (``asyncflow.bridge.staging``).
 
-        ``link`` and ``plan`` are the plain dicts from ``asyncflow.bridge.weight_sync.SyncSession``;
-        returns each vLLM rank's receive stats.
+        Every vLLM rank reads only its own boxes, bucket by bucket. All-or-nothing from the caller's view:
+        on success every rank serves ``version``; otherwise this engine reports ``MIXED`` (-1) and must not
+        generate until a later apply succeeds. Raises ``StaleStagingError`` when the trainer overwrote the
+        version while it was read (apply the newest instead) and ``RuntimeError`` naming the ranks that
+        failed. Returns the per-rank stats (``seconds``, ``bytes``, ``buckets``).
         """
-        args = (link, plan, receiver_base, version, apply_format)
-        stats = self.llm.collective_rpc("asyncflow_sync", args=args)
-        served = [s["version"] for s in stats]
-        if any(v != version for v in served):
-            raise RuntimeError(f"vLLM ranks report versions {served} after syncing version {version}")
+        from asyncflow.bridge.staging import StaleStagingError
+        from asyncflow.engines.vllm.worker_extension import MIXED
+
+        self.version = MIXED  # until every rank reports the new version
+        try:
+            results = list(self.llm.collective_rpc("asyncflow_apply_staged", args=(staging, version, apply_format)))
+        except Exception as exc:
+            raise RuntimeError(f"vLLM workers failed while applying weight version {version}: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        errors = [f"rank {i}: {r['error']}" for i, r in enumerate(results) if r["outcome"] == "error"]
+        if errors:
+            raise RuntimeError(f"applying weight version {version} failed on vLLM " + "; ".join(errors))
+        stale = [r["error"] for r in results if r["outcome"] == "stale"]
+        if stale:
+            raise StaleStagingError(stale[0])
         self._weights_changed()
         self.version = version
-        return list(stats)
+        return {"ranks": results, "bytes_per_rank": [r["bytes"] for r in results],
+                "seconds": max(r["seconds"] for r in results), "buckets": results[0]["buckets"]}
 
     def _weights_changed(self) -> None:
         """Drop the prefix cache: its KV blocks were computed by the old weights, and a request of the new

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 
 
 def fixed_batch(batch: int = 8, seq: int = 12, vocab: int = 19) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,8 +25,8 @@ def _worker(rank, world, port, tp, pp, model_dir, ckpt_in, ckpt_out, out_dir, st
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from asyncflow.config import MegatronConfig
-    from asyncflow.engines.megatron.parallel import destroy_megatron
     from asyncflow.engines.megatron.trainer import MegatronTrainer
+    from asyncflow.models.parallel import destroy_megatron
 
     trainer = MegatronTrainer(
         MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, micro_batch_size=2, lr=1e-2), model_dir

@@ -12,7 +12,7 @@ CALLS = []
 
 def my_provider(config, pre_process, post_process):
     """A user's model provider (what a team with its own Megatron pretraining code would pass)."""
-    from asyncflow.engines.megatron.model import build_gpt_model
+    from asyncflow.models.megatron import build_gpt_model
 
     model = build_gpt_model(_ARCH[0], config, pre_process=pre_process, post_process=post_process)
     model.built_by_user_provider = True
@@ -36,9 +36,9 @@ def _child(model_dir):
     import torch
 
     from asyncflow.config import MegatronConfig
-    from asyncflow.engines.megatron.model import GPTArch
-    from asyncflow.engines.megatron.parallel import destroy_megatron
     from asyncflow.engines.megatron.trainer import MegatronTrainer
+    from asyncflow.models.megatron import GPTArch
+    from asyncflow.models.parallel import destroy_megatron
 
     _ARCH.append(GPTArch.from_pretrained(model_dir))
     cfg = MegatronConfig(model_provider="tests.engines.megatron.test_args_and_provider:my_provider")

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 from tests.engines.megatron.dist_harness import fixed_batch
 
 pytestmark = pytest.mark.slow
@@ -25,8 +25,8 @@ def _worker(rank, world, port, tp, model_dir, ckpt, out_dir, modes):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from asyncflow.config import MegatronConfig
-    from asyncflow.engines.megatron.parallel import destroy_megatron
     from asyncflow.engines.megatron.trainer import MegatronTrainer
+    from asyncflow.models.parallel import destroy_megatron
 
     tokens, mask = fixed_batch()
     forks = []

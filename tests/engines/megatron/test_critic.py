@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 from tests.engines.megatron.dist_harness import fixed_batch
 
 TOL = 1e-5
@@ -24,7 +24,7 @@ def _worker(rank, world, port, tp, pp, model_dir, out_dir):
     from asyncflow.algorithms.objective import make_value_objective
     from asyncflow.config import AlgorithmConfig, MegatronConfig
     from asyncflow.engines.megatron.critic import MegatronCritic
-    from asyncflow.engines.megatron.parallel import destroy_megatron
+    from asyncflow.models.parallel import destroy_megatron
 
     critic = MegatronCritic(MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, micro_batch_size=2, lr=1e-2),
                             model_dir)

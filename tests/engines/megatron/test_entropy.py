@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from asyncflow.engines.megatron.parallel import free_port
+from asyncflow.models.parallel import free_port
 
 VOCAB, PADDED = 19, 24  # Megatron pads 19 to 24; the last 5 rows are padding
 
@@ -38,7 +38,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from asyncflow.engines.megatron.logprobs import token_entropy
-    from asyncflow.engines.megatron.parallel import destroy_megatron, init_megatron
+    from asyncflow.models.parallel import destroy_megatron, init_megatron
 
     init_megatron(world, 1, seed=0)
     try:

@@ -15,8 +15,8 @@ def _child(model_dir: str) -> dict:
     import transformers
 
     from asyncflow.config import MegatronConfig
-    from asyncflow.engines.megatron.parallel import destroy_megatron
     from asyncflow.engines.megatron.trainer import MegatronTrainer
+    from asyncflow.models.parallel import destroy_megatron
 
     torch.set_num_threads(1)
     trainer = MegatronTrainer(MegatronConfig(micro_batch_size=2, lr=5e-3), model_dir)

@@ -1,0 +1,184 @@
+"""Staged versions across hosts: each exporting rank's slot is relayed into a mirror on every rollout host.
+
+    trainer rank (tp, pp, ep):  stage(v) ──► its slot ──► RelaySender thread ──broadcast──┐
+                                                                                         ▼
+    rollout host r:  RelayReceiver thread ──► mirror segment (same slots and headers) ──► StagingReader
+
+- One torch.distributed group per exporting rank (group rank 0) and the R receivers (1..R), created once per
+  run on a store the driver hosts (``RelayStore``), apart from Megatron's and vLLM's own groups.
+- **The trainer never waits.** ``notify(version)`` only wakes the sender thread; if that thread is still busy
+  with an older version it later sends only the newest. The receivers run their own threads, so a rollout
+  busy generating never delays the broadcast either.
+- **Torn versions are dropped, not applied.** The sender reads the slot without locking it: it broadcasts
+  the slot's header, the data, then the header again. A receiver that sees two different headers (the
+  trainer rewrote the slot meanwhile) leaves that mirror slot marked empty; the next version follows.
+- Buffers live on the backend's device: CPU tensors for gloo (the slot and the mirror are the buffers), a
+  CUDA staging buffer for NCCL (copied from / into host memory around the broadcast). **The NCCL path is
+  untested on this project (no GPU)**; gloo runs the same code in the tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from asyncflow.bridge.buckets import SyncPlan
+from asyncflow.bridge.shards import MRank
+from asyncflow.bridge.staging import SLOTS, StagingWriter, _Slots, segment_bytes, source_key
+from asyncflow.transfer_queue.shm import Arena
+
+
+class RelayStore:
+    """The rendezvous store of a run's relay groups, hosted by the driver (``host:port`` from the placement)."""
+
+    def __init__(self, host: str, port: int = 0, timeout_s: float = 600.0):
+        self.store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                   timeout=datetime.timedelta(seconds=timeout_s))
+        self.host, self.port, self.timeout_s = host, self.store.port, timeout_s
+
+    def spec(self, num_receivers: int, backend: str = "gloo") -> dict:
+        """Plain data for ``RelaySender`` / ``RelayReceiver`` (crosses Ray unchanged)."""
+        return {"host": self.host, "port": self.port, "timeout_s": self.timeout_s, "num_receivers": num_receivers,
+                "backend": backend}
+
+
+def _group(spec: dict, src: MRank, rank: int) -> dist.ProcessGroup:
+    """Source ``src``'s group: the source is rank 0, receiver i is rank i + 1."""
+    timeout = datetime.timedelta(seconds=spec["timeout_s"])
+    store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
+    prefix = dist.PrefixStore(f"relay/{source_key(src)}", store)
+    size = spec["num_receivers"] + 1
+    if spec["backend"] == "nccl":  # pragma: no cover - CUDA only, untested on this project
+        return dist.ProcessGroupNCCL(prefix, rank, size)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    loopback = spec["host"] in ("127.0.0.1", "localhost")
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
+                     else dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(prefix, rank, size, opts)
+
+
+def _device(spec: dict) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if spec["backend"] == "nccl" else torch.device("cpu")
+
+
+class _Loop:
+    """A daemon thread running ``body`` until ``stop``; its first error is kept and re-raised by ``check``."""
+
+    def __init__(self, name: str, body: Callable[[], None]):
+        self.error: BaseException | None = None
+        self.stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(body,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, body) -> None:
+        try:
+            body()
+        except BaseException as exc:  # noqa: BLE001 - handed to the owner through check()
+            if not self.stopping.is_set():
+                self.error = exc
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight relay failed: {type(self.error).__name__}: {self.error}") from self.error
+
+
+class RelaySender:
+    """Trainer side: broadcasts the newest staged version of ``writer``'s slots to every receiver."""
+
+    def __init__(self, writer: StagingWriter, spec: dict):
+        self.writer, self.spec = writer, spec
+        self._newest, self._cond = -1, threading.Condition()
+        self._loop = _Loop(f"relay-send-{source_key(writer.rank)}", self._run)
+
+    def notify(self, version: int) -> None:
+        """``version`` was just staged (returns at once)."""
+        self._loop.check()
+        with self._cond:
+            self._newest = max(self._newest, version)
+            self._cond.notify()
+
+    def _run(self) -> None:
+        group = _group(self.spec, self.writer.rank, 0)
+        device, sent = _device(self.spec), -1
+        slots = self.writer._slots
+        staging = torch.empty(slots.data[0].numel(), dtype=slots.data[0].dtype, device=device) \
+            if device.type != "cpu" else None
+        while True:
+            with self._cond:
+                while not (self._newest > sent or self._loop.stopping.is_set()):
+                    self._cond.wait()
+                if self._loop.stopping.is_set():  # tell the receivers to stop too
+                    group.broadcast(torch.tensor([0, -2], dtype=torch.int64, device=device), 0).wait()
+                    return
+                version = self._newest
+            slot = version % SLOTS
+            header = slots.headers[slot].clone()
+            data = slots.data[slot]
+            if staging is not None:  # pragma: no cover - NCCL only
+                staging.copy_(data)
+                data = staging
+            group.broadcast(header.to(device), 0).wait()
+            group.broadcast(data, 0).wait()
+            group.broadcast(slots.headers[slot].clone().to(device), 0).wait()  # unchanged, or the copy is torn
+            sent = version
+
+    def close(self) -> None:
+        """Stop the thread (the receivers stop with it)."""
+        self._loop.stopping.set()
+        with self._cond:
+            self._cond.notify()
+        self._loop._thread.join(timeout=5.0)  # receivers that are gone already cannot answer: do not wait
+
+
+class RelayReceiver:
+    """Rollout side, one per source: mirrors the source's slots into a local segment, calling
+    ``on_version(version, source_key, segment)`` once a complete, untorn version is mirrored."""
+
+    def __init__(self, plan: SyncPlan, src: MRank, spec: dict, receiver: int, segment: str,
+                 on_version: Callable[[int, str, str], None]):
+        self.plan, self.src, self.spec, self.receiver = plan, src, spec, receiver
+        self.segment, self.on_version = segment, on_version
+        self._slots = _Slots(Arena.create(segment_bytes(plan, src), segment), plan, src)
+        for header in self._slots.headers:
+            header[1] = -1
+        self._loop = _Loop(f"relay-recv-{source_key(src)}", self._run)
+
+    def _run(self) -> None:
+        group = _group(self.spec, self.src, self.receiver + 1)
+        device = _device(self.spec)
+        head, tail = torch.zeros(2, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
+        buffer = torch.empty(self._slots.data[0].numel(), dtype=self.plan.dtype, device=device) \
+            if device.type != "cpu" else None
+        while True:
+            group.broadcast(head, 0).wait()
+            seq, version = (int(x) for x in head.cpu())
+            if version == -2:
+                return
+            slot = version % SLOTS
+            mirror, target = self._slots.headers[slot], self._slots.data[slot]
+            mirror[0] += 1  # odd: readers of this mirror slot start over
+            mirror[1] = -1
+            group.broadcast(buffer if buffer is not None else target, 0).wait()
+            if buffer is not None:  # pragma: no cover - NCCL only
+                target.copy_(buffer)
+            group.broadcast(tail, 0).wait()
+            complete = torch.equal(head.cpu(), tail.cpu()) and seq % 2 == 0 and version >= 0
+            mirror[1] = version if complete else -1
+            mirror[0] += 1
+            if complete:
+                self.on_version(version, source_key(self.src), self.segment)
+
+    def check(self) -> None:
+        """Raise if the thread failed."""
+        self._loop.check()
+
+    def close(self) -> None:
+        """Stop waiting for the sender (at the end of the run) and remove the mirror."""
+        self._loop.stopping.set()
+        self._loop._thread.join(timeout=1.0)
+        self._slots.close()

@@ -1,0 +1,5 @@
+"""Model facts and builders shared by the layers above: ``arch`` (``GPTArch``, no dependencies),
+``megatron`` (Megatron-core ``GPTModel`` builder), ``parallel`` (process-group set-up).
+
+The bridge and the engines both import from here; nothing here imports them.
+"""

@@ -1,0 +1,12 @@
+"""Run failures whose message is the whole story: the CLI prints them without a traceback."""
+
+from __future__ import annotations
+
+
+class WeightApplyError(RuntimeError):
+    """A rollout instance could not apply a weight version (the message names the instance and version)."""
+
+
+class WorkerDiedError(RuntimeError):
+    """A service's process died; the message names the worker group, the instance or rank, and for rollout the
+    weight version it was applying."""

@@ -1,0 +1,69 @@
+"""A vLLM worker killed while it applies a weight version stops the run within seconds, with an error that
+names the rollout instance and the version, and leaves no process behind.
+
+The rollout engine runs at vLLM TP2 in multi-process mode, so its workers are child processes of the rollout
+service; a worker shows ``[asyncflow: applying weight version N]`` in its process title while it applies
+(``worker_extension._ProcTitle``), which is how the test finds one mid-apply. A model somewhat larger than the
+demo's and the smallest buckets make each apply last long enough to be caught.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.workflow.processes import kill_session, session_processes
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
+    from asyncflow.tiny_model import make_tiny_model
+
+    model = make_tiny_model(tmp_path / "model", family="qwen2", hidden_size=256, num_layers=4, num_heads=4,
+                            num_kv_heads=2, intermediate_size=1024)
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+           f"model.path={model}", f"observability.output_dir={tmp_path / 'run'}", "observability.tensorboard=false",
+           "workflow.mode=sync", "workflow.max_staleness=0", "workflow.steps=40", "weight_sync.bucket_mb=1e-6",
+           "workflow.prompts_per_step=8", "workflow.samples_per_prompt=4", "trainer.micro_batch_size=8",
+           "rollout.tensor_parallel=2", "rollout.in_process=false"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    victim, version = None, None
+    try:
+        deadline, pids, listed = time.time() + 600, [], 0.0
+        while victim is None and proc.poll() is None and time.time() < deadline:
+            if time.time() - listed > 1.0:  # listing the session is slow; reading a title is not
+                pids, listed = session_processes(proc.pid), time.time()
+            for pid in pids:
+                try:
+                    title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                except OSError:
+                    continue
+                match = re.search(r"\[asyncflow: applying weight version (\d+)\]", title)
+                if match:
+                    os.kill(pid, signal.SIGKILL)
+                    victim, version = pid, int(match.group(1))
+                    break
+            time.sleep(0.0005)
+        assert victim is not None, "never saw a vLLM worker applying a version"
+        killed_at = time.time()
+        out, err = proc.communicate(timeout=120)
+        stopped_after = time.time() - killed_at
+    finally:
+        leftovers = []
+        deadline = time.time() + 30  # Ray's daemons exit right after the driver
+        while time.time() < deadline and (leftovers := session_processes(proc.pid)):
+            time.sleep(0.5)
+        kill_session(proc.pid)
+    assert proc.returncode == 1, err[-3000:]
+    assert f"rollout instance 0 failed to apply weight version {version}" in err, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert stopped_after < 60, stopped_after
+    assert not leftovers, f"processes of the failed run still alive: {leftovers}"
