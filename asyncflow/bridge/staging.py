@@ -238,6 +238,45 @@ class StagingReader:
             yield list(full.items())
             del full
 
+    def prefetched(self, version: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """``buckets(version)``, read one bucket ahead in a thread: the copies of bucket k+1 overlap whatever
+        the consumer does with bucket k (vLLM's reload). At most two buckets are alive at a time."""
+        import queue
+        import threading
+
+        ready: queue.Queue = queue.Queue()
+        room = threading.Semaphore(1)  # a read bucket waits here until the consumer is done with the previous one
+        stop = threading.Event()
+
+        def produce():
+            try:
+                for bucket in self.buckets(version):
+                    while not room.acquire(timeout=0.1):
+                        if stop.is_set():
+                            return
+                    if stop.is_set():
+                        return
+                    ready.put(("bucket", bucket))
+                ready.put(("done", None))
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
+                ready.put(("error", exc))
+
+        thread = threading.Thread(target=produce, name="staging-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, item = ready.get()
+                if kind == "done":
+                    return
+                if kind == "error":
+                    raise item
+                yield item
+                del item
+                room.release()
+        finally:
+            stop.set()
+            thread.join()
+
     def read(self, version: int, apply: Callable[[list[tuple[str, torch.Tensor]]], None]) -> StageStats:
         """Call ``apply(bucket)`` for each of ``buckets(version)``; returns the stats."""
         for bucket in self.buckets(version):

@@ -211,3 +211,33 @@ def test_relay_mirrors_each_version_for_remote_readers():
             receiver.close()
         for w in writers.values():
             w.close()
+
+
+def test_prefetched_reads_the_same_buckets_and_forwards_a_torn_read():
+    arch = ARCHS["qwen3_moe"]
+    hf_state = random_hf_state(arch)
+    plan, shards, writers = _writers(arch, ParallelLayout(1, 1, 2), hf_state, 1)
+    segments = {k: w.segment for k, w in writers.items()}
+    reader = StagingReader(plan, segments, 1, 0)
+    try:
+        for w in writers.values():
+            w.stage(1)
+        direct = [[(n, t.clone()) for n, t in b] for b in reader.buckets(1)]
+        ahead = list(reader.prefetched(1))
+        assert [[n for n, _ in b] for b in ahead] == [[n for n, _ in b] for b in direct]
+        for a, d in zip(ahead, direct):
+            for (_, x), (_, y) in zip(a, d):
+                assert torch.equal(x, y)
+        got = []
+        with pytest.raises(StaleStagingError):
+            for bucket in reader.prefetched(1):
+                got.append(bucket)
+                if len(got) == 1:
+                    for w in writers.values():
+                        w.stage(3)  # overwrites slot 1 while the next bucket is (or will be) read
+        assert len(got) < len(plan.buckets)
+        assert len(list(reader.prefetched(3))) == len(plan.buckets)
+    finally:
+        reader.close()
+        for w in writers.values():
+            w.close()

@@ -104,7 +104,7 @@ class WeightReceiverExtension:
             # once all its tensors arrived, so experts may come in separate buckets. A torn bucket ends the
             # stream early (no exception inside vLLM's loader); the worker then stays MIXED.
             try:
-                for bucket in reader.buckets(version):
+                for bucket in reader.prefetched(version):  # bucket k+1 is read while vLLM loads bucket k
                     yield from bucket
                     del bucket
                     _release_freed_memory()  # vLLM freed the old weights of the layers it processed
