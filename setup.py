@@ -14,11 +14,14 @@ CPU_STACK = [
     "ray==2.60.0",
 ]
 
+# The code is written against these APIs (the same versions as the CPU stack). vllm 0.32.0 brings its CUDA
+# torch; transformer-engine in the range megatron-core 0.16.1 declares for itself (its "dev" extra). NVIDIA apex
+# is optional (not on PyPI). Resolved from the package metadata; not installed or run on a GPU here yet.
 GPU_STACK = [
-    "vllm",
-    "megatron-core",
-    "transformer-engine[pytorch]",
-    "ray",
+    "vllm==0.32.0",
+    "megatron-core==0.16.1",
+    "transformer-engine[pytorch]>=2.9,<2.12",
+    "ray==2.60.0",
 ]
 
 setup(

@@ -190,13 +190,15 @@ class RolloutService(TaskService):
 
         stale, failed, t0 = 0, None, time.perf_counter()
         while True:
+            newer = version  # the version to wait for if this attempt does not succeed
             ray.get(self.board.rollout_state.remote(self.worker, self.engine.weight_version, version))
             try:
                 with self.timeline.span(self.name, "load_weights", self.worker, version=version):
                     stats = self.engine.apply_staged(staging, version)
                 break
             except StaleStagingError:
-                stale += 1  # the trainer staged two newer versions while this one was read: take the newest
+                stale += 1  # the trainer staged newer versions over this one while it was read: take the newest
+                newer = version + 1
                 if stale > self.max_stale_retries:
                     raise WeightApplyError(
                         f"rollout instance {self.worker}: weight version {version} was overwritten {stale} times "
@@ -208,7 +210,7 @@ class RolloutService(TaskService):
                 failed = exc
                 print(f"rollout instance {self.worker}: applying weight version {version} failed ({exc}); "
                       f"retrying with the newest version", flush=True)
-            version, staging = ray.get(self.board.wait_for_version.remote(version, self.timeout_s, self.domain))
+            version, staging = ray.get(self.board.wait_for_version.remote(newer, self.timeout_s, self.domain))
         ray.get(self.board.rollout_state.remote(self.worker, version, None))
         self.apply_stats = {"weights/apply_s": time.perf_counter() - t0, "weights/buckets": float(stats["buckets"]),
                             "weights/stale_retries": float(stale),

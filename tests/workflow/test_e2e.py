@@ -39,23 +39,22 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     return {
         "async": _run(tmp, "async", 1, "async"),
-        # Megatron worker groups of several ranks: 2 data-parallel replicas, and tensor parallelism 2.
-        # Small weight buckets: every published version reaches vLLM as several reloads.
-        "sync": _run(tmp, "sync", 0, "sync", "trainer.data_parallel=2", "weight_sync.bucket_mb=0.05"),
+        # The weight path at several parallel layouts, with the smallest bucket (one fused group, or one
+        # expert, each) and one larger than the model. Sync (k=0) checks every version exactly.
+        # Trainer PP2 through the relay (the cross-host transport, gloo on loopback), smallest buckets:
+        "sync": _run(tmp, "sync", 0, "sync", "trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1e-6",
+                     "weight_sync.transport=relay"),
         "async_tp2": _run(tmp, "async", 1, "async_tp2", "trainer.tensor_parallel=2"),
-        # The weight path at every parallel layout, with the smallest bucket (one fused group each) and one
-        # larger than the model: trainer TP2 -> vLLM TP2 (multi-process), trainer PP2 through the relay (the
-        # cross-host transport, gloo on loopback), and Qwen3-MoE at EP2.
+        # Trainer TP2 -> vLLM TP2 (multi-process engine), one bucket larger than the model:
         "sync_tp2_vllm_tp2": _run(tmp, "sync", 0, "sync_tp2_vllm_tp2", "trainer.tensor_parallel=2",
                                   "rollout.tensor_parallel=2", "rollout.in_process=false",
                                   "weight_sync.bucket_mb=4096"),
-        "sync_pp2": _run(tmp, "sync", 0, "sync_pp2", "trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1e-6",
-                         "weight_sync.transport=relay"),
+        # Qwen3-MoE at EP2 with two data-parallel replicas, smallest buckets:
         "sync_moe_ep2": _run(tmp, "sync", 0, "sync_moe_ep2", f"model.path={tmp / 'moe_model'}",
                              "model.tiny_family=qwen3_moe", "trainer.expert_parallel=2", "trainer.data_parallel=2",
                              "weight_sync.bucket_mb=1e-6"),
     }
-SYNC_LAYOUTS = ["sync", "sync_tp2_vllm_tp2", "sync_pp2", "sync_moe_ep2"]
+SYNC_LAYOUTS = ["sync", "sync_tp2_vllm_tp2", "sync_moe_ep2"]
 
 
 @pytest.mark.parametrize("name,k", [("async", 1), ("async_tp2", 1)] + [(n, 0) for n in SYNC_LAYOUTS])
@@ -106,7 +105,7 @@ def test_every_version_reaches_vllm_exactly(runs, name):
     buckets = [r["rollout/weight_buckets"] for r in records[1:]]
     if name == "sync_tp2_vllm_tp2":
         assert buckets == [1.0] * len(buckets)  # a bucket larger than the model
-    elif name in ("sync_pp2", "sync_moe_ep2"):
+    elif name in ("sync", "sync_moe_ep2"):
         assert min(buckets) > 10  # the smallest buckets: one fused group (one expert) each
     if name == "sync_tp2_vllm_tp2":
         # Each of the two vLLM workers read only its own half of the sharded tensors.
