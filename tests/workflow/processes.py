@@ -23,3 +23,14 @@ def kill_session(sid: int) -> None:
             except ProcessLookupError:
                 pass
         time.sleep(0.5)
+
+
+def reap_session(sid: int, grace_s: float = 30.0) -> list[int]:
+    """Processes of session ``sid`` still alive ``grace_s`` after its driver ended (Ray's daemons exit right
+    after the driver), then SIGKILL whatever is left; returns the survivors."""
+    leftovers: list[int] = []
+    deadline = time.time() + grace_s
+    while time.time() < deadline and (leftovers := session_processes(sid)):
+        time.sleep(0.5)
+    kill_session(sid)
+    return leftovers

@@ -9,12 +9,11 @@ its 60 s grace period and kill them), and prints the error without a traceback.
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.workflow.processes import kill_session, session_processes
+from tests.workflow.processes import reap_session
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -29,11 +28,7 @@ def test_failed_run_reports_the_error_and_stops_every_process(tmp_path):
     try:
         out, err = proc.communicate(timeout=600)
     finally:
-        leftovers = []
-        deadline = time.time() + 30  # Ray's daemons exit right after the driver
-        while time.time() < deadline and (leftovers := session_processes(proc.pid)):
-            time.sleep(0.5)
-        kill_session(proc.pid)
+        leftovers = reap_session(proc.pid)
     assert proc.returncode == 1, err[-3000:]
     assert "asyncflow: error: step 0:" in err and "max_sampling_factor" in err, err[-3000:]
     assert "Traceback" not in err

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.workflow.processes import kill_session, session_processes
+from tests.workflow.processes import reap_session, session_processes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,11 +57,7 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
         out, err = proc.communicate(timeout=120)
         stopped_after = time.time() - killed_at
     finally:
-        leftovers = []
-        deadline = time.time() + 30  # Ray's daemons exit right after the driver
-        while time.time() < deadline and (leftovers := session_processes(proc.pid)):
-            time.sleep(0.5)
-        kill_session(proc.pid)
+        leftovers = reap_session(proc.pid)
     assert proc.returncode == 1, err[-3000:]
     assert f"rollout instance 0 failed to apply weight version {version}" in err, err[-3000:]
     assert "Traceback" not in err, err[-3000:]
