@@ -23,7 +23,7 @@ def init_megatron(
 
     Rank and world size default to the ``RANK``/``WORLD_SIZE`` environment (torchrun, Ray workers);
     a single process with neither gets a world of one on a free local port. On CPU the Megatron
-    patches are applied first and the backend is gloo.
+    patches are applied first and the backend is gloo; on CUDA, ``LOCAL_RANK`` (when set) picks the device.
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mtp
@@ -31,6 +31,10 @@ def init_megatron(
     import megatron_patches
 
     megatron_patches.apply()
+    if torch.cuda.is_available() and "LOCAL_RANK" in os.environ:
+        # torchrun shows every local device to every process (Ray shows each worker one): pick ours before
+        # NCCL binds to the current device. ``asyncflow.models.device.engine_device`` reads it back.
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     if not torch.distributed.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size

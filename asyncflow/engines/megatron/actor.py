@@ -52,7 +52,8 @@ class MegatronActor(TrainEngine):
         outputs = self.trainer.forward_backward(micro_batches, num_microbatches, loss_fn)
         from megatron.core import parallel_state as ps
 
-        normalizer = torch.tensor([float(sum(float(o["normalizer"]) for o in outputs))])
+        # On the engine's device: NCCL reduces device tensors only.
+        normalizer = torch.tensor([float(sum(float(o["normalizer"]) for o in outputs))], device=self.trainer.device)
         if torch.distributed.is_initialized():
             # The same global count on every rank: summed over replicas (data parallel) and handed from
             # the last pipeline stage to the others (which contribute 0); TP ranks already agree.

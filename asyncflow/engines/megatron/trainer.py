@@ -4,6 +4,10 @@ Every step goes through Megatron's own machinery (``get_forward_backward_func`` 
 buffers, ``finalize_model_grads``, ``get_megatron_optimizer``), on CPU with gloo after
 ``megatron_patches.apply()`` and unchanged on GPU. Log-probabilities use vocab-parallel cross entropy,
 so no rank ever holds the full-vocabulary logits of another rank.
+
+Device boundary: callers hand in CPU tensors and get CPU tensors back. Each micro-batch moves to
+``self.device`` (``asyncflow.models.device.engine_device``) as Megatron's schedule pulls it, and the
+schedule's outputs move back to the CPU once it is done (see ``forward_backward``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 
 from asyncflow.config import MegatronConfig
 from asyncflow.engines.megatron.logprobs import token_logprobs
+from asyncflow.models.device import CPU, engine_device, to_device
 from asyncflow.models.megatron import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
 from asyncflow.models.parallel import init_megatron
 
@@ -49,6 +54,7 @@ class MegatronTrainer:
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.head = head
+        self.device = engine_device()  # this rank's model, micro-batches and collectives; CPU on the CPU stack
         if head == "value":  # the critic has no output embedding to tie to the input one
             self.arch = dataclasses.replace(self.arch, tie_word_embeddings=False)
         dtype = _DTYPES[cfg.params_dtype]
@@ -70,7 +76,8 @@ class MegatronTrainer:
                 self.arch, self.tconfig, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by
             )
         if head == "value" and getattr(module, "post_process", False):
-            module.output_layer = ValueHead(self.arch.hidden_size, dtype)  # before DDP wraps the parameters
+            # before DDP wraps the parameters
+            module.output_layer = ValueHead(self.arch.hidden_size, dtype, self.device)
         ddp_config = DistributedDataParallelConfig(**features.ddp_kwargs(cfg))
         self.model = DistributedDataParallel(self.tconfig, ddp_config, module)
         opt_config = OptimizerConfig(
@@ -222,6 +229,9 @@ class MegatronTrainer:
         log p(tokens[:, 1:]) [mbs, s-1] and returns ``(loss, metrics)`` where the *sum* of the losses
         over micro-batches is the batch loss. Returns the metrics of each micro-batch on the last
         pipeline stage, ``[]`` elsewhere. Gradients accumulate in Megatron's DDP buffers.
+
+        Micro-batches may live anywhere (the workflow builds them on the CPU); each is moved to
+        ``self.device`` here, once, and ``loss_fn`` sees it there. The returned metrics are on the CPU.
         """
         from megatron.core import parallel_state
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -229,7 +239,7 @@ class MegatronTrainer:
         iterator = iter(micro_batches)
         first = next(iterator)
         mbs, seq = first["tokens"].shape
-        positions = torch.arange(seq).unsqueeze(0)
+        positions = torch.arange(seq, device=self.device).unsqueeze(0)
 
         def scaled_loss(mb, logprobs):
             loss, metrics = loss_fn(logprobs, mb)
@@ -238,7 +248,7 @@ class MegatronTrainer:
             return loss * num_microbatches, metrics
 
         def forward_step(data_iter, model):
-            mb = next(data_iter)
+            mb = to_device(next(data_iter), self.device)  # the one host -> device copy of a micro-batch
             tokens = mb["tokens"]
             out = model(tokens, positions.expand(tokens.shape[0], -1), None)
             if not parallel_state.is_pipeline_last_stage():
@@ -253,7 +263,7 @@ class MegatronTrainer:
                 mb = {**mb, "entropy": token_entropy(out[:, :-1], self.arch.vocab_size)}
             return logprobs, functools.partial(scaled_loss, mb)
 
-        return get_forward_backward_func()(
+        outputs = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=itertools.chain([first], iterator),
             model=[self.model],
@@ -262,6 +272,8 @@ class MegatronTrainer:
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
+        # After the schedule, not per micro-batch: a device -> host copy waits for the GPU.
+        return [to_device(o, CPU) for o in outputs]
 
     def zero_grad(self) -> None:
         """Clear DDP grad buffers and optimizer state gradients before a new accumulation."""
@@ -323,11 +335,11 @@ class ValueHead(torch.nn.Module):
     Zero-initialized, so the critic starts from V = 0 (the usual choice for outcome rewards in [0, 1]).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device = CPU):
         super().__init__()
         # Named ``weight`` (not a nested Linear): Megatron's sharded_state_dict expects output_layer.weight.
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype))
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype, device=device))
 
     def forward(self, hidden_states, weight=None, runtime_gather_output=None):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
