@@ -26,11 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
     from asyncflow.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", family="qwen2", hidden_size=256, num_layers=4, num_heads=4,
-                            num_kv_heads=2, intermediate_size=1024)
+    model = make_tiny_model(tmp_path / "model", family="qwen2", hidden_size=384, num_layers=6, num_heads=6,
+                            num_kv_heads=2, intermediate_size=1536)
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
            f"model.path={model}", f"observability.output_dir={tmp_path / 'run'}", "observability.tensorboard=false",
-           "workflow.mode=sync", "workflow.max_staleness=0", "workflow.steps=40", "weight_sync.bucket_mb=1e-6",
+           "workflow.mode=sync", "workflow.max_staleness=0", "workflow.steps=60", "weight_sync.bucket_mb=1e-6",
            "workflow.prompts_per_step=8", "workflow.samples_per_prompt=4", "trainer.micro_batch_size=8",
            "rollout.tensor_parallel=2", "rollout.in_process=false"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -52,7 +52,11 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
                     victim, version = pid, int(match.group(1))
                     break
             time.sleep(0.0005)
-        assert victim is not None, "never saw a vLLM worker applying a version"
+        if victim is None:
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+            raise AssertionError(f"never saw a vLLM worker applying a version (exit {proc.returncode})\n"
+                                 f"{out[-2000:]}\n{err[-4000:]}")
         killed_at = time.time()
         out, err = proc.communicate(timeout=120)
         stopped_after = time.time() - killed_at
