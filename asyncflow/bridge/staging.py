@@ -293,7 +293,7 @@ class StagingReader:
         for b, bucket in enumerate(self.plan.buckets):
             buffers = {}
             for src in (s for s in bucket.sources if s in self._slots):  # the sources this rank needs
-                start = _source_numel(self.plan, src)[1][b]
+                start = self._slots[src].starts[b]
                 buffers[src] = self._slots[src].data[slot][start : start + bucket.numel(src)].clone()
                 stats.bytes += buffers[src].numel() * self._item
             self._check(version, seqs)
