@@ -117,6 +117,14 @@ class MegatronConfig:
     EP; creates CUDA streams, so not on CPU)."""
     moe_grouped_gemm: bool = False
     """Run each rank's local experts as one grouped GEMM (Transformer Engine's TEGroupedMLP; not on CPU)."""
+    reference_placement: Literal["colocated", "own", "offload"] = "colocated"
+    """Read from the ``trainer`` section: where the reference policy (``algorithm.kl_coef > 0``; there is none
+    at 0) runs. ``colocated``: on the trainer's devices with its weights resident (a frozen copy: weights
+    only, no gradients or optimizer state). ``own``: on devices of its own, as many as the trainer has.
+    ``offload``: on the trainer's devices with its weights in host memory, each layer copied in only while
+    it runs (``engines.megatron.offload.LayerStreamer``): the device holds the embedding, the output layer
+    and two layers. The cluster recipes use ``offload`` (see docs/memory.md for why); the CPU recipes keep
+    ``colocated``, since host memory is the device there."""
 
 
 @dataclass

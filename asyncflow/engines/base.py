@@ -53,9 +53,21 @@ class TrainableEngine(abc.ABC):
     def load(self, path: str) -> None:
         """Restore a checkpoint written by ``save``."""
 
+    def offload(self) -> int:
+        """Colocated ``sync`` on devices: move parameters and optimizer state to host memory and free the
+        gradient buffers while another engine uses the device; returns the device bytes freed. Engines that
+        cannot keep their memory (0) and the colocation then needs room for both."""
+        return 0
+
+    def onload(self) -> None:  # noqa: B027 - optional hook
+        """Undo ``offload`` before the engine's next phase."""
+
 
 class TrainEngine(TrainableEngine):
-    """A policy (or reference) model that computes logprobs, trains, and exports its weights."""
+    """A policy (or reference) model that computes logprobs, trains, and exports its weights.
+
+    Built as ``cls(cfg, model_dir)`` for the actor and ``cls(cfg, model_dir, trainable=False)`` for the
+    frozen reference, which only computes logprobs (and may skip gradients and optimizer state)."""
 
     @abc.abstractmethod
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -64,6 +76,12 @@ class TrainEngine(TrainableEngine):
     @abc.abstractmethod
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named full tensors of this rank's part of the current weights (tools, tests)."""
+
+    def stream_weights_from_host(self) -> None:
+        """Reference placement ``offload``: keep the (frozen) weights in host memory and bring each layer to
+        the device only while it runs. Engines built with ``trainable=False`` are asked for it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stream its weights from host memory; "
+                                  "set trainer.reference_placement to colocated or own")
 
     @abc.abstractmethod
     def weight_stager(self, bucket_mb: float, session: str) -> tuple[object | None, dict]:
@@ -105,6 +123,15 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The version the engine serves."""
+
+    def sleep(self) -> int:
+        """Colocated ``sync`` on devices: release the device memory of weights and KV cache while the trainer
+        uses the device (the next ``apply_staged`` refills the weights); returns the bytes released, 0 for
+        engines that cannot (the colocation then needs room for both)."""
+        return 0
+
+    def wake(self) -> None:  # noqa: B027 - optional hook
+        """Take the device memory back after ``sleep``, before the next weight apply and generation."""
 
     def pause(self) -> None:  # noqa: B027 - optional hook
         """Stop scheduling new work (engines without the notion may ignore it)."""

