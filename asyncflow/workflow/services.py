@@ -80,9 +80,12 @@ class TaskService:
         after it (colocated on devices; see ``acquire_device``)."""
         self.acquire_device()
         try:
-            return self.phase(step, phase)
+            report = self.phase(step, phase)
         finally:
             self.release_device()
+        if report is not None:  # the release belongs to this step's timeline, not the next one's
+            report["spans"] += self.timeline.export_spans(clear=True)
+        return report
 
     def phase(self, step: int, phase: str | None = None) -> dict | None:
         """The work of one phase (services with a single phase run the whole step)."""
@@ -113,7 +116,8 @@ class TaskService:
         ctx = ray.get_runtime_context()
         return {"node": ctx.get_node_id(), "devices": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
-                "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT")}
+                "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT"),
+                "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def shutdown(self) -> None:
         """Release what the service holds beyond its own process (before the actor is killed)."""

@@ -147,10 +147,12 @@ def train_state_offloader(trainer) -> StorageOffloader:
     """
     params = list(trainer.model.parameters())
     grads = [getattr(p, "main_grad", None) for p in params]
-    for buffer in getattr(trainer.model, "buffers", []) + getattr(trainer.model, "expert_parallel_buffers", []):
-        grads.append(getattr(buffer, "grad_data", None))
-        params.append(getattr(buffer, "param_data", None))
-    keep = [p for p in params if p is not None] + optimizer_tensors(trainer.optimizer)
+    if trainer.trainable:  # Megatron DDP's contiguous buffers (a frozen model has none, nor an optimizer)
+        for buffer in list(trainer.model.buffers) + list(getattr(trainer.model, "expert_parallel_buffers", [])):
+            grads.append(getattr(buffer, "grad_data", None))
+            params.append(getattr(buffer, "param_data", None))
+    keep = [p for p in params if p is not None]
+    keep += optimizer_tensors(trainer.optimizer) if trainer.optimizer is not None else []
     return StorageOffloader(keep, [g for g in grads if g is not None], trainer.device)
 
 
