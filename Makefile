@@ -8,7 +8,7 @@ STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: venv demo demo-slice test lint bench-e2e bench-tq bench-weight-sync clean-venv
+.PHONY: venv demo demo-slice test lint bench-e2e bench-tq bench-weight-sync gpu-check clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,10 @@ bench-tq: venv
 
 bench-weight-sync: venv
 	$(PY) bench/weight_sync.py
+
+# A machine with a CUDA GPU and the `gpu` extra installed (not part of `make test`); see tools/gpu_check.py.
+gpu-check:
+	$(PYTHON) tools/gpu_check.py
 
 clean-venv:
 	rm -rf $(VENV)
