@@ -105,8 +105,10 @@ class MegatronConfig:
     """Split the norm and residual activations over the TP ranks along the sequence (Megatron sequence
     parallelism; TP > 1). Needs Transformer Engine's norms, so not on CPU."""
     context_parallel: int = 1
-    """Context-parallel size (CP): each rank holds 1/CP of every sequence; a worker group has TP x PP x CP x DP
-    ranks. Used by the planner; the trainer does not split sequences over CP ranks yet, so it accepts 1 only."""
+    """Context-parallel size (CP) for long responses: each rank holds 2 of 2 x CP chunks of every sequence (the
+    activations of a row shrink CP-fold); a worker group has TP x PP x CP x DP ranks. Needs Transformer Engine's
+    attention (GPU); the split and gather are in ``engines/megatron/context_parallel.py``. Token-mean loss
+    aggregation only (a per-sequence mean would need each row's whole token count on every rank)."""
     overlap_grad_reduce: bool = False
     """Overlap the data-parallel gradient all-reduce / reduce-scatter with the backward pass."""
     overlap_param_gather: bool = False

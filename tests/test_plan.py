@@ -106,7 +106,7 @@ def test_layer_bytes_rejects_unknown_recompute():
     ({"sequence_parallel": True, "tensor_parallel": 2}, "trainer.sequence_parallel=true: needs Transformer Engine"),
     ({"moe_token_dispatcher": "alltoall"}, "creates CUDA streams"),
     ({"moe_grouped_gemm": True}, "TEGroupedMLP"),
-    ({"context_parallel": 2}, "does not split sequences"),
+    ({"context_parallel": 2}, "attention over context-parallel ranks is Transformer Engine's"),
     ({"overlap_param_gather": True}, "needs use_distributed_optimizer=true"),
 ])
 def test_cpu_rejects_what_megatron_cannot_run_here(changes, needle):
@@ -118,7 +118,8 @@ def test_defaults_and_recompute_run_on_cpu():
     features.check(MegatronConfig(), cuda=False, te=False)
     features.check(MegatronConfig(recompute="full", overlap_grad_reduce=True), cuda=False, te=False)
     features.check(MegatronConfig(use_distributed_optimizer=True, sequence_parallel=True, tensor_parallel=2,
-                                  overlap_param_gather=True, moe_grouped_gemm=True), cuda=True, te=True)
+                                  overlap_param_gather=True, moe_grouped_gemm=True, context_parallel=2),
+                   cuda=True, te=True)
 
 
 def test_moe_at_tp2_needs_sequence_parallel():

@@ -14,6 +14,7 @@ def init_megatron(
     seed: int = 1234,
     *,
     expert_parallel: int = 1,
+    context_parallel: int = 1,
     rank: int | None = None,
     world_size: int | None = None,
     init_method: str | None = None,
@@ -53,7 +54,8 @@ def init_megatron(
         )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
-            tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel
+            tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel,
+            context_parallel_size=context_parallel,
         )
     mtp.model_parallel_cuda_manual_seed(seed)
 

@@ -142,6 +142,9 @@ def check_algorithm(cfg: AsyncFlowConfig) -> None:
 
     algo = cfg.algorithm
     scope = estimator_scope(algo.advantage)
+    if cfg.trainer.context_parallel > 1 and algo.loss_agg != "token-mean":
+        raise ConfigError(f"trainer.context_parallel={cfg.trainer.context_parallel} needs algorithm.loss_agg="
+                          f"token-mean (got {algo.loss_agg!r}): a context-parallel rank sees part of each row")
     if algo.dynamic_sampling:
         if scope != "group":
             raise ConfigError(f"algorithm.dynamic_sampling needs a group estimator (grpo, rloo); "

@@ -24,8 +24,8 @@ from asyncflow.config import AsyncFlowConfig, MegatronConfig
 
 
 def world_size(mcfg: MegatronConfig) -> int:
-    """Ranks of a Megatron group: TP x PP x DP."""
-    return mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.data_parallel
+    """Ranks of a Megatron group: TP x PP x CP x DP."""
+    return mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.context_parallel * mcfg.data_parallel
 
 
 class Placement:

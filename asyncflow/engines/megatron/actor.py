@@ -62,9 +62,9 @@ class MegatronActor(TrainEngine):
             # the last pipeline stage to the others (which contribute 0); TP ranks already agree.
             torch.distributed.all_reduce(normalizer, group=ps.get_data_parallel_group())
             torch.distributed.all_reduce(normalizer, group=ps.get_pipeline_model_parallel_group())
-        # Megatron's DDP averages gradients over replicas (x 1/dp); the loss is a sum over all replicas'
-        # rows divided by the global count, hence the factor dp.
-        dp = ps.get_data_parallel_world_size()
+        # Megatron's DDP averages gradients over replicas and context-parallel ranks (x 1/(dp x cp)); the loss
+        # is a sum over all of their tokens divided by the global count, hence the factor dp x cp.
+        dp = ps.get_data_parallel_world_size(with_context_parallel=True)
         self.trainer.model.scale_gradients(dp / max(normalizer.item(), 1.0))
         stats = self.trainer.optimizer_step()
         return {**stats, "normalizer": normalizer.item(), "micro": outputs}

@@ -10,8 +10,8 @@ What runs where (megatron-core 0.16.1):
 - ``sequence_parallel``: GPU with Transformer Engine: the torch norms of the local spec assert it is off;
 - ``moe_token_dispatcher: alltoall``: GPU only (it creates CUDA streams);
 - ``moe_grouped_gemm``: GPU with Transformer Engine (TEGroupedMLP);
-- ``context_parallel`` > 1: nowhere yet: the trainer does not split sequences over CP ranks (Megatron's
-  ``get_batch_on_this_cp_rank``), and the local spec's attention asserts CP = 1.
+- ``context_parallel`` > 1: GPU with Transformer Engine (its attention runs the ring over CP ranks; the local
+  spec's attention asserts CP = 1). The trainer's split and gather (``context_parallel.py``) run on CPU.
 
 Megatron's ``MoELayer`` refuses to train an MoE model at TP > 1 without sequence parallelism, so on CPU MoE
 models train at TP = 1 only.
@@ -75,10 +75,9 @@ def problems(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm",
         if head == "value":
             bad("sequence_parallel", "the critic's value head is replicated over TP ranks and expects the "
                 "whole sequence on each; not supported with sequence parallelism")
-    if cfg.context_parallel != 1:
-        bad("context_parallel", "the trainer does not split sequences over context-parallel ranks yet "
-            "(Megatron's get_batch_on_this_cp_rank) and the local layer spec's attention asserts CP = 1; "
-            "use it in `asyncflow plan` only")
+    if cfg.context_parallel != 1 and not (cuda and te):
+        bad("context_parallel", "attention over context-parallel ranks is Transformer Engine's (CUDA); the local "
+            "layer spec's attention asserts CP = 1")
     if is_moe and cfg.tensor_parallel > 1 and not cfg.sequence_parallel:
         bad("sequence_parallel", f"an MoE model at tensor_parallel={cfg.tensor_parallel} needs sequence parallelism: "
             "Megatron's MoELayer refuses to train with TP > 1 without it")

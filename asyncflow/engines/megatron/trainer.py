@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import MegatronConfig
+from asyncflow.engines.megatron import context_parallel
 from asyncflow.engines.megatron.logprobs import token_logprobs
 from asyncflow.models.device import CPU, engine_device, to_device
 from asyncflow.models.megatron import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
@@ -51,7 +52,8 @@ class MegatronTrainer:
         # Features this machine cannot run fail here, naming the key, before any process group starts.
         features.check(cfg, "critic" if head == "value" else "trainer", head=head, is_moe=self.arch.is_moe)
         self.cfg = cfg
-        init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed, expert_parallel=cfg.expert_parallel)
+        init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed, expert_parallel=cfg.expert_parallel,
+                      context_parallel=cfg.context_parallel)
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.head = head
@@ -255,6 +257,7 @@ class MegatronTrainer:
         first = next(iterator)
         mbs, seq = first["tokens"].shape
         positions = torch.arange(seq, device=self.device).unsqueeze(0)
+        cp = self.cfg.context_parallel
 
         def scaled_loss(mb, logprobs):
             loss, metrics = loss_fn(logprobs, mb)
@@ -264,18 +267,23 @@ class MegatronTrainer:
 
         def forward_step(data_iter, model):
             mb = to_device(next(data_iter), self.device)  # the one host -> device copy of a micro-batch
-            tokens = mb["tokens"]
-            out = model(tokens, positions.expand(tokens.shape[0], -1), None)
+            if cp > 1:  # this rank's 2 of 2 x CP chunks; labels are shifted before the split
+                mb, pos, labels = context_parallel.split(mb, seq, cp)
+                out = model(mb["tokens"], pos, None)
+                scored = out  # every local position has its label (0 past the end, masked)
+            else:
+                tokens = mb["tokens"]
+                out = model(tokens, positions.expand(tokens.shape[0], -1), None)
+                scored, labels = out[:, :-1], tokens[:, 1:]  # position t predicts token t+1
             if not parallel_state.is_pipeline_last_stage():
                 return out, functools.partial(scaled_loss, mb)  # hidden states for the next stage
             if self.head == "value":  # aligned like the logprobs: position t is the state before token t+1
-                return out[:, :-1, 0].float(), functools.partial(scaled_loss, mb)
-            # Position t predicts token t+1: logprobs of tokens 1..s-1.
-            logprobs = token_logprobs(out[:, :-1], tokens[:, 1:], self.arch.vocab_size)
+                return scored[..., 0].float(), functools.partial(scaled_loss, mb)
+            logprobs = token_logprobs(scored, labels, self.arch.vocab_size)
             if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus reads the whole distribution
                 from asyncflow.engines.megatron.logprobs import token_entropy
 
-                mb = {**mb, "entropy": token_entropy(out[:, :-1], self.arch.vocab_size)}
+                mb = {**mb, "entropy": token_entropy(scored, self.arch.vocab_size)}
             return logprobs, functools.partial(scaled_loss, mb)
 
         outputs = get_forward_backward_func()(
@@ -283,10 +291,13 @@ class MegatronTrainer:
             data_iterator=itertools.chain([first], iterator),
             model=[self.model],
             num_microbatches=num_microbatches,
-            seq_length=seq,
+            seq_length=context_parallel.padded_length(seq, cp) if cp > 1 else seq,  # Megatron divides it by CP
             micro_batch_size=mbs,
             forward_only=forward_only,
         )
+        if cp > 1:  # every CP rank gets the whole micro-batch's metrics and per-position outputs
+            group = parallel_state.get_context_parallel_group()
+            outputs = [context_parallel.reduce_metrics(o, seq, cp, group) for o in outputs]
         # After the schedule, not per micro-batch: a device -> host copy waits for the GPU.
         return [to_device(o, CPU) for o in outputs]
 
