@@ -125,7 +125,7 @@ class MegatronConfig:
     only, no gradients or optimizer state). ``own``: on devices of its own, as many as the trainer has.
     ``offload``: on the trainer's devices with its weights in host memory, each layer copied in only while
     it runs (``engines.megatron.offload.LayerStreamer``): the device holds the embedding, the output layer
-    and two layers. The cluster recipes use ``offload`` (see docs/memory.md for why); the CPU recipes keep
+    and two layers. The cluster recipes use ``offload`` (docs/recipes.md says why); the CPU recipes keep
     ``colocated``, since host memory is the device there."""
 
 
