@@ -247,7 +247,7 @@ def test_plan_shrinks_the_kv_cache_to_what_fits():
 
 
 def test_plan_counts_the_colocated_reference_model():
-    with_ref = plan_recipe(ROOT / "recipes/qwen2.5-7b").tasks[0]
+    with_ref = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["trainer.reference_placement=colocated"]).tasks[0]
     without = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["algorithm.kl_coef=0"]).tasks[0]
     assert "reference weights" in with_ref.terms and "reference weights" not in without.terms
     assert with_ref.terms["reference weights"] == with_ref.terms["weights"]  # the same shards, forward only
@@ -255,18 +255,20 @@ def test_plan_counts_the_colocated_reference_model():
 
 @pytest.mark.parametrize("placement,tasks", [("own", 3), ("offload", 2)])
 def test_plan_follows_the_reference_placement(placement, tasks):
-    from asyncflow.planner.plan import estimate
-    from asyncflow.recipes_check import load_recipe
-
-    recipe, _ = load_recipe(ROOT / "recipes/qwen2.5-7b")
-    colocated = estimate(recipe)[0]
-    # MegatronConfig has no reference_placement field yet; the planner reads it when it is there.
-    object.__setattr__(recipe.cfg.trainer, "reference_placement", placement)
-    planned = estimate(recipe)
+    colocated = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["trainer.reference_placement=colocated"]).tasks[0]
+    planned = plan_recipe(ROOT / "recipes/qwen2.5-7b", [f"trainer.reference_placement={placement}"]).tasks
     assert len(planned) == tasks
     assert planned[0].terms.get("reference weights", 0) < colocated.terms["reference weights"]
     if placement == "own":
         assert planned[2].task == "reference rank" and planned[2].terms["reference weights"] > 0
+    else:  # the embedding and output layer plus two of the 28 layers
+        assert planned[0].terms["reference weights"] < 0.3 * colocated.terms["reference weights"]
+
+
+def test_cluster_recipes_stream_the_reference_from_host_memory():
+    for recipe in RECIPES:
+        assert plan_recipe(recipe).tasks[0].terms["reference weights"] < 0.3 * plan_recipe(
+            recipe, ["trainer.reference_placement=colocated"]).tasks[0].terms["reference weights"]
 
 
 def test_plan_needs_the_device_memory(tmp_path):
