@@ -32,6 +32,9 @@ class Sample:
     weight_version: int
     finish_reason: str | None = None
     request_id: str = ""
+    token_versions: list[int] | None = None
+    """The weight version that produced each response token (None: all ``weight_version``). With partial
+    rollout a response spans versions and ``weight_version`` is the oldest of them."""
 
 
 class TrainableEngine(abc.ABC):
@@ -105,6 +108,11 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The version the engine serves."""
+
+    def stream(self, ignore_eos: bool = False):
+        """A continuous-batching handle (``asyncflow.engines.vllm.stream.VllmStream``'s interface: ``add``,
+        ``step``, ``swap_weights``, ``running``). Engines without one support the chunked rollout only."""
+        raise NotImplementedError(f"{type(self).__name__} has no continuous-batching stream")
 
     def pause(self) -> None:  # noqa: B027 - optional hook
         """Stop scheduling new work (engines without the notion may ignore it)."""
