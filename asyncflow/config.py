@@ -153,6 +153,15 @@ class VllmConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes (GRPO's samples of one prompt share it); the prefix cache
     is dropped at every weight update."""
+    continuous: bool = False
+    """Continuous batching (``asyncflow.workflow.rollout_stream``): keep up to ``max_num_seqs`` responses in
+    flight, admit a prompt as soon as one finishes, start the next step's prompts while this step's tail
+    finishes (within workflow.max_staleness). False: take ``workflow.rollout_chunk`` prompts, generate them
+    all to the end, then take more."""
+    partial: bool = False
+    """Partial rollout (implies ``continuous``): apply a newer weight version at a token boundary and carry
+    on with the in-flight responses on it (their prefixes are recomputed). Each token records its version and
+    behaviour logprob; a row's version is its oldest token's. False: weights change only on an empty engine."""
 
 
 @dataclass

@@ -122,6 +122,7 @@ class RolloutService(TaskService):
         self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir)
         self.max_staleness = max_staleness
         self.chunk = chunk
+        self.continuous, self.partial = vllm_cfg.continuous or vllm_cfg.partial, vllm_cfg.partial
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
         self.apply_stats: dict = {}  # how the version admitted for the current step was applied
         self.max_stale_retries = 5
@@ -216,7 +217,21 @@ class RolloutService(TaskService):
                             "weights/stale_retries": float(stale),
                             "weights/received_mb_per_rank": max(stats["bytes_per_rank"]) / 2**20}
 
+    def run(self, first: int, last: int) -> int:
+        if not self.continuous:
+            return super().run(first, last)
+        from asyncflow.workflow.rollout_stream import ContinuousRollout
+
+        ContinuousRollout(self, self.partial).run(first, last, self.post)
+        return last
+
     def run_step(self, step: int) -> dict:
+        if self.continuous:  # sync mode: one step through the same stream (no chunks within the step)
+            from asyncflow.workflow.rollout_stream import ContinuousRollout
+
+            reports: list[dict] = []
+            ContinuousRollout(self, self.partial).run(step, step + 1, reports.append)
+            return reports[0]
         version = self._admit(step)
         part, pending, rows, tokens = partition_name(step), [], 0, 0
 
