@@ -290,6 +290,18 @@ class WorkflowConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn rollouts (``asyncflow.agents``): an agent loop runs between vLLM turns of every sample."""
+
+    loop: str | None = None
+    """Agent loop (registry ``AGENT_LOOPS``, e.g. ``calculator``, or a dotted path to ``factory(tokenizer)``);
+    None: single-turn rollouts. Implies ``rollout.continuous``. The trajectory's token budget, observations
+    included, is ``rollout.max_new_tokens``."""
+    max_turns: int = 4
+    """Model turns per trajectory at most (the loop is not asked again after the last one)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints for ``asyncflow train CONFIG --resume``: actor (and critic) Megatron distributed checkpoints
     with optimizer state, plus the data cursor, step, weight version and trained-prompt record."""
@@ -333,6 +345,8 @@ class AsyncFlowConfig:
     """Checkpoint and resume."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How each new weight version reaches the rollout engines (``asyncflow.bridge``)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn agent loop of the rollout (tool calls, environments)."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> AsyncFlowConfig:

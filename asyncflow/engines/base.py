@@ -35,6 +35,10 @@ class Sample:
     token_versions: list[int] | None = None
     """The weight version that produced each response token (None: all ``weight_version``). With partial
     rollout a response spans versions and ``weight_version`` is the oldest of them."""
+    loss_mask: list[int] | None = None
+    """Per response token: 1 if the model generated it, 0 for an agent loop's observation (None: all 1)."""
+    turns: int = 1
+    """Model turns in the response (multi-turn agent loops)."""
 
 
 class TrainableEngine(abc.ABC):
@@ -109,7 +113,7 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The version the engine serves."""
 
-    def stream(self, ignore_eos: bool = False):
+    def stream(self, ignore_eos: bool = False, turns: bool = False):
         """A continuous-batching handle (``asyncflow.engines.vllm.stream.VllmStream``'s interface: ``add``,
         ``step``, ``swap_weights``, ``running``). Engines without one support the chunked rollout only."""
         raise NotImplementedError(f"{type(self).__name__} has no continuous-batching stream")

@@ -81,6 +81,8 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
     if not fixed_shape:
         seq_len = fit_seq_len(prompts, responses, seq_len)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
+    if "loss_mask" in batch:  # multi-turn: an agent loop's observation tokens are context, not actions
+        mask = mask * place_per_token(batch["loss_mask"], prompts, seq_len)
     mb = {
         "tokens": tokens,
         "mask": mask,

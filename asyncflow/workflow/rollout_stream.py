@@ -35,6 +35,9 @@ class _StepState:
     running: list[int] = field(default_factory=list)  # vLLM's running set, sampled after each engine step
     swaps: int = 0
     first_version: int = -1
+    turns: int = 0  # model turns of the finished rows (multi-turn agent loops)
+    observations: int = 0  # observations the agent loop appended (tool calls answered)
+    agent_errors: int = 0
 
 
 class ContinuousRollout:
@@ -45,9 +48,12 @@ class ContinuousRollout:
     def __init__(self, service, partial: bool):
         self.svc = service
         self.partial = partial
-        self.stream = service.engine.stream(ignore_eos="max_new_tokens" in service.fields)
+        self.agent = service.agent  # an ``asyncflow.agents.AgentLoop`` or None (single turn)
+        self.stream = service.engine.stream(ignore_eos="max_new_tokens" in service.fields,
+                                            turns=self.agent is not None)
+        self.stop = tuple(self.agent.stop_token_ids) if self.agent is not None else ()
         self.steps: dict[int, _StepState] = {}
-        self.pending: list[tuple[int, int, object]] = []  # (step, row index, sample) not yet put
+        self.pending: list[tuple[int, int, object, bool]] = []  # (step, row, sample, agent failed) not yet put
         self.busy_since: float | None = None
         self._checked = 0.0
         self._newest = -1
@@ -101,35 +107,68 @@ class ContinuousRollout:
             state.first_version = self.svc.engine.weight_version
         budgets = batch["max_new_tokens"].tolist() if "max_new_tokens" in batch else [None] * len(batch)
         for index, prompt, budget in zip(batch.indexes, batch["prompt_ids"], budgets):
-            self.stream.add((step, index), prompt.tolist(), budget)
+            self.stream.add((step, index), prompt.tolist(), budget, stop_token_ids=self.stop)
         state.in_flight += len(batch)
         if self.busy_since is None:
             self.busy_since = time.time()
         return False
 
+    def _next_turn(self, key, sample, state: _StepState) -> tuple[bool, bool]:
+        """Multi-turn: ask the agent loop; ``(continued, failed)``. A loop that raises ends the trajectory
+        (its reward becomes algorithm.reward_on_error; the failure is counted)."""
+        from asyncflow.agents import Trajectory
+
+        try:
+            observation = self.agent.observe(Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask,
+                                                        sample.turns, sample.finish_reason))
+        except Exception as exc:  # noqa: BLE001 - one tool failure must not stop the run
+            state.agent_errors += 1
+            if state.agent_errors == 1:
+                print(f"rollout {self.svc.worker}: agent loop failed ({type(exc).__name__}: {exc}); the sample "
+                      f"gets algorithm.reward_on_error", flush=True)
+            self.stream.release(key)
+            return False, True
+        if observation and sample.turns < self.svc.max_turns and self.stream.continue_turn(key, list(observation)):
+            state.observations += 1
+            return True, False
+        self.stream.release(key)
+        return False, False
+
     def _finished(self, done) -> None:
-        for (step, index), sample in done:
+        for key, sample in done:
+            step, index = key
             state = self.steps[step]
+            failed = False
+            if self.agent is not None:
+                continued, failed = self._next_turn(key, sample, state)
+                if continued:
+                    continue
             state.in_flight -= 1
             state.rows += 1
+            state.turns += sample.turns
             state.tokens += len(sample.response_ids)
-            state.token_versions += sample.token_versions or [sample.weight_version] * len(sample.response_ids)
-            self.pending.append((step, index, sample))
-        if len(self.pending) >= 16 or any(self.steps[s].in_flight == 0 for s, _, _ in self.pending):
+            versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
+            mask = sample.loss_mask or [1] * len(versions)
+            state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
+            self.pending.append((step, index, sample, failed))
+        if len(self.pending) >= 16 or any(self.steps[s].in_flight == 0 for s, *_ in self.pending):
             self._flush()
 
     def _flush(self) -> None:
         from asyncflow.workflow.services import partition_name
 
         by_step: dict[int, list] = {}
-        for step, index, sample in self.pending:
-            by_step.setdefault(step, []).append((index, sample))
+        for step, index, sample, failed in self.pending:
+            by_step.setdefault(step, []).append((index, sample, failed))
         self.pending.clear()
         for step, rows in by_step.items():
-            self.svc.tq.put(partition_name(step), {
-                "response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s in rows],
-                "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s in rows],
-            }, indexes=[i for i, _ in rows], versions=[s.weight_version for _, s in rows])
+            data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s, _ in rows],
+                    "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s, _ in rows]}
+            if self.agent is not None:  # the loss mask travels with the row into the actor's objective
+                data["loss_mask"] = [torch.tensor(s.loss_mask, dtype=torch.float) for _, s, _ in rows]
+                data["agent_error"] = torch.tensor([float(f) for _, _, f in rows])
+            self.svc.tq.put(partition_name(step), data, indexes=[i for i, _, _ in rows],
+                            versions=[s.weight_version for _, s, _ in rows])
 
     # ------------------------------------------------------------------ timeline and reports
     def _idle(self) -> None:
@@ -151,7 +190,9 @@ class ContinuousRollout:
             "rollout/in_flight_mean": sum(running) / len(running), "rollout/in_flight_max": float(max(running)),
             "rollout/weight_swaps": float(state.swaps),
             "staleness/token_lag_min": lags.min().item(), "staleness/token_lag_mean": lags.mean().item(),
-            "staleness/token_lag_max": lags.max().item(), **self.svc.apply_stats})
+            "staleness/token_lag_max": lags.max().item(), **self.svc.apply_stats,
+            **({"agent/turns_mean": state.turns / max(state.rows, 1), "agent/observations": float(state.observations),
+                "agent/errors": float(state.agent_errors)} if self.agent is not None else {})})
 
     # ------------------------------------------------------------------ the loop
     def run(self, first: int, last: int, post) -> None:

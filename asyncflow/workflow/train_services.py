@@ -167,7 +167,7 @@ class ActorService(MegatronService):
 
     def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, checkpoint: dict | None = None,
                  resume_dir: str | None = None, start_version: int = 0, bucket_mb: float = 512.0,
-                 staging_session: str = "run", relay: dict | None = None, **kw):
+                 staging_session: str = "run", relay: dict | None = None, loss_mask: bool = False, **kw):
         super().__init__(**kw)
         from asyncflow.algorithms.objective import make_objective
 
@@ -196,7 +196,8 @@ class ActorService(MegatronService):
                              f"{self.mbs} x data-parallel size {self.dp_size}")
         self.num_micro = rows_per_step // (self.mbs * self.dp_size)
         self.loss_fn = make_objective(algo, max_new_tokens)
-        self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else [])
+        self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else []) + \
+            (["loss_mask"] if loss_mask else [])  # multi-turn rows: observation tokens are not trained
         self.publish()  # version 0: the weights rollout starts from
 
     def publish(self) -> None:

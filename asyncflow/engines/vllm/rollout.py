@@ -114,11 +114,11 @@ class VllmRollout(RolloutEngine):
         # Aborted requests (abort() from another thread) are simply missing: the caller re-queues them.
         return [done[key] for key in sorted(done)]
 
-    def stream(self, ignore_eos: bool = False):
+    def stream(self, ignore_eos: bool = False, turns: bool = False):
         """Continuous batching on this engine (``asyncflow.engines.vllm.stream``)."""
         from asyncflow.engines.vllm.stream import VllmStream
 
-        return VllmStream(self, ignore_eos=ignore_eos)
+        return VllmStream(self, ignore_eos=ignore_eos, turns=turns)
 
     def apply_weights(self, named_tensors, version: int) -> None:
         """RolloutEngine interface: apply Hugging Face-named tensors as ``version``."""

@@ -33,6 +33,9 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     versions: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)  # 1: the model's token, 0: an observation's
+    stop: tuple[int, ...] = ()  # token ids that end a turn (a tool call), besides end-of-sequence
+    turns: int = 0
 
 
 class VllmStream:
@@ -42,7 +45,7 @@ class VllmStream:
     stream itself never refuses one (vLLM queues what it cannot schedule yet).
     """
 
-    def __init__(self, rollout, temperature: float | None = None, ignore_eos: bool = False):
+    def __init__(self, rollout, temperature: float | None = None, ignore_eos: bool = False, turns: bool = False):
         self.rollout = rollout
         self.engine = rollout.llm.llm_engine
         self.temperature = rollout.cfg.temperature if temperature is None else temperature
@@ -51,6 +54,9 @@ class VllmStream:
         self._live: dict[str, _Request] = {}  # vLLM request id -> response under construction
         self._ids = itertools.count()
         self.swaps = 0
+        # Multi-turn: finished turns are kept until the caller continues them (``continue_turn``) or lets go.
+        self.turns = turns
+        self._ended: dict[Hashable, _Request] = {}
         self.resumed = 0  # requests carried across a weight swap
 
     def __len__(self) -> int:
@@ -71,19 +77,39 @@ class VllmStream:
             return len(scheduler.running)
         return self.engine.get_num_unfinished_requests()
 
-    def add(self, key: Hashable, prompt: list[int], max_new_tokens: int | None = None) -> None:
-        """Admit one response of ``prompt`` (``key`` comes back with it) at the engine's current version."""
+    def add(self, key: Hashable, prompt: list[int], max_new_tokens: int | None = None,
+            stop_token_ids: tuple[int, ...] = ()) -> None:
+        """Admit one response of ``prompt`` (``key`` comes back with it) at the engine's current version.
+        ``max_new_tokens`` is the budget of the whole response, every turn and observation included."""
         if self.rollout.version < 0:
             raise RuntimeError("this vLLM engine holds a half-applied weight version; apply a complete version "
                                "before generating")
-        self._submit(_Request(key, list(prompt), int(max_new_tokens or self.rollout.cfg.max_new_tokens)))
+        budget = int(max_new_tokens or self.rollout.cfg.max_new_tokens)
+        self._submit(_Request(key, list(prompt), budget, stop=tuple(stop_token_ids)))
+
+    def continue_turn(self, key: Hashable, observation: list[int]) -> bool:
+        """Append ``observation`` (masked out of the loss) to the finished turn of ``key`` and generate the
+        next turn. False (nothing submitted) when the budget leaves no token for the model."""
+        req = self._ended.pop(key)
+        req.tokens += observation
+        req.logprobs += [0.0] * len(observation)
+        req.versions += [self.rollout.version] * len(observation)
+        req.mask += [0] * len(observation)
+        if len(req.tokens) >= req.budget:
+            return False
+        self._submit(req)
+        return True
+
+    def release(self, key: Hashable) -> None:
+        """Forget the finished turn of ``key`` (its trajectory is done)."""
+        self._ended.pop(key, None)
 
     def _submit(self, req: _Request) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(n=1, temperature=self.temperature, max_tokens=req.budget - len(req.tokens),
-                                logprobs=0, ignore_eos=self.ignore_eos,
+                                logprobs=0, ignore_eos=self.ignore_eos, stop_token_ids=list(req.stop),
                                 output_kind=RequestOutputKind.DELTA)  # new tokens only: tagged with the version
         request_id = f"s{next(self._ids)}"
         self._live[request_id] = req
@@ -102,8 +128,12 @@ class VllmStream:
             req.tokens += new
             req.logprobs += [lp[tok].logprob for lp, tok in zip(comp.logprobs, new)]
             req.versions += [version] * len(new)
+            req.mask += [1] * len(new)
             if out.finished:
                 del self._live[out.request_id]
+                req.turns += 1
+                if self.turns:
+                    self._ended[req.key] = req
                 done.append((req.key, self._sample(req, comp.finish_reason, out.request_id)))
         return done
 
@@ -111,7 +141,8 @@ class VllmStream:
         # The row's version is its oldest token's: the staleness bound then holds for every token.
         return Sample(prompt_ids=req.prompt, response_ids=req.tokens, response_logprobs=req.logprobs,
                       weight_version=min(req.versions, default=self.rollout.version), finish_reason=finish_reason,
-                      request_id=request_id, token_versions=req.versions)
+                      request_id=request_id, token_versions=list(req.versions), loss_mask=list(req.mask),
+                      turns=req.turns)
 
     def swap_weights(self, apply: Callable[[], object]) -> tuple[object, list[tuple[Hashable, Sample]]]:
         """Partial rollout: stop at this token boundary, run ``apply()`` (it changes the engine's weights),
@@ -132,6 +163,9 @@ class VllmStream:
             if self.rollout.version >= 0:
                 for rid, req in live:
                     if len(req.tokens) >= req.budget:
+                        req.turns += 1
+                        if self.turns:
+                            self._ended[req.key] = req
                         done.append((req.key, self._sample(req, "length", rid)))
                     else:
                         self.resumed += 1
