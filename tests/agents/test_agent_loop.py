@@ -83,8 +83,8 @@ def _child(model_dir: str) -> dict:
         rollout.update_weights(weights.items(), version=1)
         stream = rollout.stream(turns=True)
         prompt = [tok.bos_token_id] + [tok.convert_tokens_to_ids(c) for c in "37,48>"]
-        for i in range(8):
-            stream.add(i, prompt, 16, stop_token_ids=loop.stop_token_ids)
+        for i in range(8):  # short budgets: some observations do not fit and end the trajectory
+            stream.add(i, prompt, 16 if i % 2 else 8, stop_token_ids=loop.stop_token_ids)
         finished, turns_seen = [], 0
         while len(stream):
             for key, sample in stream.step():
@@ -95,8 +95,9 @@ def _child(model_dir: str) -> dict:
                     turns_seen += 1
                     continue
                 stream.release(key)
-                finished.append(sample)
-        return {"samples": [(s.response_ids, s.loss_mask, s.response_logprobs, s.turns) for s in finished],
+                finished.append((key, sample))
+        return {"samples": [(s.response_ids, s.loss_mask, s.response_logprobs, s.turns, 16 if k % 2 else 8)
+                            for k, s in finished],
                 "call": call, "obs": loop.observe(Trajectory(prompt, [call], [1], 1, "stop")), "continued": turns_seen}
     finally:
         rollout.close()
@@ -108,8 +109,8 @@ def test_multi_turn_on_vllm(tiny_model_dir):
         out = pool.apply(_child, (str(tiny_model_dir),))
     assert len(out["samples"]) == 8 and out["continued"] > 0
     call, obs = out["call"], out["obs"]
-    for response, mask, logprobs, turns in out["samples"]:
-        assert len(response) == len(mask) == len(logprobs) <= 16
+    for response, mask, logprobs, turns, budget in out["samples"]:
+        assert len(response) == len(mask) == len(logprobs) <= budget
         assert 1 <= turns <= 3
         # Every call token (kept in the response: it ends the turn) is followed by the tool's output, masked.
         for j, tok in enumerate(response):

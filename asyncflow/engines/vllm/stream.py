@@ -139,7 +139,9 @@ class VllmStream:
 
     def _sample(self, req: _Request, finish_reason: str | None, request_id: str) -> Sample:
         # The row's version is its oldest token's: the staleness bound then holds for every token.
-        return Sample(prompt_ids=req.prompt, response_ids=req.tokens, response_logprobs=req.logprobs,
+        # Copies: a multi-turn request goes on growing after this turn's sample was handed out.
+        return Sample(prompt_ids=list(req.prompt), response_ids=list(req.tokens),
+                      response_logprobs=list(req.logprobs),
                       weight_version=min(req.versions, default=self.rollout.version), finish_reason=finish_reason,
                       request_id=request_id, token_versions=list(req.versions), loss_mask=list(req.mask),
                       turns=req.turns)
