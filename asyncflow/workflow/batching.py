@@ -92,4 +92,6 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
     }
     if "ref_logprobs" in batch:
         mb["ref_logprobs"] = place_per_token(batch["ref_logprobs"], prompts, seq_len)
+    if "token_versions" in batch:  # partial rollout: each token's lag (a row spans weight versions)
+        mb["token_lag"] = (train_version - place_per_token(batch["token_versions"], prompts, seq_len)) * mask
     return mb

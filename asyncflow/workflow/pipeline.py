@@ -236,6 +236,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
                                      algo=algo, rows_per_step=rows_per_step, bucket_mb=cfg.weight_sync.bucket_mb,
                                      staging_session=uuid.uuid4().hex[:8], relay=relay,
                                      max_new_tokens=cfg.rollout.max_new_tokens, loss_mask=cfg.agent.loop is not None,
+                                     token_versions=cfg.rollout.partial,
                                      **persist, **megatron)
     stages = [(name, None) for name in groups]
     if algo.dynamic_sampling and reference:  # it scores only the kept rows: after advantage

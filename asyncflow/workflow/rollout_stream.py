@@ -164,6 +164,8 @@ class ContinuousRollout:
         for step, rows in by_step.items():
             data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s, _ in rows],
                     "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s, _ in rows]}
+            if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
+                data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for _, s, _ in rows]
             if self.agent is not None:  # the loss mask travels with the row into the actor's objective
                 data["loss_mask"] = [torch.tensor(s.loss_mask, dtype=torch.float) for _, s, _ in rows]
                 data["agent_error"] = torch.tensor([float(f) for _, _, f in rows])

@@ -59,7 +59,9 @@ def test_partial_rollout_spans_versions(runs):
     # swapped in at a token boundary: some step then mixes tokens of two versions.
     assert sum(r["rollout/weight_swaps"] for r in records) >= 1
     assert any(r["staleness/token_lag_min"] < r["staleness/token_lag_max"] for r in records)
-    # Rows trained by the version that made them (every token of it): Megatron agrees with vLLM.
-    assert runs["partial"]["fresh_logprob_gap_max"] < 1e-4
+    # Tokens made by the version being trained, including those of rows that began on an older version
+    # (generated after the swap, on a recomputed prefix): Megatron's logprob equals vLLM's behaviour logprob.
+    assert sum(r.get("check/fresh_spanning_tokens", 0) for r in records) > 0
+    assert runs["partial"]["fresh_logprob_gap_max"] < 1e-5
     # Continuous without partial never changes weights under running sequences.
     assert all(r["rollout/weight_swaps"] == 0 for r in _records(runs["continuous"]))
