@@ -7,8 +7,10 @@ appends the tool's output, the product and ``=`` (``:1776=``), and the model ans
 four digits at a fixed offset is what the tiny model learns on ``add1`` within a few dozen steps. So the
 reward rises only once the model learns to call the tool.
 
-The reward scores the first four tokens after the last ``=`` of the response (or of the whole response if
-the tool was never called): the fraction of the product's digits in the right place.
+The reward scores the four tokens after the calculator's output (``:1776=``) in the response: the fraction
+of the product's digits in the right place; 0 when the response holds no such output. (A first version
+also scored answers without a tool call: the model then learned to guess digit statistics and called the
+tool less and less, the copy was never learned; reward 0.05 -> 0.10 in 80 steps.)
 """
 
 from __future__ import annotations
@@ -49,8 +51,12 @@ class CalcTask:
         """Fraction of the product's four digits answered in place."""
         a, b = self.operands(prompt)
         want = self.digits(a * b, 4)
-        after = len(response) - response[::-1].index(self.eq) if self.eq in response else 0
-        return sum(int(x == y) for x, y in zip(response[after:], want)) / 4
+        tool = [self.call, *want, self.eq]
+        starts = [i for i in range(len(response) - len(tool) + 1) if response[i:i + len(tool)] == tool]
+        if not starts:
+            return 0.0
+        answer = response[starts[-1] + len(tool):]
+        return sum(int(x == y) for x, y in zip(answer, want)) / 4
 
 
 class CalculatorLoop(AgentLoop):

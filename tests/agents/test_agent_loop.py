@@ -53,8 +53,9 @@ def test_calculator_reward_and_loop(tokenizer):
     assert task.operands(prompt) == (37, 48)
     assert task.reward(prompt, _ids(tokenizer, ":1776=1776")) == 1.0
     assert task.reward(prompt, _ids(tokenizer, ":1776=1700")) == 0.5
-    assert task.reward(prompt, _ids(tokenizer, "1776")) == 1.0  # right without the tool also counts
-    assert task.reward(prompt, _ids(tokenizer, "17")) == 0.5
+    assert task.reward(prompt, _ids(tokenizer, "1776")) == 0.0  # the answer follows the tool's output
+    assert task.reward(prompt, _ids(tokenizer, "=1776")) == 0.0
+    assert task.reward(prompt, _ids(tokenizer, "3:1776=17")) == 0.5
     call = Trajectory(prompt, _ids(tokenizer, ":"), [1], 1, "stop")
     assert loop.observe(call) == _ids(tokenizer, "1776=")
     assert loop.observe(Trajectory(prompt, _ids(tokenizer, "12"), [1, 1], 1, "stop")) is None
