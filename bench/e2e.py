@@ -13,9 +13,12 @@ and Megatron is excluded from the wall time):
 - ``async``: rollout and training on separate cores, overlapped (max_staleness 1), chunked rollout
   (``workflow.rollout_chunk`` prompts generated to the end before more are taken);
 - ``continuous``: async with continuous batching (``rollout.continuous``);
-- ``partial``: async with continuous batching and partial rollout (``rollout.partial``).
+- ``partial``: async with continuous batching and partial rollout (``rollout.partial``);
+- ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
+  in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
 
-Every run trains the same number of samples, so the reward columns compare equal sample counts.
+Every run of a workload trains the same number of samples, so the reward columns compare equal sample
+counts.
 """
 
 from __future__ import annotations
@@ -35,11 +38,15 @@ BASE = [
     "rollout.max_model_len=160",
     "trainer.micro_batch_size=32",
 ]
-MODES = {
-    "sync": ["workflow.mode=sync", "workflow.max_staleness=0"],
-    "async": ["workflow.mode=async", "workflow.max_staleness=1"],
-    "continuous": ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"],
-    "partial": ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"],
+LONGTAIL = ("grpo_async.yaml", BASE)
+TOOL = ("tool_async.yaml", ["workflow.prompts_per_step=16"])
+MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mode
+    "sync": (LONGTAIL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
+    "async": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1"]),
+    "continuous": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"]),
+    "partial": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
+    "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
+    "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
 }
 IDLE = ["rollout", "actor", "reference"]
 
@@ -49,8 +56,9 @@ def run(mode: str, steps: int, out: Path, extra: list[str]) -> dict:
     from asyncflow.config import load_config
     from asyncflow.workflow.loop import train
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes/tiny_cpu/grpo_async.yaml"
-    overrides = BASE + MODES[mode.split("#")[0]] + [
+    (recipe, base), overrides = MODES[mode.split("#")[0]]
+    recipe = Path(__file__).resolve().parents[1] / "recipes/tiny_cpu" / recipe
+    overrides = base + overrides + [
         f"workflow.steps={steps}", f"observability.output_dir={out}", f"model.path={out.parent / 'model'}",
         "observability.progress_every_s=10"] + extra
     return train(load_config(recipe, overrides))
@@ -72,17 +80,21 @@ def _lags(out: Path) -> dict:
 
 
 def table(results: dict[str, dict]) -> str:
-    """A markdown table, one row per run, ratios against the mean samples/s of the sync runs."""
-    sync = [s["samples_per_s"] for name, s in results.items() if name.startswith("sync#")]
-    base = sum(sync) / len(sync) if sync else float("nan")
+    """A markdown table, one row per run, ratios against the mean samples/s of its workload's sync runs."""
+    def baseline(name: str) -> float:
+        sync = "tool_sync#" if name.startswith("tool_") else "sync#"
+        runs = [s["samples_per_s"] for n, s in results.items() if n.startswith(sync)]
+        return sum(runs) / len(runs) if runs else float("nan")
+
     header = ("| run | wall s | samples/s | tokens/s | x sync | " + " | ".join(f"idle {g}" for g in IDLE) +
               " | lag mean/max | token lag mean/max | reward first -> last10 |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, s in results.items():
         idle = " | ".join(f"{s['idle_fraction'].get(g, float('nan')):.0%}" for g in IDLE)
         lag = s["_lags"]
+        ratio = s["samples_per_s"] / baseline(name)
         lines.append(f"| {name} | {s['wall_s']:.1f} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
-                     f"{s['samples_per_s'] / base:.2f}x | {idle} | {lag['lag_mean']:.2f}/{lag['lag_max']:.0f} | "
+                     f"{ratio:.2f}x | {idle} | {lag['lag_mean']:.2f}/{lag['lag_max']:.0f} | "
                      f"{lag['token_lag_mean']:.2f}/{lag['token_lag_max']:.0f} | "
                      f"{s['reward_first']:.3f} -> {s['reward_last10_mean']:.3f} |")
     return "\n".join(lines)
@@ -97,6 +109,7 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", help="section.key=value applied to every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     modes = args.modes.split(",")
     unknown = set(modes) - set(MODES)
     if unknown:
