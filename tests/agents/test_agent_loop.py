@@ -120,5 +120,6 @@ def test_multi_turn_on_vllm(tiny_model_dir):
                 assert mask[j] == 1 and set(mask[j + 1:j + 1 + len(obs)]) == {0}
                 assert all(lp == 0.0 for lp in logprobs[j + 1:j + 1 + len(obs)])
         assert sum(1 for m in mask if m == 0) == len(obs) * (turns - 1)
-        model = [lp for lp, m in zip(logprobs, mask) if m]
-        assert all(lp <= 0 for lp in model) and any(lp < 0 for lp in model)
+        assert all(lp <= 0 for lp, m in zip(logprobs, mask) if m)
+    # (The biased head makes ':' nearly certain, logprob about 0: vLLM's logprobs themselves are checked
+    # against Hugging Face and Megatron in tests/engines/vllm.)
