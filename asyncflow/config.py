@@ -163,6 +163,15 @@ class VllmConfig:
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes (GRPO's samples of one prompt share it); the prefix cache
     is dropped at every weight update."""
+    continuous: bool = False
+    """Continuous batching (``asyncflow.workflow.rollout_stream``): keep up to ``max_num_seqs`` responses in
+    flight, admit a prompt as soon as one finishes, start the next step's prompts while this step's tail
+    finishes (within workflow.max_staleness). False: take ``workflow.rollout_chunk`` prompts, generate them
+    all to the end, then take more."""
+    partial: bool = False
+    """Partial rollout (implies ``continuous``): apply a newer weight version at a token boundary and carry
+    on with the in-flight responses on it (their prefixes are recomputed). Each token records its version and
+    behaviour logprob; a row's version is its oldest token's. False: weights change only on an empty engine."""
 
 
 @dataclass
@@ -291,6 +300,18 @@ class WorkflowConfig:
 
 
 @dataclass
+class AgentConfig:
+    """Multi-turn rollouts (``asyncflow.agents``): an agent loop runs between vLLM turns of every sample."""
+
+    loop: str | None = None
+    """Agent loop (registry ``AGENT_LOOPS``, e.g. ``calculator``, or a dotted path to ``factory(tokenizer)``);
+    None: single-turn rollouts. Implies ``rollout.continuous``. The trajectory's token budget, observations
+    included, is ``rollout.max_new_tokens``."""
+    max_turns: int = 4
+    """Model turns per trajectory at most (the loop is not asked again after the last one)."""
+
+
+@dataclass
 class CheckpointConfig:
     """Checkpoints for ``asyncflow train CONFIG --resume``: actor (and critic) Megatron distributed checkpoints
     with optimizer state, plus the data cursor, step, weight version and trained-prompt record."""
@@ -334,6 +355,8 @@ class AsyncFlowConfig:
     """Checkpoint and resume."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How each new weight version reaches the rollout engines (``asyncflow.bridge``)."""
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    """Multi-turn agent loop of the rollout (tool calls, environments)."""
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> AsyncFlowConfig:

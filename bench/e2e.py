@@ -1,13 +1,24 @@
-"""End-to-end throughput: the same RL workload in ``sync`` (colocated, lock-step) and ``async`` mode.
+"""End-to-end throughput of the rollout modes on the same long-tailed RL workload.
 
-    python bench/e2e.py [--steps 30] [--out outputs/bench_e2e] [section.key=value ...]
+    python bench/e2e.py [--steps 30] [--repeats 2] [--modes sync,async,continuous,partial] [--out DIR]
+                        [section.key=value ...]
 
 Workload: GRPO on the add-one task with long-tailed response lengths (``add1_longtail``: per-sample
 budgets from a lognormal, median 24 tokens, clipped to [4, 128], generated to the end), a tiny Qwen2,
 Megatron trainer, in-process vLLM, local Ray and the TransferQueue, 16 prompts x 8 samples per step.
-Both modes run in this invocation on the same machine; start-up (Ray, vLLM, Megatron) is excluded from
-the wall time. Sync mode lets each heavy worker use every core while it has the machine to itself;
-async mode pins rollout and training to separate cores and overlaps them (max_staleness 1).
+Modes (every mode runs ``--repeats`` times in this invocation, on the same machine; start-up of Ray, vLLM
+and Megatron is excluded from the wall time):
+
+- ``sync``: colocated lock-step baseline; each heavy worker uses every core while it has the machine;
+- ``async``: rollout and training on separate cores, overlapped (max_staleness 1), chunked rollout
+  (``workflow.rollout_chunk`` prompts generated to the end before more are taken);
+- ``continuous``: async with continuous batching (``rollout.continuous``);
+- ``partial``: async with continuous batching and partial rollout (``rollout.partial``);
+- ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
+  in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
+
+Every run of a workload trains the same number of samples, so the reward columns compare equal sample
+counts.
 """
 
 from __future__ import annotations
@@ -27,49 +38,100 @@ BASE = [
     "rollout.max_model_len=160",
     "trainer.micro_batch_size=32",
 ]
+LONGTAIL = ("grpo_async.yaml", BASE)
+TOOL = ("tool_async.yaml", ["workflow.prompts_per_step=16"])
+MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mode
+    "sync": (LONGTAIL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
+    "async": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1"]),
+    "continuous": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"]),
+    "partial": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
+    "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
+    "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
+}
+IDLE = ["rollout", "actor", "reference"]
 
 
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> dict:
-    """One training run in ``mode``; returns its summary."""
+    """One training run in ``mode`` (a key of ``MODES``) writing to ``out``; returns its summary."""
     from asyncflow.config import load_config
     from asyncflow.workflow.loop import train
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes/tiny_cpu/grpo_async.yaml"
-    overrides = BASE + [f"workflow.mode={mode}", f"workflow.steps={steps}", f"observability.output_dir={out / mode}",
-                        f"workflow.max_staleness={1 if mode == 'async' else 0}", f"model.path={out / 'model'}",
-                        "observability.progress_every_s=10"] + extra
+    (recipe, base), overrides = MODES[mode.split("#")[0]]
+    recipe = Path(__file__).resolve().parents[1] / "recipes/tiny_cpu" / recipe
+    overrides = base + overrides + [
+        f"workflow.steps={steps}", f"observability.output_dir={out}", f"model.path={out.parent / 'model'}",
+        "observability.progress_every_s=10"] + extra
     return train(load_config(recipe, overrides))
+
+
+def _lags(out: Path) -> dict:
+    """Sample and token version lag over the run (token lag only where the rollout reports it)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def mean(key):
+        values = [r[key] for r in records if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    def most(key):
+        return max((r[key] for r in records if key in r), default=float("nan"))
+
+    return {"lag_mean": mean("staleness/version_lag_mean"), "lag_max": most("staleness/version_lag_max"),
+            "token_lag_mean": mean("staleness/token_lag_mean"), "token_lag_max": most("staleness/token_lag_max")}
+
+
+def table(results: dict[str, dict]) -> str:
+    """A markdown table, one row per run, ratios against the mean samples/s of its workload's sync runs."""
+    def baseline(name: str) -> float:
+        sync = "tool_sync#" if name.startswith("tool_") else "sync#"
+        runs = [s["samples_per_s"] for n, s in results.items() if n.startswith(sync)]
+        return sum(runs) / len(runs) if runs else float("nan")
+
+    header = ("| run | wall s | samples/s | tokens/s | x sync | " + " | ".join(f"idle {g}" for g in IDLE) +
+              " | lag mean/max | token lag mean/max | reward first -> last10 |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for name, s in results.items():
+        idle = " | ".join(f"{s['idle_fraction'].get(g, float('nan')):.0%}" for g in IDLE)
+        lag = s["_lags"]
+        ratio = s["samples_per_s"] / baseline(name)
+        lines.append(f"| {name} | {s['wall_s']:.1f} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
+                     f"{ratio:.2f}x | {idle} | {lag['lag_mean']:.2f}/{lag['lag_max']:.0f} | "
+                     f"{lag['token_lag_mean']:.2f}/{lag['token_lag_max']:.0f} | "
+                     f"{s['reward_first']:.3f} -> {s['reward_last10_mean']:.3f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", default="outputs/bench_e2e")
-    parser.add_argument("overrides", nargs="*", help="section.key=value applied to both runs")
+    parser.add_argument("overrides", nargs="*", help="section.key=value applied to every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    results = {mode: run(mode, args.steps, out, args.overrides) for mode in ("sync", "async")}
+    out.mkdir(parents=True, exist_ok=True)
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; valid: {', '.join(MODES)}")
+    results = {}
+    for i in range(args.repeats):  # interleaved, so slow drift of the machine hits every mode alike
+        for mode in modes:
+            name = f"{mode}#{i + 1}"
+            results[name] = run(name, args.steps, out / name.replace("#", "-"), args.overrides)
+            results[name]["_lags"] = _lags(out / name.replace("#", "-"))
 
     from asyncflow.observability import plot_compare
 
-    plot_compare({m: out / m / "metrics.jsonl" for m in results}, out / "reward_sync_vs_async.png", x="time")
-    base = results["sync"]
-    groups = ["rollout", "actor", "reference"]
-    header = ("| mode  | steps | wall s | samples/s | tokens/s | ratio | " +
-              " | ".join(f"idle {g}" for g in groups) + " | reward first -> last10 | max lag |")
-    lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for mode, s in results.items():
-        idle = " | ".join(f"{s['idle_fraction'].get(g, float('nan')):.0%}" for g in groups)
-        lines.append(f"| {mode:5s} | {s['steps']} | {s['wall_s']:.1f} | {s['samples_per_s']:.1f} | "
-                     f"{s['tokens_per_s']:.0f} | {s['samples_per_s'] / base['samples_per_s']:.2f}x | {idle} | "
-                     f"{s['reward_first']:.3f} -> {s['reward_last10_mean']:.3f} | {s['max_version_lag']:.0f} |")
-    table = "\n".join(lines)
-    print("\nEnd-to-end RL throughput, 2-core CPU, same workload (long-tailed responses), baseline = sync\n")
-    print(table)
-    (out / "table.md").write_text(table + "\n")
-    (out / "results.json").write_text(json.dumps({m: {k: v for k, v in s.items() if k != "trained_groups"}
-                                                  for m, s in results.items()}, indent=2))
-    print(f"\nreward curves: {out / 'reward_sync_vs_async.png'}; timelines: {out}/<mode>/timeline.png")
+    plot_compare({n: out / n.replace("#", "-") / "metrics.jsonl" for n in results}, out / "reward_by_mode.png",
+                 x="time")
+    text = table(results)
+    print("\nEnd-to-end RL throughput, same long-tailed workload, baseline = mean of the sync runs\n")
+    print(text)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps({n: {k: v for k, v in s.items() if k != "trained_groups"}
+                                                  for n, s in results.items()}, indent=2))
+    print(f"\nreward curves: {out / 'reward_by_mode.png'}; timelines: {out}/<mode>-<run>/timeline.png")
     return 0
 
 

@@ -49,6 +49,14 @@ class Add1LongTail(Add1Prompts):
         return budgets.clamp(4, max_new_tokens).round().long().tolist()
 
 
+@PROMPT_SOURCES.register("calc")
+def make_calc_prompts(tokenizer, seed: int = 0, data_cfg=None):
+    """Two-digit multiplication prompts of the calculator tool task (``asyncflow.agents.calculator``)."""
+    from asyncflow.agents.calculator import CalcPrompts
+
+    return CalcPrompts(tokenizer, seed, data_cfg)
+
+
 def make_prompt_source(spec: str, tokenizer, seed: int = 0, data_cfg=None):
     """Build prompt source ``spec`` (registered name or dotted path to ``factory(tokenizer, seed, data_cfg)``)."""
     return PROMPT_SOURCES.resolve(spec)(tokenizer, seed, data_cfg)

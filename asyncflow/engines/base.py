@@ -32,6 +32,13 @@ class Sample:
     weight_version: int
     finish_reason: str | None = None
     request_id: str = ""
+    token_versions: list[int] | None = None
+    """The weight version that produced each response token (None: all ``weight_version``). With partial
+    rollout a response spans versions and ``weight_version`` is the oldest of them."""
+    loss_mask: list[int] | None = None
+    """Per response token: 1 if the model generated it, 0 for an agent loop's observation (None: all 1)."""
+    turns: int = 1
+    """Model turns in the response (multi-turn agent loops)."""
 
 
 class TrainableEngine(abc.ABC):
@@ -132,6 +139,11 @@ class RolloutEngine(abc.ABC):
 
     def wake(self) -> None:  # noqa: B027 - optional hook
         """Take the device memory back after ``sleep``, before the next weight apply and generation."""
+
+    def stream(self, ignore_eos: bool = False, turns: bool = False):
+        """A continuous-batching handle (``asyncflow.engines.vllm.stream.VllmStream``'s interface: ``add``,
+        ``step``, ``swap_weights``, ``running``). Engines without one support the chunked rollout only."""
+        raise NotImplementedError(f"{type(self).__name__} has no continuous-batching stream")
 
     def pause(self) -> None:  # noqa: B027 - optional hook
         """Stop scheduling new work (engines without the notion may ignore it)."""

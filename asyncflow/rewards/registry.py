@@ -18,6 +18,14 @@ def make_add1_reward(tokenizer) -> RewardFn:
     return Add1Task(tokenizer).reward
 
 
+@REWARD_FUNCTIONS.register("calc")
+def make_calc_reward(tokenizer) -> RewardFn:
+    """Fraction of the product's four digits answered after the calculator's output (``calc`` task)."""
+    from asyncflow.agents.calculator import CalcTask
+
+    return CalcTask(tokenizer).reward
+
+
 def make_reward_fn(spec: str, tokenizer) -> RewardFn:
     """Build reward function ``spec`` (registered factory name or dotted path to a factory)."""
     return REWARD_FUNCTIONS.resolve(spec)(tokenizer)

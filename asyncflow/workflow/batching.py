@@ -81,6 +81,8 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
     if not fixed_shape:
         seq_len = fit_seq_len(prompts, responses, seq_len)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
+    if "loss_mask" in batch:  # multi-turn: an agent loop's observation tokens are context, not actions
+        mask = mask * place_per_token(batch["loss_mask"], prompts, seq_len)
     mb = {
         "tokens": tokens,
         "mask": mask,
@@ -90,4 +92,6 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
     }
     if "ref_logprobs" in batch:
         mb["ref_logprobs"] = place_per_token(batch["ref_logprobs"], prompts, seq_len)
+    if "token_versions" in batch:  # partial rollout: each token's lag (a row spans weight versions)
+        mb["token_lag"] = (train_version - place_per_token(batch["token_versions"], prompts, seq_len)) * mask
     return mb

@@ -228,14 +228,15 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
             handles.append(place(
                 services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
                 max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
-                budgets=budgets, worker=i, cpus=cpus, relay=relay, share_device=share,
+                budgets=budgets, worker=i, cpus=cpus, relay=relay, share_device=share, agent=cfg.agent.loop,
+                max_turns=cfg.agent.max_turns,
                 visible_devices=where.rollout_devices(i), **common))
         return handles
 
     groups: dict[str, list] = {"rollout": [] if share else rollout_group()}
     groups["reward"] = [place(services.RewardService, where.light(), reward=algo.reward, model_dir=str(model_dir),
                               chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
-                              threads=1, **common)]
+                              agent_errors=cfg.agent.loop is not None, threads=1, **common)]
     megatron = dict(model_dir=str(model_dir), seq_len=seq_len, threads=threads, share_device=share, **common)
     if reference:
         groups["reference"] = megatron_group(train_services.ReferenceService, "reference", cfg.trainer,
@@ -247,7 +248,9 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     groups["actor"] = megatron_group(train_services.ActorService, "actor", cfg.trainer, megatron_cfg=cfg.trainer,
                                      algo=algo, rows_per_step=rows_per_step, bucket_mb=cfg.weight_sync.bucket_mb,
                                      staging_session=uuid.uuid4().hex[:8], relay=relay,
-                                     max_new_tokens=cfg.rollout.max_new_tokens, **persist, **megatron)
+                                     max_new_tokens=cfg.rollout.max_new_tokens, loss_mask=cfg.agent.loop is not None,
+                                     token_versions=cfg.rollout.partial,
+                                     **persist, **megatron)
     stages = [(name, None) for name in groups]
     if algo.dynamic_sampling and reference:  # it scores only the kept rows: after advantage
         stages.remove(("reference", None))

@@ -131,7 +131,7 @@ class RolloutService(TaskService):
 
     def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
                  relay: dict | None = None, share_device: bool = False, visible_devices: list[str] | None = None,
-                 **kw):
+                 agent: str | None = None, max_turns: int = 1, **kw):
         """``share_device``: colocated ``sync`` on devices (the engine sleeps between its phases);
         ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``)."""
         if visible_devices:  # before vLLM (and CUDA) start: its TP workers inherit it
@@ -150,6 +150,14 @@ class RolloutService(TaskService):
         self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir, **extra)
         self.max_staleness = max_staleness
         self.chunk = chunk
+        self.continuous, self.partial = vllm_cfg.continuous or vllm_cfg.partial or bool(agent), vllm_cfg.partial
+        self.agent, self.max_turns = None, max_turns
+        if agent:  # multi-turn rollouts run on the continuous stream (asyncflow.workflow.rollout_stream)
+            from transformers import AutoTokenizer
+
+            from asyncflow.agents import make_agent_loop
+
+            self.agent = make_agent_loop(agent, AutoTokenizer.from_pretrained(model_dir))
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
         self.apply_stats: dict = {}  # how the version admitted for the current step was applied
         self.max_stale_retries = 5
@@ -257,7 +265,21 @@ class RolloutService(TaskService):
                             "weights/stale_retries": float(stale),
                             "weights/received_mb_per_rank": max(stats["bytes_per_rank"]) / 2**20}
 
+    def run(self, first: int, last: int) -> int:
+        if not self.continuous:
+            return super().run(first, last)
+        from asyncflow.workflow.rollout_stream import ContinuousRollout
+
+        ContinuousRollout(self, self.partial).run(first, last, self.post)
+        return last
+
     def run_step(self, step: int) -> dict:
+        if self.continuous:  # sync mode: one step through the same stream (no chunks within the step)
+            from asyncflow.workflow.rollout_stream import ContinuousRollout
+
+            reports: list[dict] = []
+            ContinuousRollout(self, self.partial).run(step, step + 1, reports.append)
+            return reports[0]
         version = self._admit(step)
         part, pending, rows, tokens = partition_name(step), [], 0, 0
 
@@ -295,7 +317,7 @@ class RewardService(TaskService):
     name = "reward"
 
     def __init__(self, reward: str, model_dir: str, chunk: int, reward_on_error: float = 0.0,
-                 with_answers: bool = False, **kw):
+                 with_answers: bool = False, agent_errors: bool = False, **kw):
         super().__init__(**kw)
         from transformers import AutoTokenizer
 
@@ -303,6 +325,7 @@ class RewardService(TaskService):
 
         self.reward_fn = make_reward_fn(reward, AutoTokenizer.from_pretrained(model_dir))
         self.chunk, self.reward_on_error, self.with_answers = chunk, reward_on_error, with_answers
+        self.agent_errors = agent_errors  # rows carry ``agent_error``: the agent loop failed on them
 
     def _score(self, prompt: list[int], response: list[int], **info) -> tuple[float, str | None]:
         """The reward, or ``(reward_on_error, message)`` when the reward function raises: one bad sample
@@ -314,13 +337,17 @@ class RewardService(TaskService):
 
     def run_step(self, step: int) -> dict:
         failures, first_error = 0, None
-        fields = ["prompt_ids", "response_ids"] + (["ground_truth"] if self.with_answers else [])
+        fields = ["prompt_ids", "response_ids"] + (["ground_truth"] if self.with_answers else []) + \
+            (["agent_error"] if self.agent_errors else [])
         for batch in self.stream(step, fields, self.chunk):
             with self.timeline.span(self.name, "score", self.worker, rows=len(batch)):
                 answers = batch["ground_truth"] if self.with_answers else [None] * len(batch)
                 rows = zip(batch["prompt_ids"], batch["response_ids"], answers)
                 scored = [self._score(p.tolist(), r.tolist(), **({"ground_truth": a} if self.with_answers else {}))
                           for p, r, a in rows]
+                if self.agent_errors:  # the agent loop failed on these rows (counted by the rollout as agent/errors)
+                    scored = [(self.reward_on_error, None) if float(f) else sc
+                              for sc, f in zip(scored, batch["agent_error"])]
                 errors = [e for _, e in scored if e]
                 failures += len(errors)
                 first_error = first_error or (errors[0] if errors else None)

@@ -195,7 +195,8 @@ class ActorService(MegatronService):
 
     def __init__(self, algo: AlgorithmConfig, rows_per_step: int, max_new_tokens: int, checkpoint: dict | None = None,
                  resume_dir: str | None = None, start_version: int = 0, bucket_mb: float = 512.0,
-                 staging_session: str = "run", relay: dict | None = None, **kw):
+                 staging_session: str = "run", relay: dict | None = None, loss_mask: bool = False,
+                 token_versions: bool = False, **kw):
         super().__init__(**kw)
         from asyncflow.algorithms.objective import make_objective
 
@@ -224,7 +225,9 @@ class ActorService(MegatronService):
                              f"{self.mbs} x data-parallel size {self.dp_size}")
         self.num_micro = rows_per_step // (self.mbs * self.dp_size)
         self.loss_fn = make_objective(algo, max_new_tokens)
-        self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else [])
+        self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else []) + \
+            (["loss_mask"] if loss_mask else []) + \
+            (["token_versions"] if token_versions else [])  # partial rollout: the version of every token
         self.publish()  # version 0: the weights rollout starts from
 
     def publish(self) -> None:
@@ -418,4 +421,6 @@ def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> di
         metrics["actor/clip_frac"] = sum(float(o["clip_sum"]) for o in results[-1]["micro"]) / max(tokens, 1)
     if gaps:
         metrics["check/fresh_logprob_gap_max"] = max(gaps)
+    if "fresh_spanning_tokens" in first[0]:
+        metrics["check/fresh_spanning_tokens"] = sum(float(o["fresh_spanning_tokens"]) for o in first)
     return metrics

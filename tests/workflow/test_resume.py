@@ -32,10 +32,14 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
+@pytest.mark.parametrize("rollout", ["chunked", "partial"])
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path, rollout):
+    # Partial rollout: the responses in flight at the kill (some spanning versions) are lost with the
+    # process; their prompts are fed again after the checkpoint and regenerated, never trained twice.
+    mode = ["rollout.partial=true"] if rollout == "partial" else []
     run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(_cmd(tmp_path), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_cmd(tmp_path, *mode), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         deadline = time.time() + 600
@@ -54,7 +58,8 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
     trained_before_kill = {m["step"] for m in _metrics(run)}
     (ckpts / "step_999999.tmp").mkdir()  # a crashed save's leftovers must not confuse the resume
 
-    resumed = subprocess.run(_cmd(tmp_path, "--resume"), cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    resumed = subprocess.run(_cmd(tmp_path, *mode, "--resume"), cwd=tmp_path, capture_output=True, text=True,
+                             timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert f"continuing from {ckpts / f'step_{killed_at:06d}'}" in resumed.stdout
 

@@ -140,6 +140,12 @@ class VllmRollout(RolloutEngine):
             self.llm.wake_up()
             self.asleep = False
 
+    def stream(self, ignore_eos: bool = False, turns: bool = False):
+        """Continuous batching on this engine (``asyncflow.engines.vllm.stream``)."""
+        from asyncflow.engines.vllm.stream import VllmStream
+
+        return VllmStream(self, ignore_eos=ignore_eos, turns=turns)
+
     def apply_weights(self, named_tensors, version: int) -> None:
         """RolloutEngine interface: apply Hugging Face-named tensors as ``version``."""
         self.update_weights(named_tensors, version)

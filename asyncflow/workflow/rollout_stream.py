@@ -1,0 +1,227 @@
+"""Continuous rollout: one engine step loop across steps, with no chunk barrier (``rollout.continuous``).
+
+    TQ[step s]   ──poll──► admit while a slot is free ─┐        finished ─► TQ[step s] (a few rows per put)
+    TQ[step s+1] ──poll──► (once weights >= s+1-k)   ──┴─► vLLM step loop (≤ max_num_seqs in flight)
+    version board ──► newer weights: partial=true  → swap at a token boundary (prefix recomputed)
+                                     partial=false → applied once the engine has drained
+
+Prompts of step s+1 are admitted while step s's tail is still generating, as soon as the engine serves a
+version v >= s+1-k (``admitted_version``). Without partial rollout the engine may only change weights when
+it is empty, so a step that needs a newer version waits for the tail to drain first; with partial rollout
+the tail carries on under the new version. Either way a response's oldest token comes from a version that
+admitted its step, so workflow.max_staleness bounds every token (the row's version is its oldest token's).
+A step's report is posted once every one of its rows has been generated.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncflow.workflow.board import admitted_version
+
+
+@dataclass
+class _StepState:
+    """What the stream knows about one step's rows."""
+
+    taken: bool = False  # every row of the partition was admitted
+    in_flight: int = 0
+    rows: int = 0
+    tokens: int = 0
+    token_versions: list[int] = field(default_factory=list)
+    running: list[int] = field(default_factory=list)  # vLLM's running set, sampled after each engine step
+    swaps: int = 0
+    first_version: int = -1
+    turns: int = 0  # model turns of the finished rows (multi-turn agent loops)
+    observations: int = 0  # observations the agent loop appended (tool calls answered)
+    agent_errors: int = 0
+
+
+class ContinuousRollout:
+    """Drives ``service.engine``'s stream over steps ``first .. last-1`` for a ``RolloutService``."""
+
+    poll_weights_s = 0.05  # how often the board is asked for a newer version while generating
+
+    def __init__(self, service, partial: bool):
+        self.svc = service
+        self.partial = partial
+        self.agent = service.agent  # an ``asyncflow.agents.AgentLoop`` or None (single turn)
+        self.stream = service.engine.stream(ignore_eos="max_new_tokens" in service.fields,
+                                            turns=self.agent is not None)
+        self.stop = tuple(self.agent.stop_token_ids) if self.agent is not None else ()
+        self.steps: dict[int, _StepState] = {}
+        self.pending: list[tuple[int, int, object, bool]] = []  # (step, row, sample, agent failed) not yet put
+        self.busy_since: float | None = None
+        self._checked = 0.0
+        self._newest = -1
+
+    # ------------------------------------------------------------------ weights
+    def _newest_version(self) -> int:
+        """The newest staged version (asked at most every ``poll_weights_s``)."""
+        import ray
+
+        now = time.monotonic()
+        if now - self._checked >= self.poll_weights_s:
+            self._checked = now
+            self._newest = ray.get(self.svc.board.version.remote(self.svc.domain))
+        return self._newest
+
+    def _weights(self, step: int) -> None:
+        """Bring the engine to a version allowed for ``step``, and to the newest one when that is free."""
+        engine, need = self.svc.engine, admitted_version(step, self.svc.max_staleness)
+        served = engine.weight_version
+        if not len(self.stream):
+            if served < need or self._newest_version() > served:
+                self._idle()
+                self.svc._admit(step)  # blocks until a version >= need is staged; applies the newest
+            return
+        if self.partial and max(self._newest_version(), served) >= need and self._newest > served:
+            _, done = self.stream.swap_weights(lambda: self.svc._admit(step))
+            for state in self.steps.values():
+                if state.in_flight:
+                    state.swaps += 1
+            self._finished(done)
+
+    # ------------------------------------------------------------------ rows
+    def _admit_rows(self, step: int, block: bool) -> bool:
+        """Admit ready rows of ``step`` into free slots; True once the partition is exhausted."""
+        from asyncflow.workflow.services import partition_name
+
+        if not self.stream.free:
+            return False
+        kw = dict(allow_partial=True)
+        if block:
+            batch = self.svc.tq.get(partition_name(step), self.svc.name, self.svc.fields, self.stream.free,
+                                    timeout=self.svc.timeout_s, **kw)
+        else:
+            batch = self.svc.tq.poll(partition_name(step), self.svc.name, self.svc.fields, self.stream.free, **kw)
+        if batch is None:
+            return False
+        if batch.done:
+            return True
+        state = self.steps[step]
+        if state.first_version < 0:
+            state.first_version = self.svc.engine.weight_version
+        budgets = batch["max_new_tokens"].tolist() if "max_new_tokens" in batch else [None] * len(batch)
+        for index, prompt, budget in zip(batch.indexes, batch["prompt_ids"], budgets):
+            self.stream.add((step, index), prompt.tolist(), budget, stop_token_ids=self.stop)
+        state.in_flight += len(batch)
+        if self.busy_since is None:
+            self.busy_since = time.time()
+        return False
+
+    def _next_turn(self, key, sample, state: _StepState) -> tuple[bool, bool]:
+        """Multi-turn: ask the agent loop; ``(continued, failed)``. A loop that raises ends the trajectory
+        (its reward becomes algorithm.reward_on_error; the failure is counted)."""
+        from asyncflow.agents import Trajectory
+
+        try:
+            observation = self.agent.observe(Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask,
+                                                        sample.turns, sample.finish_reason))
+        except Exception as exc:  # noqa: BLE001 - one tool failure must not stop the run
+            state.agent_errors += 1
+            if state.agent_errors == 1:
+                print(f"rollout {self.svc.worker}: agent loop failed ({type(exc).__name__}: {exc}); the sample "
+                      f"gets algorithm.reward_on_error", flush=True)
+            self.stream.release(key)
+            return False, True
+        if observation and sample.turns < self.svc.max_turns and self.stream.continue_turn(key, list(observation)):
+            state.observations += 1
+            return True, False
+        self.stream.release(key)
+        return False, False
+
+    def _finished(self, done) -> None:
+        for key, sample in done:
+            step, index = key
+            state = self.steps[step]
+            failed = False
+            if self.agent is not None:
+                continued, failed = self._next_turn(key, sample, state)
+                if continued:
+                    continue
+            state.in_flight -= 1
+            state.rows += 1
+            state.turns += sample.turns
+            state.tokens += len(sample.response_ids)
+            versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
+            mask = sample.loss_mask or [1] * len(versions)
+            state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
+            self.pending.append((step, index, sample, failed))
+        if len(self.pending) >= 16 or any(self.steps[s].in_flight == 0 for s, *_ in self.pending):
+            self._flush()
+
+    def _flush(self) -> None:
+        from asyncflow.workflow.services import partition_name
+
+        by_step: dict[int, list] = {}
+        for step, index, sample, failed in self.pending:
+            by_step.setdefault(step, []).append((index, sample, failed))
+        self.pending.clear()
+        for step, rows in by_step.items():
+            data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s, _ in rows],
+                    "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s, _ in rows]}
+            if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
+                data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for _, s, _ in rows]
+            if self.agent is not None:  # the loss mask travels with the row into the actor's objective
+                data["loss_mask"] = [torch.tensor(s.loss_mask, dtype=torch.float) for _, s, _ in rows]
+                data["agent_error"] = torch.tensor([float(f) for _, _, f in rows])
+            self.svc.tq.put(partition_name(step), data, indexes=[i for i, _, _ in rows],
+                            versions=[s.weight_version for _, s, _ in rows])
+
+    # ------------------------------------------------------------------ timeline and reports
+    def _idle(self) -> None:
+        """Close the current ``generate`` span (the engine is about to wait)."""
+        if self.busy_since is not None:
+            self.svc.timeline.add(self.svc.name, "generate", self.busy_since, time.time(), self.svc.worker)
+            self.busy_since = None
+
+    def _report(self, step: int) -> dict:
+        state = self.steps.pop(step)
+        if self.busy_since is not None:  # cut the open span so this step's report carries it
+            self._idle()
+            self.busy_since = time.time()
+        lags = torch.tensor([step - v for v in state.token_versions] or [0], dtype=torch.float)
+        running = state.running or [0]
+        return self.svc.report(step, {
+            "rollout/rows": state.rows, "rollout/tokens": state.tokens, "rollout/version": state.first_version,
+            "rollout/weight_buckets": self.svc.apply_stats.get("weights/buckets", 0.0),
+            "rollout/in_flight_mean": sum(running) / len(running), "rollout/in_flight_max": float(max(running)),
+            "rollout/weight_swaps": float(state.swaps),
+            "staleness/token_lag_min": lags.min().item(), "staleness/token_lag_mean": lags.mean().item(),
+            "staleness/token_lag_max": lags.max().item(), **self.svc.apply_stats,
+            **({"agent/turns_mean": state.turns / max(state.rows, 1), "agent/observations": float(state.observations),
+                "agent/errors": float(state.agent_errors)} if self.agent is not None else {})})
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, first: int, last: int, post) -> None:
+        """Generate steps ``first .. last-1``; ``post(report)`` each as its last row is put."""
+        admit, reported = first, first
+        while reported < last:
+            # Post finished steps first: nothing below may block while a finished step goes unreported.
+            while reported < admit and self.steps[reported].taken and not self.steps[reported].in_flight:
+                self._flush()
+                post(self._report(reported))
+                reported += 1
+            if admit < last:
+                self.steps.setdefault(admit, _StepState())
+                self._weights(admit)
+                if self.svc.engine.weight_version >= admitted_version(admit, self.svc.max_staleness):
+                    # Block on the queue only when the engine has nothing else to do.
+                    if self._admit_rows(admit, block=not len(self.stream)):
+                        self.steps[admit].taken = True
+                        admit += 1
+                        continue
+            if len(self.stream):
+                done = self.stream.step()
+                running = self.stream.running()
+                for state in self.steps.values():
+                    if state.in_flight:
+                        state.running.append(running)
+                self._finished(done)
+            elif self.busy_since is not None:
+                self._idle()
+        self._idle()
