@@ -27,7 +27,9 @@ def engine_batch(lengths: list[int], prompt_len: int, costs: RolloutCosts, max_s
     """Segments ``(seconds, finished row positions)`` of one engine batch over ``lengths`` (tokens per row).
 
     A row admitted at a step gets its first token from that step's prefill and finishes ``length - 1`` decode
-    steps later; rows wait in arrival order for one of ``max_seqs`` slots.
+    steps later; rows wait in arrival order for one of ``max_seqs`` slots. Runs of decode steps without an
+    admission are summed in closed form (the attended context grows by one token per running row per step),
+    so a batch costs one iteration per finish event, not one per token.
     """
     waiting = list(range(len(lengths)))
     running: dict[int, int] = {}  # row -> tokens generated so far
@@ -36,12 +38,17 @@ def engine_batch(lengths: list[int], prompt_len: int, costs: RolloutCosts, max_s
     while waiting or running:
         admitted = waiting[: max(max_seqs - len(running), 0)]
         waiting = waiting[len(admitted):]
-        # One engine step: prefill the admitted rows (their first token), decode one token for the others.
-        ctx = sum(prompt_len + done for done in running.values())
-        work += (costs.step_s + costs.per_seq_s * (len(running) + len(admitted)) + costs.per_ctx_token_s * ctx
-                 + (costs.prefill_per_token_s * prompt_len + costs.per_request_s) * len(admitted))
+        batch, ctx = len(running) + len(admitted), sum(prompt_len + done for done in running.values())
+        if admitted:  # one engine step: prefill the admitted rows (their first token), decode the others
+            steps = 1
+            work += (costs.step_s + costs.per_seq_s * batch + costs.per_ctx_token_s * ctx
+                     + (costs.prefill_per_token_s * prompt_len + costs.per_request_s) * len(admitted))
+        else:  # decode steps up to the next finish: context ctx, ctx + B, ctx + 2B, ...
+            steps = min(lengths[row] - done for row, done in running.items())
+            work += (steps * (costs.step_s + costs.per_seq_s * batch)
+                     + costs.per_ctx_token_s * (steps * ctx + batch * steps * (steps - 1) / 2))
         for row in running:
-            running[row] += 1
+            running[row] += steps
         for row in admitted:
             running[row] = 1
         finished = [row for row, done in running.items() if done >= lengths[row]]
@@ -59,7 +66,7 @@ def chunked(pipe, instance: int, step: int) -> Generator:
     w = pipe.w
     device = pipe.device("rollout", instance)
     while True:
-        rows = yield pipe.tq.take(step, "rollout", ("prompt",), w.rollout_chunk)
+        rows = yield pipe.tq.take(step, "rollout", w.rollout_chunk)
         if not rows:
             return
         start = pipe.sim.now

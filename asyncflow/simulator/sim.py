@@ -16,7 +16,7 @@ step times, samples/s, idle fraction per task and the version lag of every train
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
+from collections import defaultdict, deque
 
 from asyncflow.observability.timeline import Timeline
 from asyncflow.simulator.costs import CostModel
@@ -26,59 +26,69 @@ from asyncflow.simulator.workload import Workload, draw_lengths
 from asyncflow.workflow.batching import fit_seq_len
 from asyncflow.workflow.board import admitted_version
 
+TASK_FIELDS = {"rollout": ("prompt",), "reward": ("response",), "reference": ("response",),
+               "advantage": ("reward",), "actor": ("advantage",), "actor+ref": ("advantage", "ref")}
+"""The fields each simulated task reads (``services`` and ``train_services`` read the real ones)."""
+
 
 class SimQueue:
-    """The TransferQueue's readiness rules over simulated rows (ids ``0 .. rows_per_step-1`` per step)."""
+    """The TransferQueue's readiness rules over simulated rows (ids ``0 .. rows_per_step-1`` per step).
 
-    def __init__(self, sim: Sim, w: Workload):
-        self.sim, self.w = sim, w
-        self.ready: dict[int, dict[str, dict[int, float]]] = defaultdict(lambda: defaultdict(dict))
+    Each task keeps a queue of the rows (or whole groups) that became ready for it, in the order they did,
+    so a request costs what it takes, not a scan of the step.
+    """
+
+    def __init__(self, sim: Sim, w: Workload, tasks: dict[str, tuple[str, ...]]):
+        self.sim, self.w, self.tasks = sim, w, tasks
+        self.have: dict[int, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.versions: dict[int, dict[int, int]] = defaultdict(dict)
-        self.taken: dict[tuple[int, str], set[int]] = defaultdict(set)
-        self.waiters: dict[int, list] = defaultdict(list)
-        self._order = 0
+        self.queues: dict[tuple[int, str], deque] = defaultdict(deque)
+        self.taken: dict[tuple[int, str], int] = defaultdict(int)
+        self.group_ready: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.waiters: dict[tuple[int, str], tuple] = {}
 
     def put(self, step: int, field: str, rows: list[int], version: int | None = None) -> None:
         """Rows of ``step`` now hold ``field`` (``version``: the weights that generated them)."""
+        have, group = self.have[step], self.w.samples_per_prompt
         for row in rows:
-            self._order += 1
-            self.ready[step][field][row] = self._order
+            have[row].add(field)
             if version is not None:
                 self.versions[step][row] = version
-        self.waiters[step] = [wt for wt in self.waiters[step] if not self._serve(step, *wt)]
+        for task, fields in self.tasks.items():
+            if field not in fields:
+                continue
+            key, grouped = (step, task), task == "advantage"
+            for row in rows:
+                if all(f in have[row] for f in fields):
+                    if not grouped:
+                        self.queues[key].append(row)
+                        continue
+                    counts = self.group_ready[key]
+                    counts[row // group] += 1
+                    if counts[row // group] == group:  # the advantage task takes whole groups
+                        self.queues[key].extend(range(row // group * group, (row // group + 1) * group))
+            if key in self.waiters and self._serve(key, *self.waiters[key]):
+                del self.waiters[key]
 
-    def take(self, step: int, task: str, fields: tuple[str, ...], n: int, group: int = 0) -> Event:
-        """An event with up to ``n`` rows of ``step`` holding every field in ``fields`` that ``task`` has not
-        taken (whole groups of ``group`` rows when given); ``[]`` once every row of the step is taken."""
+    def take(self, step: int, task: str, n: int) -> Event:
+        """An event with up to ``n`` rows of ``step`` ready for ``task`` that it has not taken (whole groups for
+        the advantage task); ``[]`` once every row of the step is taken (the real client's rule: a full batch,
+        or the last partial one)."""
         ev = self.sim.event()
-        if not self._serve(step, task, fields, n, group, ev):
-            self.waiters[step].append((task, fields, n, group, ev))
+        key = (step, task)
+        if task == "advantage":
+            n = max(n // self.w.samples_per_prompt, 1) * self.w.samples_per_prompt
+        if not self._serve(key, n, ev):
+            self.waiters[key] = (n, ev)
         return ev
 
-    def _serve(self, step, task, fields, n, group, ev) -> bool:
-        taken = self.taken[(step, task)]
-        remaining = self.w.rows_per_step - len(taken)
-        if remaining == 0:
-            ev.succeed([])
-            return True
-        have = self.ready[step]
-        rows = [r for r in have[fields[0]] if r not in taken and all(r in have[f] for f in fields)]
-        order = {r: max(have[f][r] for f in fields) for r in rows}
-        if group:  # whole groups only, in the order they became complete
-            members: dict[int, list[int]] = defaultdict(list)
-            for r in rows:
-                members[r // group].append(r)
-            groups = sorted((g for g, m in members.items() if len(m) == group),
-                            key=lambda g: max(order[r] for r in members[g]))
-            rows = [r for g in groups for r in sorted(members[g])]
-        else:
-            rows.sort(key=order.__getitem__)  # in the order they became ready
-        if len(rows) < n and len(rows) < remaining:
+    def _serve(self, key, n: int, ev: Event) -> bool:
+        remaining = self.w.rows_per_step - self.taken[key]
+        queue = self.queues[key]
+        if remaining and len(queue) < n and len(queue) < remaining:
             return False
-        if group:
-            rows = rows[:max(n // group, 1) * group]
-        rows = rows[:n]
-        taken.update(rows)
+        rows = [queue.popleft() for _ in range(min(n, len(queue)))]
+        self.taken[key] += len(rows)
         ev.succeed(rows)
         return True
 
@@ -143,7 +153,11 @@ class Pipe:
 
     def __init__(self, w: Workload, costs: CostModel, lengths: list[list[int]] | None = None):
         self.w, self.costs, self.sim = w, costs, Sim()
-        self.tq, self.board = SimQueue(self.sim, w), SimBoard(self.sim)
+        tasks = {t: TASK_FIELDS[t] for t in ("rollout", "reward", "advantage")}
+        tasks["actor"] = TASK_FIELDS["actor+ref" if w.reference else "actor"]
+        if w.reference:
+            tasks["reference"] = TASK_FIELDS["reference"]
+        self.tq, self.board = SimQueue(self.sim, w, tasks), SimBoard(self.sim)
         self.lengths = lengths or draw_lengths(w)
         self.served = [0] * w.rollout_instances  # the version each rollout instance serves
         self.timeline = Timeline(clock=lambda: self.sim.now)
@@ -202,7 +216,7 @@ def rollout_step(pipe: Pipe, instance: int, step: int):
 def reward_step(pipe: Pipe, step: int):
     """Rewards of each ``score_chunk`` of responses."""
     q, light = pipe.costs.queue, pipe.costs.light
-    while rows := (yield pipe.tq.take(step, "reward", ("response",), pipe.w.score_chunk)):
+    while rows := (yield pipe.tq.take(step, "reward", pipe.w.score_chunk)):
         start = pipe.sim.now
         tokens = sum(pipe.lengths[step][r] for r in rows) + len(rows) * pipe.w.prompt_len
         yield pipe.device("reward").run(q.request(tokens * 8) + q.request(len(rows) * 4)
@@ -214,7 +228,7 @@ def reward_step(pipe: Pipe, step: int):
 def reference_step(pipe: Pipe, step: int):
     """Reference log-probs of each ``score_chunk`` of responses (a forward pass)."""
     q, tc = pipe.costs.queue, pipe.costs.train
-    while rows := (yield pipe.tq.take(step, "reference", ("response",), pipe.w.score_chunk)):
+    while rows := (yield pipe.tq.take(step, "reference", pipe.w.score_chunk)):
         start = pipe.sim.now
         tokens = pipe.padded(step, rows)
         resp = sum(pipe.lengths[step][r] for r in rows)
@@ -227,8 +241,7 @@ def reference_step(pipe: Pipe, step: int):
 def advantage_step(pipe: Pipe, step: int):
     """Advantages of whole GRPO groups."""
     w, q = pipe.w, pipe.costs.queue
-    chunk = max(w.score_chunk // w.samples_per_prompt, 1) * w.samples_per_prompt
-    while rows := (yield pipe.tq.take(step, "advantage", ("reward",), chunk, group=w.samples_per_prompt)):
+    while rows := (yield pipe.tq.take(step, "advantage", w.score_chunk)):
         start = pipe.sim.now
         yield pipe.device("advantage").run(q.request(len(rows) * 4) * 2 + pipe.costs.light.advantage_per_row_s
                                            * len(rows))
@@ -239,11 +252,10 @@ def advantage_step(pipe: Pipe, step: int):
 def actor_step(pipe: Pipe, step: int, version: int):
     """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
     w, tc, q = pipe.w, pipe.costs.train, pipe.costs.queue
-    fields = ("advantage", "ref") if w.reference else ("advantage",)
     per_pass, lags, start = 0.0, [], pipe.sim.now
     device = pipe.device("actor")
     for _ in range(w.rows_per_step // (w.micro_batch_size * w.data_parallel)):
-        rows = yield pipe.tq.take(step, "actor", fields, w.micro_batch_size * w.data_parallel)
+        rows = yield pipe.tq.take(step, "actor", w.micro_batch_size * w.data_parallel)
         lags += [version - pipe.tq.versions[step][r] for r in rows]
         # Replicas run side by side on distinct rows: the slowest (widest) micro-batch sets the pace.
         mbs = w.micro_batch_size

@@ -1,0 +1,123 @@
+"""Predicted against measured: calibrate the simulator here, then predict real runs it was not fitted on.
+
+    python bench/simulator.py [--costs FILE] [--steps 8] [--out outputs/bench_simulator] [--cases a,b]
+
+1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier profile). The profile
+   times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests); it
+   never runs the loop, so every run below is held out.
+2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
+   is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
+   (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose).
+3. Prints predicted against measured for every case, the error, and the async/sync ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from bench.e2e import BASE  # noqa: E402  the long-tailed workload of bench/e2e.py
+
+WARMUP = 2
+CASES = {
+    # name: (overrides on top of recipes/tiny_cpu/grpo_async.yaml, response-length spec for the simulator)
+    "longtail sync": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0"], None),
+    "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
+    "longtail async k=0": (BASE + ["workflow.mode=async", "workflow.max_staleness=0"], None),
+    "longtail async k=2": (BASE + ["workflow.mode=async", "workflow.max_staleness=2"], None),
+    # Another length distribution: the add-one task's short answers (at most 4 tokens, as the demo).
+    "short sync": (["workflow.mode=sync", "workflow.max_staleness=0", "trainer.micro_batch_size=32",
+                    "workflow.prompts_per_step=16", "workflow.score_chunk=32"], "constant:4"),
+    "short async k=1": (["workflow.mode=async", "workflow.max_staleness=1", "trainer.micro_batch_size=32",
+                         "workflow.prompts_per_step=16", "workflow.score_chunk=32"], "constant:4"),
+}
+RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sync")]
+
+
+def measured_throughput(metrics: Path, rows: int, warmup: int = WARMUP) -> float:
+    """Rows per second of a real run after ``warmup`` steps, from its ``metrics.jsonl``."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    elapsed = [r["time/elapsed_s"] for r in sorted(records, key=lambda r: r["step"]) if "time/elapsed_s" in r]
+    return rows * (len(elapsed) - warmup) / (elapsed[-1] - elapsed[warmup - 1])
+
+
+def predict(overrides: list[str], lengths: str | None, costs, steps: int):
+    """The simulator's result for the run ``overrides`` describe."""
+    from asyncflow.config import load_config
+    from asyncflow.simulator.report import model_for
+    from asyncflow.simulator.sim import simulate
+    from asyncflow.simulator.workload import from_config
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", overrides + [f"workflow.steps={steps}"])
+    w = dataclasses.replace(from_config(cfg, lengths=lengths), warmup_steps=WARMUP)
+    return simulate(w, model_for(costs, w)), w
+
+
+def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
+    """Run the case for real in a fresh process (as ``asyncflow train``); returns its metrics.jsonl."""
+    import subprocess
+
+    run_dir = out / name.replace(" ", "_").replace("=", "")
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), *overrides,
+           f"workflow.steps={steps}", f"observability.output_dir={run_dir}", f"model.path={out / 'model'}",
+           "observability.progress_every_s=30"]
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"{name}: the real run failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return run_dir / "metrics.jsonl"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--costs", default=None, help="cost file (default: profile this machine first)")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--out", default="outputs/bench_simulator")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    args = parser.parse_args(argv)
+    out = Path(args.out).resolve()
+    from asyncflow.config import load_config
+    from asyncflow.simulator.costs import load_costs
+    from asyncflow.simulator.profile import profile
+
+    if args.costs is None:
+        args.costs = str(out / "costs.json")
+        profile(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", BASE + [f"model.path={out / 'model'}"]),
+                args.costs)
+    costs = load_costs(args.costs)
+    names = [n.strip() for n in args.cases.split(",") if n.strip()]
+    results = {}
+    for name in names:
+        overrides, lengths = CASES[name]
+        result, w = predict(overrides, lengths, costs, args.steps)
+        print(f"{name}: predicted {result.samples_per_s:.1f} samples/s; running it for real ...", flush=True)
+        metrics = measure(name, overrides, args.steps, out)
+        real = measured_throughput(metrics, w.rows_per_step)
+        results[name] = {"predicted": result.samples_per_s, "measured": real, "load": os.getloadavg()[0]}
+        print(f"{name}: measured {real:.1f} samples/s ({(result.samples_per_s / real - 1):+.0%})", flush=True)
+    lines = ["| case | predicted samples/s | measured samples/s | error | load avg (1 min) |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        err = r["predicted"] / r["measured"] - 1
+        lines.append(f"| {name} | {r['predicted']:.1f} | {r['measured']:.1f} | {err:+.0%} | {r['load']:.1f} |")
+    for a, s in RATIOS:
+        if a in results and s in results:
+            pr = results[a]["predicted"] / results[s]["predicted"]
+            mr = results[a]["measured"] / results[s]["measured"]
+            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {pr - mr:+.2f} | |")
+    table = "\n".join(lines)
+    print(f"\nPredicted against measured (costs {args.costs}, {args.steps} steps, throughput after {WARMUP})\n")
+    print(table)
+    (out / "table.md").write_text(table + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
