@@ -226,12 +226,14 @@ def reward_step(pipe: Pipe, step: int):
 
 
 def reference_step(pipe: Pipe, step: int):
-    """Reference log-probs of each ``score_chunk`` of responses (a forward pass)."""
-    q, tc = pipe.costs.queue, pipe.costs.train
-    while rows := (yield pipe.tq.take(step, "reference", pipe.w.score_chunk)):
+    """Reference log-probs: each data-parallel replica takes its own ``score_chunk`` of responses (a forward
+    pass over the chunk padded to its longest row); replicas run side by side."""
+    w, q, tc = pipe.w, pipe.costs.queue, pipe.costs.train
+    while rows := (yield pipe.tq.take(step, "reference", w.score_chunk * w.data_parallel)):
         start = pipe.sim.now
-        tokens = pipe.padded(step, rows)
-        resp = sum(pipe.lengths[step][r] for r in rows)
+        chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
+        tokens = max(pipe.padded(step, c) for c in chunks)
+        resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
         yield pipe.device("reference").run(tc.ref_per_call_s + tc.ref_per_token_s * tokens
                                            + q.request(tokens * 8) + q.request(resp * 4))
         pipe.tq.put(step, "ref", rows)
