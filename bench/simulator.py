@@ -8,6 +8,9 @@
 2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
    is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
    (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose).
+   The machine is shared with other jobs: a one-second CPU probe (``profile.speed_probe``) before and after
+   each real run, against its time during the profile, rescales the costs to the machine's speed of the
+   moment (``--no-rescale`` turns it off; the table shows the factor).
 3. Prints predicted against measured for every case, the error, and the async/sync ratios.
 """
 
@@ -48,8 +51,9 @@ def measured_throughput(metrics: Path, rows: int, warmup: int = WARMUP) -> float
     return rows * (len(elapsed) - warmup) / (elapsed[-1] - elapsed[warmup - 1])
 
 
-def predict(overrides: list[str], lengths: str | None, costs, steps: int):
-    """The simulator's result for the run ``overrides`` describe."""
+def predict(overrides: list[str], lengths: str | None, costs, steps: int, slowdown: float = 1.0):
+    """The simulator's result for the run ``overrides`` describe, on a machine ``slowdown`` times slower than
+    when it was profiled."""
     from asyncflow.config import load_config
     from asyncflow.simulator.report import model_for
     from asyncflow.simulator.sim import simulate
@@ -57,7 +61,14 @@ def predict(overrides: list[str], lengths: str | None, costs, steps: int):
 
     cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", overrides + [f"workflow.steps={steps}"])
     w = dataclasses.replace(from_config(cfg, lengths=lengths), warmup_steps=WARMUP)
-    return simulate(w, model_for(costs, w)), w
+    model = model_for(costs, w)
+    return simulate(w, model.scaled(slowdown)), w
+
+
+def slowdown(costs, probe_s: float, variant: str) -> float:
+    """How much slower the machine is now than when ``variant`` was profiled (1 when it has no probe)."""
+    base = costs.variant(variant).speed_probe_s
+    return probe_s / base if base > 0 else 1.0
 
 
 def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
@@ -81,11 +92,12 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--out", default="outputs/bench_simulator")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
+    parser.add_argument("--no-rescale", action="store_true", help="predict with the costs as profiled")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     from asyncflow.config import load_config
     from asyncflow.simulator.costs import load_costs
-    from asyncflow.simulator.profile import profile
+    from asyncflow.simulator.profile import profile, speed_probe
 
     if args.costs is None:
         args.costs = str(out / "costs.json")
@@ -96,21 +108,28 @@ def main(argv=None) -> int:
     results = {}
     for name in names:
         overrides, lengths = CASES[name]
-        result, w = predict(overrides, lengths, costs, args.steps)
-        print(f"{name}: predicted {result.samples_per_s:.1f} samples/s; running it for real ...", flush=True)
+        before = speed_probe()
+        print(f"{name}: running it for real ...", flush=True)
         metrics = measure(name, overrides, args.steps, out)
+        probe = (before + speed_probe()) / 2
+        _, w = predict(overrides, lengths, costs, args.steps)
+        factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
+        result, w = predict(overrides, lengths, costs, args.steps, factor)
         real = measured_throughput(metrics, w.rows_per_step)
-        results[name] = {"predicted": result.samples_per_s, "measured": real, "load": os.getloadavg()[0]}
+        results[name] = {"predicted": result.samples_per_s, "measured": real, "load": os.getloadavg()[0],
+                         "slowdown": factor}
         print(f"{name}: measured {real:.1f} samples/s ({(result.samples_per_s / real - 1):+.0%})", flush=True)
-    lines = ["| case | predicted samples/s | measured samples/s | error | load avg (1 min) |", "|---|---|---|---|---|"]
+    lines = ["| case | predicted samples/s | measured samples/s | error | machine slowdown vs profile | load avg |",
+             "|---|---|---|---|---|---|"]
     for name, r in results.items():
         err = r["predicted"] / r["measured"] - 1
-        lines.append(f"| {name} | {r['predicted']:.1f} | {r['measured']:.1f} | {err:+.0%} | {r['load']:.1f} |")
+        lines.append(f"| {name} | {r['predicted']:.1f} | {r['measured']:.1f} | {err:+.0%} | {r['slowdown']:.2f}x | "
+                     f"{r['load']:.1f} |")
     for a, s in RATIOS:
         if a in results and s in results:
             pr = results[a]["predicted"] / results[s]["predicted"]
             mr = results[a]["measured"] / results[s]["measured"]
-            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {pr - mr:+.2f} | |")
+            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {pr - mr:+.2f} | | |")
     table = "\n".join(lines)
     print(f"\nPredicted against measured (costs {args.costs}, {args.steps} steps, throughput after {WARMUP})\n")
     print(table)

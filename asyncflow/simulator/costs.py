@@ -110,6 +110,19 @@ class CostModel:
     """Reward and advantage."""
     weight_bytes: float = 0.0
     """Bytes of one exporting rank's weights as staged (the profiled model; ``Workload`` may override)."""
+    speed_probe_s: float = 0.0
+    """Seconds of ``profile.speed_probe`` (a fixed single-core workload) while this variant was measured; on a
+    shared machine, the probe before a run over this value says how much slower the machine is now (0: none)."""
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every time term multiplied by ``factor`` (the machine is ``factor`` times slower than when profiled)."""
+        def scale(section):
+            return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
+                                                   for f in dataclasses.fields(section)})
+
+        return dataclasses.replace(self, rollout=scale(self.rollout), train=scale(self.train),
+                                   weight_sync=scale(self.weight_sync), queue=scale(self.queue),
+                                   light=scale(self.light), speed_probe_s=self.speed_probe_s * factor)
 
 
 @dataclasses.dataclass

@@ -44,6 +44,30 @@ TRAIN_GRID = [(n, s) for n in (1, 4) for s in (16, 64, 136)]
 """(micro-batches, sequence length) of each timed ``train_step``."""
 REF_GRID = [(rows, s) for rows in (8, 32) for s in (16, 64, 136)]
 """(rows, sequence length) of each timed ``compute_logprobs``."""
+QUICK_GRIDS = ([(b, length, p) for b in (1, 32) for length in (8, 32) for p in (6, 30)],
+               [(n, s) for n in (1, 2) for s in (16, 64)], [(rows, s) for rows in (8, 32) for s in (16, 64)])
+"""A smaller grid (tests, a first look): fewer points, the same fits."""
+
+
+def speed_probe(cores: list[int] | None = None, reps: int = 5) -> float:
+    """Median seconds of a fixed single-threaded matmul workload, averaged over ``cores`` (each pinned in turn).
+
+    The machine this runs on may be shared: the probe's time now against its time during ``profile`` is how
+    much slower every cost is now. It restores this process's affinity and thread count.
+    """
+    cores = list(range(os.cpu_count() or 1)) if cores is None else cores
+    affinity, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    a = torch.randn(192, 192)
+    times = []
+    try:
+        torch.set_num_threads(1)
+        for core in cores:
+            os.sched_setaffinity(0, [core])
+            times.append(_median_time(lambda: [a @ a for _ in range(200)], reps))
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    return sum(times) / len(times)
 
 
 def _median_time(fn, reps: int) -> float:
@@ -178,7 +202,7 @@ def _light_costs(cfg: AsyncFlowConfig, model_dir: str) -> LightCosts:
     return LightCosts(reward_per_row_s=per_reward, advantage_per_row_s=per_adv)
 
 
-def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar) -> tuple[CostModel, dict]:
+def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar, grids) -> tuple[CostModel, dict]:
     """Measure one variant: a rollout probe and a trainer probe placed as the mode places them."""
     import ray
 
@@ -188,7 +212,8 @@ def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar) ->
     # async (1 thread): rollout on core 0, the trainer on core 1; sync (2 threads): both on every core.
     rollout_cpus, trainer_cpus = (None, None) if device else (
         ([0], [1 % cores]) if threads == 1 else (list(range(threads)), list(range(threads))))
-    max_len = max(p + length for _, length, p in ROLLOUT_GRID) + 8
+    rollout_grid, train_grid, ref_grid = grids
+    max_len = max(p + length for _, length, p in rollout_grid) + 8
     vllm_cfg = replace(cfg.rollout, max_model_len=max(cfg.rollout.max_model_len, max_len),
                        max_num_seqs=max(cfg.rollout.max_num_seqs, 128), in_process=True, tensor_parallel=1)
     gpu = {"num_gpus": 1} if device else {}
@@ -199,16 +224,16 @@ def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar) ->
     samples: dict[str, list] = {"rollout": [], "train": [], "reference": [], "stage": [], "apply": []}
     try:
         ray.get([rollout.generate.remote(8, 8, 6, 1), trainer.train.remote(1, 16, 1)])  # warm-up: first calls compile
-        for b, length, p in ROLLOUT_GRID:
+        for b, length, p in rollout_grid:
             bar.set_postfix_str(f"{name}: vLLM generate {b} x {length} tokens")
             samples["rollout"].append({"batch": b, "length": length, "prompt": p,
                                        "seconds": ray.get(rollout.generate.remote(b, length, p, reps))})
             bar.update()
-        for n, s in TRAIN_GRID:
+        for n, s in train_grid:
             bar.set_postfix_str(f"{name}: Megatron train_step {n} x {s}")
             samples["train"].append({"micro": n, "seq": s, "seconds": ray.get(trainer.train.remote(n, s, reps))})
             bar.update()
-        for rows, s in REF_GRID:
+        for rows, s in ref_grid:
             bar.set_postfix_str(f"{name}: reference logprobs {rows} x {s}")
             samples["reference"].append({"rows": rows, "seq": s,
                                          "seconds": ray.get(trainer.reference.remote(rows, s, reps))})
@@ -255,8 +280,9 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
     )
 
 
-def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2) -> CostFile:
-    """Measure every variant and write the cost file to ``out``; returns it."""
+def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
+            quick: bool = False) -> CostFile:
+    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``)."""
     import ray
     from tqdm import tqdm
 
@@ -270,15 +296,18 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
              include_dashboard=False, log_to_driver=False)
     models, samples = {}, {}
-    total = len(variants) * (len(ROLLOUT_GRID) + len(TRAIN_GRID) + len(REF_GRID) + 1) + 1
+    grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
+    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1
     try:
         with tqdm(total=total, desc="asyncflow profile", unit="probe") as bar:
             queue, queue_samples = _queue_costs(cfg, reps=20)
             light = _light_costs(cfg, model_dir)
             bar.update()
             for name in variants:
-                models[name], samples[name] = _variant(cfg, model_dir, name, reps, bar)
+                before = speed_probe()
+                models[name], samples[name] = _variant(cfg, model_dir, name, reps, bar, grids)
                 models[name].queue, models[name].light = queue, light
+                models[name].speed_probe_s = (before + speed_probe()) / 2
             samples["queue"] = queue_samples
     finally:
         ray.shutdown()
@@ -289,7 +318,8 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                 "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
                 "torch": torch.__version__, "model": model_dir, "hidden": arch.hidden_size, "layers": arch.num_layers,
                 "vocab": arch.vocab_size, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                "seconds": time.time() - t0, "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+                "seconds": time.time() - t0, "grid": "quick" if quick else "full",
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
     costs = CostFile(models, hardware, samples)
     costs.save(out)
     return costs
