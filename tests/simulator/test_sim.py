@@ -6,6 +6,7 @@ the expected step time can be written down by hand.
 
 import dataclasses
 import itertools
+import json
 import math
 
 import pytest
@@ -151,3 +152,21 @@ def test_fit_recovers_linear_costs_and_never_goes_negative():
     # A noisy grid that plain least squares would fit with a negative intercept: the term is dropped.
     coef = fit([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [0.9, 2.1, 3.2])
     assert min(coef) >= 0 and math.isclose(coef[0], 0.0)
+
+
+def test_replayed_lengths_follow_each_steps_mean(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"step": s, "rollout/tokens": 128 * m, "actor/rows": 128})
+                                 for s, m in enumerate([10, 40])) + "\n")
+    w = _workload(lengths=f"replay:{metrics}", steps=2, prompts_per_step=64, samples_per_prompt=8,
+                  max_new_tokens=400, replay_sigma=0.3)
+    means = [sum(step) / len(step) for step in draw_lengths(w)]
+    assert means[0] == pytest.approx(10, rel=0.1) and means[1] == pytest.approx(40, rel=0.1)
+
+
+def test_rollout_model_registry_names_the_valid_models():
+    from asyncflow.registry import RegistryError
+
+    w = _workload(rollout_model="continuous-someday")
+    with pytest.raises(RegistryError, match="valid: chunked"):
+        simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
