@@ -32,6 +32,10 @@ WARMUP = 2
 CASES = {
     # name: (overrides on top of recipes/tiny_cpu/grpo_async.yaml, response-length spec for the simulator)
     "longtail sync": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0"], None),
+    # Sync with one thread per worker (the workers still take turns on both cores): on a heavily shared machine
+    # two OpenMP threads per worker slow down erratically, and the 1-thread profile variant covers this case.
+    "longtail sync 1 thread": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0",
+                                       "workflow.sync_worker_threads=1"], None),
     "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
     "longtail async k=0": (BASE + ["workflow.mode=async", "workflow.max_staleness=0"], None),
     "longtail async k=2": (BASE + ["workflow.mode=async", "workflow.max_staleness=2"], None),
@@ -40,8 +44,12 @@ CASES = {
                     "workflow.prompts_per_step=16", "workflow.score_chunk=32"], "constant:4"),
     "short async k=1": (["workflow.mode=async", "workflow.max_staleness=1", "trainer.micro_batch_size=32",
                          "workflow.prompts_per_step=16", "workflow.score_chunk=32"], "constant:4"),
+    "short sync 1 thread": (["workflow.mode=sync", "workflow.max_staleness=0", "trainer.micro_batch_size=32",
+                             "workflow.prompts_per_step=16", "workflow.score_chunk=32",
+                             "workflow.sync_worker_threads=1"], "constant:4"),
 }
-RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sync")]
+RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sync"),
+          ("longtail async k=1", "longtail sync 1 thread"), ("short async k=1", "short sync 1 thread")]
 
 
 def measured_throughput(metrics: Path, rows: int, warmup: int = WARMUP) -> float:
@@ -93,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="outputs/bench_simulator")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--no-rescale", action="store_true", help="predict with the costs as profiled")
+    parser.add_argument("--variants", default=None, help="profile only these variants (e.g. 1)")
     args = parser.parse_args(argv)
     out = Path(args.out).resolve()
     from asyncflow.config import load_config
@@ -102,7 +111,7 @@ def main(argv=None) -> int:
     if args.costs is None:
         args.costs = str(out / "costs.json")
         profile(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", BASE + [f"model.path={out / 'model'}"]),
-                args.costs)
+                args.costs, variants=args.variants.split(",") if args.variants else None)
     costs = load_costs(args.costs)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     results = {}
