@@ -65,3 +65,32 @@ def test_candidate_splits_cover_the_devices():
         assert instances * tp + dp * 2 == 64 and 1024 % dp == 0
     model, measured = costs_for_tp(CostFile({"device": MODEL}), 4)
     assert not measured and model.rollout.per_seq_s < MODEL.rollout.per_seq_s
+
+
+def test_scaled_costs_scale_the_simulated_step():
+    from asyncflow.simulator.sim import simulate
+
+    w = Workload(mode="sync", max_staleness=0, steps=4, prompts_per_step=4, samples_per_prompt=4,
+                 rollout_chunk=16, micro_batch_size=4, lengths="constant:8", max_new_tokens=8, placement="devices")
+    base = simulate(w, MODEL).step_time_s
+    assert simulate(w, MODEL.scaled(3.0)).step_time_s == pytest.approx(3 * base)
+
+
+def test_published_h100_decode_step_is_the_weight_read_roofline():
+    from asyncflow.models.arch import GPTArch
+    from asyncflow.recipes_check import load_recipe
+    from asyncflow.simulator import published as pub
+
+    recipe, _ = load_recipe("recipes/qwen2.5-7b")
+    arch: GPTArch = recipe.arch
+    costs = pub.h100_costs(arch, trainer_devices_per_replica=2, seq=5120)
+    one = costs.variant("device-tp1").rollout
+    n = pub.active_params(arch)
+    # Batch 1, no context: the step overhead plus one read of the bf16 weights at 77% of HBM bandwidth, plus
+    # one token's 2 x N FLOPs at a third of peak.
+    step = one.decode_step(1, 0)
+    assert step == pytest.approx(pub.STEP_OVERHEAD_S + 2 * n / (pub.H100_HBM_BYTES_S * pub.MEM_EFFICIENCY)
+                                 + 2 * n / (pub.H100_BF16_FLOPS * pub.INFER_COMPUTE_EFFICIENCY))
+    assert 7e9 < n < 8e9  # Qwen2.5-7B: 7.6 B parameters
+    moe, _ = load_recipe("recipes/qwen3-30b-a3b")
+    assert 2.5e9 < pub.active_params(moe.arch) < 4e9  # "A3B": about 3.3 B active of 30 B
