@@ -34,6 +34,8 @@ CASES = {
     "longtail sync": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0"], None),
     # Sync with one thread per worker (the workers still take turns on both cores): on a heavily shared machine
     # two OpenMP threads per worker slow down erratically, and the 1-thread profile variant covers this case.
+    # vLLM's OpenMP threads follow VLLM_CPU_OMP_THREADS_BIND, not torch's thread count: ``ONE_CORE_ENV`` binds
+    # them to one core, as in the profile.
     "longtail sync 1 thread": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0",
                                        "workflow.sync_worker_threads=1"], None),
     "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
@@ -48,6 +50,8 @@ CASES = {
                              "workflow.prompts_per_step=16", "workflow.score_chunk=32",
                              "workflow.sync_worker_threads=1"], "constant:4"),
 }
+ONE_CORE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+"""Environment of the 1-thread sync runs (``RolloutService`` keeps a bind list that is already set)."""
 RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sync"),
           ("longtail async k=1", "longtail sync 1 thread"), ("short async k=1", "short sync 1 thread")]
 
@@ -80,7 +84,11 @@ def slowdown(costs, probe_s: float, variant: str) -> float:
 
 
 def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
-    """Run the case for real in a fresh process (as ``asyncflow train``); returns its metrics.jsonl."""
+    """Run the case for real in a fresh process (as ``asyncflow train``); returns its metrics.jsonl.
+
+    Ray gives its workers niceness 15 by default; on a machine shared with other jobs at niceness 0 that starved
+    them about 17x, so set ``RAY_worker_niceness=0`` in the environment to compete on equal terms (the profile
+    and the speed probe follow the same variable)."""
     import subprocess
 
     run_dir = out / name.replace(" ", "_").replace("=", "")
@@ -88,6 +96,8 @@ def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
            f"workflow.steps={steps}", f"observability.output_dir={run_dir}", f"model.path={out / 'model'}",
            "observability.progress_every_s=30"]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if "workflow.sync_worker_threads=1" in overrides:
+        env.update(ONE_CORE_ENV)
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode:
         raise RuntimeError(f"{name}: the real run failed\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
