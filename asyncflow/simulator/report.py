@@ -69,7 +69,12 @@ def run(args: argparse.Namespace) -> int:
     w = from_config(cfg, lengths=args.lengths)
     w = dataclasses.replace(w, steps=args.steps or min(w.steps, 50))
     tp = cfg.rollout.tensor_parallel
-    rows = [(name, simulate(v, model_for(costs, v, tp))) for name, v in variants_of(w, cfg)]
+    rows = []
+    for name, v in variants_of(w, cfg):
+        if v.placement == "cpu" and v.variant not in costs.variants:
+            print(f"({name}: skipped, the cost file has no variant {v.variant!r}: threads per worker in that mode)")
+            continue
+        rows.append((name, simulate(v, model_for(costs, v, tp))))
     print(f"predicted from {args.costs} ({costs.hardware.get('host', '?')}), {w.steps} steps, lengths {w.lengths}, "
           f"{w.rows_per_step} rows per step; throughput after {w.warmup_steps} warm-up steps\n")
     print(table(rows))
