@@ -5,6 +5,7 @@ command's behaviour, not the hardware.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from asyncflow.simulator.costs import CostFile, CostModel, RolloutCosts, TrainCo
 from asyncflow.simulator.search import candidate_splits, costs_for_tp
 from asyncflow.simulator.workload import Workload
 
+REPO = Path(__file__).resolve().parents[2]
 MODEL = CostModel(rollout=RolloutCosts(step_s=0.01, per_seq_s=1e-4, per_ctx_token_s=1e-7),
                   train=TrainCosts(per_micro_s=0.01, per_token_s=1e-5, optimizer_s=0.02, ref_per_token_s=3e-6))
 
@@ -36,7 +38,7 @@ def test_cost_file_round_trips(cost_file):
 
 def test_simulate_tiny_recipe_prints_table_and_draws_gantt(cost_file, tmp_path, capsys):
     out = tmp_path / "sim"
-    rc = main(["simulate", "recipes/tiny_cpu/grpo_async.yaml", "workflow.task=add1_longtail",
+    rc = main(["simulate", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), "workflow.task=add1_longtail",
                "rollout.max_new_tokens=128", "trainer.micro_batch_size=32", "workflow.prompts_per_step=16",
                "--costs", str(cost_file), "--steps", "6", "--out", str(out)])
     text = capsys.readouterr().out
@@ -49,7 +51,7 @@ def test_simulate_tiny_recipe_prints_table_and_draws_gantt(cost_file, tmp_path, 
 
 
 def test_split_search_respects_planner_memory(cost_file, tmp_path, capsys):
-    rc = main(["simulate", "recipes/qwen2.5-7b", "workflow.steps=3", "rollout.max_new_tokens=256",
+    rc = main(["simulate", str(REPO / "recipes/qwen2.5-7b"), "workflow.steps=3", "rollout.max_new_tokens=256",
                "rollout.max_model_len=1280", "--costs", str(cost_file), "--out", str(tmp_path),
                "--lengths", "lognormal:64:1"])
     text = capsys.readouterr().out
@@ -81,7 +83,7 @@ def test_published_h100_decode_step_is_the_weight_read_roofline():
     from asyncflow.recipes_check import load_recipe
     from asyncflow.simulator import published as pub
 
-    recipe, _ = load_recipe("recipes/qwen2.5-7b")
+    recipe, _ = load_recipe(REPO / "recipes/qwen2.5-7b")
     arch: GPTArch = recipe.arch
     costs = pub.h100_costs(arch, trainer_devices_per_replica=2, seq=5120)
     one = costs.variant("device-tp1").rollout
@@ -92,5 +94,5 @@ def test_published_h100_decode_step_is_the_weight_read_roofline():
     assert step == pytest.approx(pub.STEP_OVERHEAD_S + 2 * n / (pub.H100_HBM_BYTES_S * pub.MEM_EFFICIENCY)
                                  + 2 * n / (pub.H100_BF16_FLOPS * pub.INFER_COMPUTE_EFFICIENCY))
     assert 7e9 < n < 8e9  # Qwen2.5-7B: 7.6 B parameters
-    moe, _ = load_recipe("recipes/qwen3-30b-a3b")
+    moe, _ = load_recipe(REPO / "recipes/qwen3-30b-a3b")
     assert 2.5e9 < pub.active_params(moe.arch) < 4e9  # "A3B": about 3.3 B active of 30 B
