@@ -4,6 +4,8 @@
     asyncflow demo [CONFIG] [section.key=value ...]     train with Megatron, move weights, generate with vLLM
     asyncflow config show [CONFIG] [section.key=value ...]   print the resolved configuration as YAML
     asyncflow plan RECIPE [section.key=value ...]    per-device memory of a cluster recipe; exit 1 if it does not fit
+    asyncflow profile [CONFIG] [section.key=value ...] --out FILE   measure this machine's cost model (JSON)
+    asyncflow simulate RECIPE --costs FILE [section.key=value ...]  predict a run; search the device split
 """
 
 from __future__ import annotations
@@ -60,6 +62,24 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return run(args.recipe, args.overrides)
 
 
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from asyncflow.simulator.profile import profile
+
+    path, overrides = _split_config_and_overrides(args.items)
+    variants = args.variants.split(",") if args.variants else None
+    costs = profile(load_config(path, overrides), args.out, variants=variants, reps=args.reps, quick=args.quick)
+    print(f"wrote {args.out}: variants {', '.join(costs.variants)} in {costs.hardware['seconds']:.0f} s "
+          f"(load average before/after {costs.hardware['loadavg_before'][0]:.1f}/"
+          f"{costs.hardware['loadavg_after'][0]:.1f})", flush=True)
+    return 0
+
+
+def _cmd_simulate(args: argparse.Namespace) -> int:
+    from asyncflow.simulator.report import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and documentation)."""
     parser = argparse.ArgumentParser(prog="asyncflow", description=__doc__,
@@ -82,6 +102,30 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe", metavar="RECIPE", help="recipe directory (recipes/<model>)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, as for the launcher")
     plan.set_defaults(func=_cmd_plan)
+
+    prof = sub.add_parser("profile", help="measure this machine's cost model (rollout, trainer, weight sync, "
+                          "TransferQueue) along the real code paths and write it as JSON")
+    prof.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="optional YAML file, then overrides")
+    prof.add_argument("--out", default="outputs/costs.json", help="cost file to write")
+    prof.add_argument("--variants", default=None,
+                      help="comma-separated: threads per worker on CPU (default 1,2), or 'device' on a GPU node")
+    prof.add_argument("--reps", type=int, default=2, help="timings per grid point (the median is kept)")
+    prof.add_argument("--quick", action="store_true", help="a smaller measurement grid (about half the time)")
+    prof.set_defaults(func=_cmd_profile)
+
+    simulate = sub.add_parser("simulate", help="discrete-event prediction of a run (step time, samples/s, idle, "
+                              "version lag), a Gantt chart, and the best device split")
+    simulate.add_argument("recipe", metavar="RECIPE", help="recipe directory (recipes/<model>) or YAML config")
+    simulate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    simulate.add_argument("--costs", required=True, help="cost file from asyncflow profile")
+    simulate.add_argument("--lengths", default=None,
+                          help="response lengths: constant:N, lognormal:MEDIAN:SIGMA or replay:metrics.jsonl")
+    simulate.add_argument("--steps", type=int, default=None, help="simulated steps (default: workflow.steps, "
+                          "at most 50)")
+    simulate.add_argument("--devices", type=int, default=None,
+                          help="search the split of this many devices between rollout and training")
+    simulate.add_argument("--out", default="outputs/simulate", help="folder for timeline.png / timeline.json")
+    simulate.set_defaults(func=_cmd_simulate)
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)

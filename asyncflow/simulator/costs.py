@@ -1,0 +1,178 @@
+"""The cost model of one kind of hardware: what each RL task costs, as a few linear terms.
+
+``asyncflow profile`` measures it on the machine it runs on and writes it as JSON; the simulator reads
+it. Every term is a least-squares fit of real timings (``fit``), and the file keeps the raw samples so
+that a fit can be checked. One file holds a ``CostModel`` per *variant*: on CPU a variant is a number of
+threads per heavy worker (async runs pin workers to one core each, sync runs give each worker every core
+in turn); on a GPU node it is one device per rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from asyncflow import config_loader
+
+
+@dataclasses.dataclass
+class RolloutCosts:
+    """One rollout engine instance. A decode step over ``B`` running sequences that attend to ``C`` KV tokens
+    in total costs ``step_s + per_seq_s * B + per_ctx_token_s * C``; prefill costs ``prefill_per_token_s``
+    per prompt token; each request costs ``per_request_s`` (tokenising, scheduling, output processing)."""
+
+    step_s: float = 0.0
+    """Fixed cost of one engine step (scheduler, sampler launch, Python)."""
+    per_seq_s: float = 0.0
+    """Cost per running sequence per decode step (the weight-streaming GEMVs amortise over these)."""
+    per_ctx_token_s: float = 0.0
+    """Cost per attended KV-cache token per decode step (attention)."""
+    prefill_per_token_s: float = 0.0
+    """Cost per prompt token of prefill."""
+    per_request_s: float = 0.0
+    """Fixed cost per request (added and finished)."""
+
+    def decode_step(self, batch: int, ctx_tokens: float) -> float:
+        """Seconds of one decode step over ``batch`` sequences attending to ``ctx_tokens`` tokens in total."""
+        return self.step_s + self.per_seq_s * batch + self.per_ctx_token_s * ctx_tokens
+
+
+@dataclasses.dataclass
+class TrainCosts:
+    """One Megatron data-parallel replica at the recipe's TP x PP layout (its ranks work together)."""
+
+    per_micro_s: float = 0.0
+    """Fixed cost of one micro-batch forward + backward (schedule, launch, loss)."""
+    per_token_s: float = 0.0
+    """Forward + backward per (padded) token of a micro-batch."""
+    optimizer_s: float = 0.0
+    """Gradient finalisation and one optimizer step."""
+    ref_per_call_s: float = 0.0
+    """Fixed cost of one reference (forward-only) log-prob call."""
+    ref_per_token_s: float = 0.0
+    """Reference forward per (padded) token."""
+
+
+@dataclasses.dataclass
+class WeightSyncCosts:
+    """The loop's weight path (``asyncflow.bridge.staging``): stage on the trainer, apply on rollout."""
+
+    stage_fixed_s: float = 0.0
+    """Fixed cost of staging one version (per exporting rank, ranks in parallel)."""
+    stage_per_byte_s: float = 0.0
+    """Staging cost per byte of one exporting rank's shards."""
+    apply_fixed_s: float = 0.0
+    """Fixed cost of applying one version in a rollout engine (reload, prefix-cache reset)."""
+    apply_per_byte_s: float = 0.0
+    """Apply cost per byte a rollout rank reads."""
+
+
+@dataclasses.dataclass
+class QueueCosts:
+    """The TransferQueue client: per request and per byte (put and get alike)."""
+
+    per_request_s: float = 0.0
+    """Round trip of one put or get (controller and storage-unit messages)."""
+    per_byte_s: float = 0.0
+    """Per payload byte."""
+
+    def request(self, nbytes: float) -> float:
+        """Seconds of one request moving ``nbytes``."""
+        return self.per_request_s + self.per_byte_s * nbytes
+
+
+@dataclasses.dataclass
+class LightCosts:
+    """The light CPU tasks (reward function, advantage estimator), per row."""
+
+    reward_per_row_s: float = 0.0
+    """Reward function per response."""
+    advantage_per_row_s: float = 0.0
+    """Advantage estimator per row."""
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Every cost of one variant of one machine (one ``asyncflow profile`` measurement)."""
+
+    rollout: RolloutCosts = dataclasses.field(default_factory=RolloutCosts)
+    """The rollout engine."""
+    train: TrainCosts = dataclasses.field(default_factory=TrainCosts)
+    """The trainer and the reference forward."""
+    weight_sync: WeightSyncCosts = dataclasses.field(default_factory=WeightSyncCosts)
+    """The weight path."""
+    queue: QueueCosts = dataclasses.field(default_factory=QueueCosts)
+    """The TransferQueue."""
+    light: LightCosts = dataclasses.field(default_factory=LightCosts)
+    """Reward and advantage."""
+    weight_bytes: float = 0.0
+    """Bytes of one exporting rank's weights as staged (the profiled model; ``Workload`` may override)."""
+    speed_probe_s: float = 0.0
+    """Seconds of ``profile.speed_probe`` (a fixed single-core workload) while this variant was measured; on a
+    shared machine, the probe before a run over this value says how much slower the machine is now (0: none)."""
+
+    def scaled(self, factor: float) -> CostModel:
+        """Every time term multiplied by ``factor`` (the machine is ``factor`` times slower than when profiled)."""
+        def scale(section):
+            return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
+                                                   for f in dataclasses.fields(section)})
+
+        return dataclasses.replace(self, rollout=scale(self.rollout), train=scale(self.train),
+                                   weight_sync=scale(self.weight_sync), queue=scale(self.queue),
+                                   light=scale(self.light), speed_probe_s=self.speed_probe_s * factor)
+
+
+@dataclasses.dataclass
+class CostFile:
+    """A cost file: ``CostModel`` per variant, where it was measured, and the raw samples of each fit."""
+
+    variants: dict[str, CostModel]
+    """Variant name (CPU: threads per heavy worker, ``"1"``, ``"2"``; devices: ``"device"``) -> costs."""
+    hardware: dict = dataclasses.field(default_factory=dict)
+    """What was measured on (host, CPU, devices, model) and when."""
+    samples: dict = dataclasses.field(default_factory=dict)
+    """Raw measurements behind each fit, per variant (for checking, never read by the simulator)."""
+
+    def variant(self, name: str | int) -> CostModel:
+        """The costs of variant ``name``; an unknown name is an error listing the valid ones."""
+        key = str(name)
+        if key not in self.variants:
+            raise KeyError(f"cost file has no variant {key!r}; it has {sorted(self.variants)}")
+        return self.variants[key]
+
+    def save(self, path: str | Path) -> Path:
+        """Write the file as JSON."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=2))
+        return path
+
+
+def load_costs(path: str | Path) -> CostFile:
+    """Read a cost file written by ``CostFile.save`` (types checked, unknown keys rejected)."""
+    data = json.loads(Path(path).read_text())
+    variants = {k: config_loader.build(CostModel, v) for k, v in data.get("variants", {}).items()}
+    if not variants:
+        raise ValueError(f"{path}: no cost variants")
+    return CostFile(variants, data.get("hardware", {}), data.get("samples", {}))
+
+
+def fit(features: list[list[float]], seconds: list[float]) -> list[float]:
+    """Non-negative least squares of ``seconds ~ features @ coef`` (a cost is never negative).
+
+    Plain least squares can give a negative term when two features are nearly collinear on a small grid;
+    the active-set loop drops such terms and refits (Lawson-Hanson in its simplest form, enough for 2-5 terms).
+    """
+    x, y = np.asarray(features, dtype=float), np.asarray(seconds, dtype=float)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        sol, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        if (sol >= 0).all():
+            coef[active] = sol
+            break
+        active.pop(int(np.argmin(sol)))
+    return coef.tolist()

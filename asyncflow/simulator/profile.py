@@ -1,0 +1,342 @@
+"""``asyncflow profile [CONFIG] [section.key=value ...] --out FILE``: measure this machine's cost model.
+
+Every number comes from the code the loop runs, in Ray actors placed like the loop's workers:
+
+- rollout: ``VllmRollout.generate`` (the real vLLM engine, driven step by step as ``RolloutService`` does)
+  over a grid of batch sizes, response lengths and prompt lengths, fitted to ``RolloutCosts``;
+- trainer: ``MegatronActor.train_step`` with the loop's objective (``make_objective``) over micro-batch
+  counts and sequence lengths, and ``compute_logprobs`` (the reference task's call), fitted to ``TrainCosts``;
+- weights: the actor's ``weight_stager`` (``bridge.staging``) staging a version, and the rollout engine's
+  ``apply_staged`` reading it from the trainer's shared-memory segment (another process, as in the loop);
+- TransferQueue: the real client against a started TransferQueue, puts and gets of small and large rows;
+- reward and advantage functions per row.
+
+Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
+them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
+The tiny CPU model takes a few minutes; a progress bar shows each measurement.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from asyncflow.config import AsyncFlowConfig, replace
+from asyncflow.simulator.costs import (
+    CostFile,
+    CostModel,
+    LightCosts,
+    QueueCosts,
+    RolloutCosts,
+    TrainCosts,
+    WeightSyncCosts,
+    fit,
+)
+
+ROLLOUT_GRID = [(b, length, p) for b in (1, 8, 32, 128) for length in (16, 64) for p in (6, 30)]
+"""(batch, response tokens, prompt tokens) of each timed ``generate`` call."""
+TRAIN_GRID = [(n, s) for n in (1, 4) for s in (16, 64, 136)]
+"""(micro-batches, sequence length) of each timed ``train_step``."""
+REF_GRID = [(rows, s) for rows in (8, 32) for s in (16, 64, 136)]
+"""(rows, sequence length) of each timed ``compute_logprobs``."""
+QUICK_GRIDS = ([(b, length, p) for b in (1, 32) for length in (8, 32) for p in (6, 30)],
+               [(n, s) for n in (1, 2) for s in (16, 64)], [(rows, s) for rows in (8, 32) for s in (16, 64)])
+"""A smaller grid (tests, a first look): fewer points, the same fits."""
+
+
+RAY_WORKER_NICENESS = 15
+"""The niceness Ray's raylet gives its worker processes (``RAY_worker_niceness``; 15 in Ray 2.60): every
+engine of the loop and of the profile runs at it, and on a shared machine niced processes are slowed far
+more than normal ones, so the speed probe runs at it too."""
+_PROBE = """
+import os, sys, time, statistics, torch
+torch.set_num_threads(1)
+a = torch.randn(192, 192)
+out = []
+for core in map(int, sys.argv[1].split(",")):
+    os.sched_setaffinity(0, [core])
+    times = []
+    for _ in range(int(sys.argv[2])):
+        t0 = time.perf_counter()
+        [a @ a for _ in range(100)]
+        times.append(time.perf_counter() - t0)
+    out.append(statistics.median(times))
+print(sum(out) / len(out))
+"""
+
+
+def speed_probe(cores: list[int] | None = None, reps: int = 3) -> float:
+    """Median seconds of a fixed single-threaded matmul workload, averaged over ``cores`` (pinned in turn), in a
+    child process at Ray workers' niceness.
+
+    The machine this runs on may be shared: the probe's time now against its time during ``profile`` is how
+    much slower every cost is now.
+    """
+    import subprocess
+    import sys
+
+    cores = list(range(os.cpu_count() or 1)) if cores is None else cores
+    niceness = int(os.environ.get("RAY_worker_niceness", RAY_WORKER_NICENESS))
+    proc = subprocess.run([sys.executable, "-c", _PROBE, ",".join(map(str, cores)), str(reps)], capture_output=True,
+                          text=True, timeout=600, check=True, preexec_fn=lambda: os.nice(niceness))
+    return float(proc.stdout.strip().splitlines()[-1])
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class RolloutProbe:
+    """A Ray actor around the real vLLM rollout engine."""
+
+    def __init__(self, vllm_cfg, model_dir: str, threads: int, cpus: list[int] | None):
+        if cpus:  # as RolloutService: pin, and bind vLLM's OpenMP threads to these cores
+            os.sched_setaffinity(0, cpus)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cpus)))
+        torch.set_num_threads(threads)
+        from asyncflow.engines.vllm.rollout import VllmRollout
+
+        self.engine = VllmRollout(vllm_cfg, model_dir)
+
+    def generate(self, batch: int, length: int, prompt: int, reps: int) -> float:
+        """Median seconds of ``generate`` for ``batch`` prompts of ``prompt`` tokens, ``length`` tokens each."""
+        gen = torch.Generator().manual_seed(batch * 1000 + length + prompt)
+        prompts = [torch.randint(4, 14, (prompt,), generator=gen).tolist() for _ in range(batch)]
+        # Distinct prompts and a reset prefix cache: GRPO groups share prefixes, but prefill is what is timed.
+        return _median_time(lambda: (self.engine.llm.reset_prefix_cache(),
+                                     self.engine.generate(prompts, max_new_tokens=[length] * batch, ignore_eos=True)),
+                            reps)
+
+    def apply(self, staging: dict, version: int) -> tuple[float, float]:
+        """Seconds and bytes per rank of ``apply_staged`` (the loop's path)."""
+        t0 = time.perf_counter()
+        stats = self.engine.apply_staged(staging, version)
+        return time.perf_counter() - t0, float(max(stats["bytes_per_rank"]))
+
+    def close(self) -> None:
+        """Stop the engine."""
+        self.engine.close()
+
+
+class TrainerProbe:
+    """A Ray actor around the real Megatron actor engine (a world of one rank)."""
+
+    def __init__(self, megatron_cfg, algo, model_dir: str, max_new_tokens: int, threads: int, cpus: list[int] | None):
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+        from asyncflow.algorithms.objective import make_objective
+        from asyncflow.engines.base import make_train_engine
+
+        self.engine = make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir)
+        self.loss_fn = make_objective(algo, max_new_tokens)
+        self.mbs = megatron_cfg.micro_batch_size
+        self.vocab = self.engine.arch.vocab_size
+        self.stager, self.plan = self.engine.weight_stager(512.0, f"prof{os.getpid()}")
+        self.version = 0
+
+    def _micro_batch(self, seq: int, prompt: int = 6) -> dict:
+        """What ``batching.to_micro_batch`` makes of ``mbs`` rows of ``seq`` tokens (random ids)."""
+        tokens = torch.randint(4, self.vocab, (self.mbs, seq))
+        mask = torch.zeros(self.mbs, seq - 1)
+        mask[:, prompt - 1:] = 1.0
+        return {"tokens": tokens, "mask": mask, "advantages": torch.randn(self.mbs, 1) * mask,
+                "behaviour_logprobs": -torch.rand(self.mbs, seq - 1) * mask, "ref_logprobs": -torch.rand(
+                    self.mbs, seq - 1) * mask, "lag": torch.zeros(self.mbs, dtype=torch.long)}
+
+    def train(self, micro: int, seq: int, reps: int) -> float:
+        """Median seconds of one ``train_step`` over ``micro`` micro-batches of ``seq`` tokens."""
+        batches = [self._micro_batch(seq) for _ in range(micro)]
+        return _median_time(lambda: self.engine.train_step(iter(batches), micro, self.loss_fn), reps)
+
+    def reference(self, rows: int, seq: int, reps: int) -> float:
+        """Median seconds of ``compute_logprobs`` over ``rows`` rows of ``seq`` tokens."""
+        tokens = torch.randint(4, self.vocab, (rows, seq))
+        return _median_time(lambda: self.engine.compute_logprobs(tokens), reps)
+
+    def stage(self) -> tuple[float, float, dict, int]:
+        """Seconds and bytes of staging the next version, the staging description for a reader, the version."""
+        from asyncflow.bridge.staging import source_key
+
+        self.version += 1
+        stats = self.stager.stage(self.version)
+        staging = {"plan": self.plan, "segments": {source_key(self.stager.rank): self.stager.segment}}
+        return stats.seconds, float(stats.bytes), staging, self.version
+
+    def close(self) -> None:
+        """Remove the staging segment."""
+        self.stager.close()
+
+
+def _queue_costs(cfg: AsyncFlowConfig, reps: int) -> tuple[QueueCosts, list]:
+    """Put + get round trips of the real client, small and large rows, fitted per request and per byte."""
+    from asyncflow import transfer_queue
+
+    samples = []
+    with transfer_queue.start(cfg.transfer_queue) as tq:
+        client = tq.client()
+        try:
+            for i, (rows, width) in enumerate([(1, 8), (16, 8), (16, 4096), (64, 16384)]):
+                part = f"profile-{i}"
+                client.create_partition(part, consumers=["probe"], expected_rows=rows * reps, auto_clear=True)
+                payload = [torch.randn(width) for _ in range(rows)]
+                nbytes = rows * width * 4
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    client.put(part, {"x": payload})
+                    client.get(part, "probe", ["x"], rows, timeout=30)
+                seconds = (time.perf_counter() - t0) / reps / 2  # one put and one get
+                samples.append({"rows": rows, "bytes": nbytes, "seconds": seconds})
+        finally:
+            client.close()
+    per_request, per_byte = fit([[1.0, s["bytes"]] for s in samples], [s["seconds"] for s in samples])
+    return QueueCosts(per_request_s=per_request, per_byte_s=per_byte), samples
+
+
+def _light_costs(cfg: AsyncFlowConfig, model_dir: str) -> LightCosts:
+    """The reward function and the advantage estimator per row, in this process."""
+    from transformers import AutoTokenizer
+
+    from asyncflow.algorithms import compute_advantages
+    from asyncflow.rewards import make_reward_fn
+
+    reward = make_reward_fn(cfg.algorithm.reward, AutoTokenizer.from_pretrained(model_dir))
+    prompt, response = [2, 7, 8, 9, 10, 18], [8, 9, 10, 11]
+    rows = 256
+    per_reward = _median_time(lambda: [reward(prompt, response) for _ in range(rows)], 3) / rows
+    rewards, groups = torch.rand(rows), torch.arange(rows) // cfg.workflow.samples_per_prompt
+    per_adv = _median_time(lambda: compute_advantages(cfg.algorithm.advantage, rewards, groups), 3) / rows
+    return LightCosts(reward_per_row_s=per_reward, advantage_per_row_s=per_adv)
+
+
+def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar, grids) -> tuple[CostModel, dict]:
+    """Measure one variant: a rollout probe and a trainer probe placed as the mode places them."""
+    import ray
+
+    device = name == "device"
+    threads = 1 if device else int(name)
+    cores = os.cpu_count() or 2
+    # async (1 thread): rollout on core 0, the trainer on core 1; sync (2 threads): both on every core.
+    rollout_cpus, trainer_cpus = (None, None) if device else (
+        ([0], [1 % cores]) if threads == 1 else (list(range(threads)), list(range(threads))))
+    rollout_grid, train_grid, ref_grid = grids
+    max_len = max(p + length for _, length, p in rollout_grid) + 8
+    vllm_cfg = replace(cfg.rollout, max_model_len=max(cfg.rollout.max_model_len, max_len),
+                       max_num_seqs=max(cfg.rollout.max_num_seqs, 128), in_process=True, tensor_parallel=1)
+    gpu = {"num_gpus": 1} if device else {}
+    rollout = ray.remote(RolloutProbe).options(num_cpus=0, **gpu).remote(vllm_cfg, model_dir, threads, rollout_cpus)
+    trainer = ray.remote(TrainerProbe).options(num_cpus=0, **gpu).remote(
+        replace(cfg.trainer, tensor_parallel=1, pipeline_parallel=1, data_parallel=1), cfg.algorithm, model_dir,
+        cfg.rollout.max_new_tokens, threads, trainer_cpus)
+    samples: dict[str, list] = {"rollout": [], "train": [], "reference": [], "stage": [], "apply": []}
+    try:
+        ray.get([rollout.generate.remote(8, 8, 6, 1), trainer.train.remote(1, 16, 1)])  # warm-up: first calls compile
+        for b, length, p in rollout_grid:
+            bar.set_postfix_str(f"{name}: vLLM generate {b} x {length} tokens")
+            samples["rollout"].append({"batch": b, "length": length, "prompt": p,
+                                       "seconds": ray.get(rollout.generate.remote(b, length, p, reps))})
+            bar.update()
+        for n, s in train_grid:
+            bar.set_postfix_str(f"{name}: Megatron train_step {n} x {s}")
+            samples["train"].append({"micro": n, "seq": s, "seconds": ray.get(trainer.train.remote(n, s, reps))})
+            bar.update()
+        for rows, s in ref_grid:
+            bar.set_postfix_str(f"{name}: reference logprobs {rows} x {s}")
+            samples["reference"].append({"rows": rows, "seq": s,
+                                         "seconds": ray.get(trainer.reference.remote(rows, s, reps))})
+            bar.update()
+        for _ in range(max(reps, 3)):
+            bar.set_postfix_str(f"{name}: stage + apply weights")
+            seconds, nbytes, staging, version = ray.get(trainer.stage.remote())
+            samples["stage"].append({"bytes": nbytes, "seconds": seconds})
+            applied, read = ray.get(rollout.apply.remote(staging, version))
+            samples["apply"].append({"bytes": read, "seconds": applied})
+        bar.update()
+    finally:
+        for probe in (trainer, rollout):
+            try:
+                ray.get(probe.close.remote(), timeout=60)
+            except Exception:  # a probe that died: killing it is all that is left
+                pass
+            ray.kill(probe)
+    return _fit_variant(samples, cfg.trainer.micro_batch_size), samples
+
+
+def _fit_variant(samples: dict, mbs: int) -> CostModel:
+    """Least-squares costs of one variant's samples (features as ``rollout_models.engine_batch`` sums them)."""
+    feats = [[s["length"], s["batch"] * s["length"],
+              s["batch"] * (s["length"] * s["prompt"] + s["length"] * (s["length"] - 1) / 2),
+              s["batch"] * s["prompt"], s["batch"]] for s in samples["rollout"]]
+    step, per_seq, per_ctx, prefill, per_req = fit(feats, [s["seconds"] for s in samples["rollout"]])
+    # engine_batch charges per_seq on the prefill step as well: B x L sequence-steps in all, as fitted.
+    per_micro, per_token, opt = fit([[s["micro"], s["micro"] * mbs * s["seq"], 1.0] for s in samples["train"]],
+                                    [s["seconds"] for s in samples["train"]])
+    ref_call, ref_token = fit([[1.0, s["rows"] * s["seq"]] for s in samples["reference"]],
+                              [s["seconds"] for s in samples["reference"]])
+    stage = statistics.median(s["seconds"] for s in samples["stage"])
+    apply = statistics.median(s["seconds"] for s in samples["apply"])
+    nbytes = samples["stage"][0]["bytes"]
+    return CostModel(
+        rollout=RolloutCosts(step_s=step, per_seq_s=per_seq, per_ctx_token_s=per_ctx, prefill_per_token_s=prefill,
+                             per_request_s=per_req),
+        # One sample size only: the whole measured time is charged per byte (no fixed term is separable).
+        train=TrainCosts(per_micro_s=per_micro, per_token_s=per_token, optimizer_s=opt, ref_per_call_s=ref_call,
+                         ref_per_token_s=ref_token),
+        weight_sync=WeightSyncCosts(stage_per_byte_s=stage / nbytes, apply_per_byte_s=apply / nbytes),
+        weight_bytes=nbytes,
+    )
+
+
+def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
+            quick: bool = False) -> CostFile:
+    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``)."""
+    import ray
+    from tqdm import tqdm
+
+    from asyncflow.workflow.loop import _model_dir
+
+    model_dir = str(_model_dir(cfg))
+    if variants is None:
+        variants = ["device"] if torch.cuda.is_available() else ["1", "2"]
+    load_before = os.getloadavg()
+    t0 = time.time()
+    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
+             include_dashboard=False, log_to_driver=False)
+    models, samples = {}, {}
+    grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
+    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1
+    try:
+        with tqdm(total=total, desc="asyncflow profile", unit="probe") as bar:
+            queue, queue_samples = _queue_costs(cfg, reps=20)
+            light = _light_costs(cfg, model_dir)
+            bar.update()
+            for name in variants:
+                before = speed_probe()
+                models[name], samples[name] = _variant(cfg, model_dir, name, reps, bar, grids)
+                models[name].queue, models[name].light = queue, light
+                models[name].speed_probe_s = (before + speed_probe()) / 2
+            samples["queue"] = queue_samples
+    finally:
+        ray.shutdown()
+    from asyncflow.models.arch import GPTArch
+
+    arch = GPTArch.from_pretrained(model_dir)
+    hardware = {"host": platform.node(), "machine": platform.machine(), "cpus": os.cpu_count(),
+                "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+                "torch": torch.__version__, "model": model_dir, "hidden": arch.hidden_size, "layers": arch.num_layers,
+                "vocab": arch.vocab_size, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "seconds": time.time() - t0, "grid": "quick" if quick else "full",
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+    costs = CostFile(models, hardware, samples)
+    costs.save(out)
+    return costs

@@ -1,0 +1,326 @@
+"""The simulated pipeline: the same tasks, TransferQueue streaming, staleness bound and weight publication as
+``asyncflow.workflow.loop``, on simulated devices with measured costs.
+
+    prompts ─► TQ[step s] ─► rollout (admitted once version >= s - k; applies the newest) ─► reward ─► advantage ─┐
+                         └──────────────────────────────► reference ──────────────────────────────────────────┤
+                                                                                                               ▼
+              version v+1 ◄── stage weights ◄── optimizer ◄── ppo_epochs passes ◄── micro-batches as rows are ready
+
+Every task takes rows from the simulated TransferQueue with the real client's rule (a get returns
+``batch_size`` rows whose fields exist, or the last partial batch of a complete step; the advantage task
+takes whole groups), spends time on its device and puts its field back. ``async``: every service loops
+over steps on its own; ``sync``: the driver runs them one after another per step. ``simulate`` returns
+step times, samples/s, idle fraction per task and the version lag of every trained row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict, deque
+
+from asyncflow.observability.timeline import Timeline
+from asyncflow.simulator.costs import CostModel
+from asyncflow.simulator.events import Device, Event, Sim
+from asyncflow.simulator.rollout_models import ROLLOUT_MODELS
+from asyncflow.simulator.workload import Workload, draw_lengths
+from asyncflow.workflow.batching import fit_seq_len
+from asyncflow.workflow.board import admitted_version
+
+TASK_FIELDS = {"rollout": ("prompt",), "reward": ("response",), "reference": ("response",),
+               "advantage": ("reward",), "actor": ("advantage",), "actor+ref": ("advantage", "ref")}
+"""The fields each simulated task reads (``services`` and ``train_services`` read the real ones)."""
+
+
+class SimQueue:
+    """The TransferQueue's readiness rules over simulated rows (ids ``0 .. rows_per_step-1`` per step).
+
+    Each task keeps a queue of the rows (or whole groups) that became ready for it, in the order they did,
+    so a request costs what it takes, not a scan of the step.
+    """
+
+    def __init__(self, sim: Sim, w: Workload, tasks: dict[str, tuple[str, ...]]):
+        self.sim, self.w, self.tasks = sim, w, tasks
+        self.have: dict[int, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
+        self.versions: dict[int, dict[int, int]] = defaultdict(dict)
+        self.queues: dict[tuple[int, str], deque] = defaultdict(deque)
+        self.taken: dict[tuple[int, str], int] = defaultdict(int)
+        self.group_ready: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
+        self.waiters: dict[tuple[int, str], tuple] = {}
+
+    def put(self, step: int, field: str, rows: list[int], version: int | None = None) -> None:
+        """Rows of ``step`` now hold ``field`` (``version``: the weights that generated them)."""
+        have, group = self.have[step], self.w.samples_per_prompt
+        for row in rows:
+            have[row].add(field)
+            if version is not None:
+                self.versions[step][row] = version
+        for task, fields in self.tasks.items():
+            if field not in fields:
+                continue
+            key, grouped = (step, task), task == "advantage"
+            for row in rows:
+                if all(f in have[row] for f in fields):
+                    if not grouped:
+                        self.queues[key].append(row)
+                        continue
+                    counts = self.group_ready[key]
+                    counts[row // group] += 1
+                    if counts[row // group] == group:  # the advantage task takes whole groups
+                        self.queues[key].extend(range(row // group * group, (row // group + 1) * group))
+            if key in self.waiters and self._serve(key, *self.waiters[key]):
+                del self.waiters[key]
+
+    def take(self, step: int, task: str, n: int) -> Event:
+        """An event with up to ``n`` rows of ``step`` ready for ``task`` that it has not taken (whole groups for
+        the advantage task); ``[]`` once every row of the step is taken (the real client's rule: a full batch,
+        or the last partial one)."""
+        ev = self.sim.event()
+        key = (step, task)
+        if task == "advantage":
+            n = max(n // self.w.samples_per_prompt, 1) * self.w.samples_per_prompt
+        if not self._serve(key, n, ev):
+            self.waiters[key] = (n, ev)
+        return ev
+
+    def _serve(self, key, n: int, ev: Event) -> bool:
+        remaining = self.w.rows_per_step - self.taken[key]
+        queue = self.queues[key]
+        if remaining and len(queue) < n and len(queue) < remaining:
+            return False
+        rows = [queue.popleft() for _ in range(min(n, len(queue)))]
+        self.taken[key] += len(rows)
+        ev.succeed(rows)
+        return True
+
+
+class SimBoard:
+    """The version board: the newest published weight version and the rollouts waiting for one."""
+
+    def __init__(self, sim: Sim):
+        self.sim, self.version, self._waiters = sim, 0, []
+        self.published_at = {0: 0.0}
+
+    def publish(self, version: int) -> None:
+        """Weights ``version`` are staged and complete."""
+        self.version = version
+        self.published_at[version] = self.sim.now
+        ready = [(v, ev) for v, ev in self._waiters if v <= version]
+        self._waiters = [(v, ev) for v, ev in self._waiters if v > version]
+        for _, ev in ready:
+            ev.succeed(version)
+
+    def wait(self, version: int) -> Event:
+        """An event once a version >= ``version`` is published."""
+        ev = self.sim.event()
+        if self.version >= version:
+            return ev.succeed(self.version)
+        self._waiters.append((version, ev))
+        return ev
+
+
+@dataclasses.dataclass
+class SimResult:
+    """What a simulation predicts."""
+
+    workload: Workload
+    step_end_s: list[float]
+    """When each step's new weights were published (seconds from the start)."""
+    samples_per_s: float
+    """Trained rows per second after the first ``workload.warmup_steps`` steps."""
+    step_time_s: float
+    """Mean seconds per step after the warm-up steps."""
+    idle_fraction: dict[str, float]
+    """Per task: 1 - busy time / the run's span (as ``Timeline.idle_fractions`` reports real runs)."""
+    lags: list[list[int]]
+    """Per step: the version lag (training version - generating version) of every trained row."""
+    timeline: Timeline
+    """Every simulated span, for ``plot_gantt`` and the Chrome trace."""
+
+    @property
+    def lag_mean(self) -> float:
+        """Mean version lag over every trained row."""
+        flat = [x for step in self.lags for x in step]
+        return sum(flat) / max(len(flat), 1)
+
+    @property
+    def lag_max(self) -> int:
+        """Largest version lag of any trained row."""
+        return max((x for step in self.lags for x in step), default=0)
+
+
+class Pipe:
+    """One simulation: the clock, devices, queue, board, the drawn lengths and the recorded spans."""
+
+    def __init__(self, w: Workload, costs: CostModel, lengths: list[list[int]] | None = None):
+        self.w, self.costs, self.sim = w, costs, Sim()
+        tasks = {t: TASK_FIELDS[t] for t in ("rollout", "reward", "advantage")}
+        tasks["actor"] = TASK_FIELDS["actor+ref" if w.reference else "actor"]
+        if w.reference:
+            tasks["reference"] = TASK_FIELDS["reference"]
+        self.tq, self.board = SimQueue(self.sim, w, tasks), SimBoard(self.sim)
+        self.lengths = lengths or draw_lengths(w)
+        self.served = [0] * w.rollout_instances  # the version each rollout instance serves
+        self.timeline = Timeline(clock=lambda: self.sim.now)
+        self.devices: dict[str, Device] = {}
+        self.step_end: list[float] = []
+        self.lags: list[list[int]] = []
+        for step in range(w.steps):
+            self.tq.put(step, "prompt", list(range(w.rows_per_step)))
+
+    def device(self, task: str, instance: int = 0) -> Device:
+        """The device ``task`` runs on (``Workload.placement``); tasks that share one split its speed."""
+        w = self.w
+        if task in ("reward", "advantage"):
+            name = f"cpu-{task}"  # light tasks: a host core each, never the bottleneck
+        elif w.placement == "cpu":
+            if w.mode == "sync":
+                name = "cores"  # colocated: every worker takes its turn on all cores
+            else:  # workflow.placement: rollout and the reference on core 0, the actor on the others
+                name = "core0" if task in ("rollout", "reference") else "core1+"
+        else:
+            name = f"rollout{instance}" if task == "rollout" else "trainer"
+        if name not in self.devices:
+            self.devices[name] = Device(self.sim, name)
+        return self.devices[name]
+
+    def span(self, group: str, name: str, worker: int, start: float, **args) -> None:
+        """Record ``[start, now]`` of ``group``'s ``worker`` on the timeline."""
+        self.timeline.add(group, name, start, self.sim.now, worker, args)
+
+    def padded(self, step: int, rows: list[int]) -> int:
+        """Tokens of a micro-batch of ``rows`` as the trainer pads it (``batching.fit_seq_len``)."""
+        w = self.w
+        if w.fixed_shape:
+            return len(rows) * w.seq_cap
+        prompts = [[0] * w.prompt_len] * len(rows)
+        responses = [[0] * self.lengths[step][r] for r in rows]
+        return len(rows) * fit_seq_len(prompts, responses, w.seq_cap)
+
+
+# ------------------------------------------------------------------------------------------ tasks
+def rollout_step(pipe: Pipe, instance: int, step: int):
+    """Admission under the staleness bound, the newest weights applied, then the rollout model."""
+    w, start = pipe.w, pipe.sim.now
+    yield pipe.board.wait(admitted_version(step, w.max_staleness))
+    if pipe.sim.now > start:
+        pipe.span("rollout", "wait_weights", instance, start)
+    newest = pipe.board.version
+    if newest != pipe.served[instance]:
+        start, ws = pipe.sim.now, pipe.costs.weight_sync
+        yield pipe.device("rollout", instance).run(ws.apply_fixed_s + ws.apply_per_byte_s * pipe.costs.weight_bytes)
+        pipe.served[instance] = newest
+        pipe.span("rollout", "load_weights", instance, start, version=newest)
+    yield from ROLLOUT_MODELS.resolve(w.rollout_model)(pipe, instance, step)
+
+
+def reward_step(pipe: Pipe, step: int):
+    """Rewards of each ``score_chunk`` of responses."""
+    q, light = pipe.costs.queue, pipe.costs.light
+    while rows := (yield pipe.tq.take(step, "reward", pipe.w.score_chunk)):
+        start = pipe.sim.now
+        tokens = sum(pipe.lengths[step][r] for r in rows) + len(rows) * pipe.w.prompt_len
+        yield pipe.device("reward").run(q.request(tokens * 8) + q.request(len(rows) * 4)
+                                        + light.reward_per_row_s * len(rows))
+        pipe.tq.put(step, "reward", rows)
+        pipe.span("reward", "score", 0, start, rows=len(rows))
+
+
+def reference_step(pipe: Pipe, step: int):
+    """Reference log-probs: each data-parallel replica takes its own ``score_chunk`` of responses (a forward
+    pass over the chunk padded to its longest row); replicas run side by side."""
+    w, q, tc = pipe.w, pipe.costs.queue, pipe.costs.train
+    while rows := (yield pipe.tq.take(step, "reference", w.score_chunk * w.data_parallel)):
+        start = pipe.sim.now
+        chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
+        tokens = max(pipe.padded(step, c) for c in chunks)
+        resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
+        yield pipe.device("reference").run(tc.ref_per_call_s + tc.ref_per_token_s * tokens
+                                           + q.request(tokens * 8) + q.request(resp * 4))
+        pipe.tq.put(step, "ref", rows)
+        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows))
+
+
+def advantage_step(pipe: Pipe, step: int):
+    """Advantages of whole GRPO groups."""
+    w, q = pipe.w, pipe.costs.queue
+    while rows := (yield pipe.tq.take(step, "advantage", w.score_chunk)):
+        start = pipe.sim.now
+        yield pipe.device("advantage").run(q.request(len(rows) * 4) * 2 + pipe.costs.light.advantage_per_row_s
+                                           * len(rows))
+        pipe.tq.put(step, "advantage", rows)
+        pipe.span("advantage", "advantages", 0, start, rows=len(rows))
+
+
+def actor_step(pipe: Pipe, step: int, version: int):
+    """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
+    w, tc, q = pipe.w, pipe.costs.train, pipe.costs.queue
+    per_pass, lags, start = 0.0, [], pipe.sim.now
+    device = pipe.device("actor")
+    for _ in range(w.rows_per_step // (w.micro_batch_size * w.data_parallel)):
+        rows = yield pipe.tq.take(step, "actor", w.micro_batch_size * w.data_parallel)
+        lags += [version - pipe.tq.versions[step][r] for r in rows]
+        # Replicas run side by side on distinct rows: the slowest (widest) micro-batch sets the pace.
+        mbs = w.micro_batch_size
+        tokens = max(pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
+        cost = tc.per_micro_s + tc.per_token_s * tokens
+        per_pass += cost
+        yield device.run(cost + q.request(tokens * 24))
+    yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
+    pipe.span("actor", "train", 0, start, step=step)
+    start, ws = pipe.sim.now, pipe.costs.weight_sync
+    yield device.run(ws.stage_fixed_s + ws.stage_per_byte_s * pipe.costs.weight_bytes)
+    pipe.span("actor", "stage_weights", 0, start, version=version + 1)
+    pipe.lags.append(lags)
+    pipe.step_end.append(pipe.sim.now)
+    pipe.board.publish(version + 1)
+
+
+def _loop(step_fn, steps: int, *args):
+    for step in range(steps):
+        yield from step_fn(*args, step)
+
+
+def _actor_loop(pipe: Pipe):
+    for step in range(pipe.w.steps):
+        yield from actor_step(pipe, step, step)
+
+
+def _sync_driver(pipe: Pipe):
+    """Lock-step: every task (all its instances at once) finishes the step before the next starts."""
+    sim, w = pipe.sim, pipe.w
+    for step in range(w.steps):
+        yield sim.all_of([sim.process(rollout_step(pipe, i, step)) for i in range(w.rollout_instances)])
+        yield sim.process(reward_step(pipe, step))
+        if w.reference:
+            yield sim.process(reference_step(pipe, step))
+        yield sim.process(advantage_step(pipe, step))
+        yield sim.process(actor_step(pipe, step, step))
+
+
+def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = None) -> SimResult:
+    """Run the pipeline of ``w`` on ``costs``; ``lengths`` replaces the drawn response lengths."""
+    if w.rows_per_step % (w.micro_batch_size * w.data_parallel):
+        raise ValueError(f"rows per step {w.rows_per_step} must be a multiple of micro_batch_size x data_parallel")
+    pipe = Pipe(w, costs, lengths)
+    sim = pipe.sim
+    if w.mode == "sync":
+        sim.process(_sync_driver(pipe))
+    else:
+        for i in range(w.rollout_instances):
+            sim.process(_loop(rollout_step, w.steps, pipe, i))
+        sim.process(_loop(reward_step, w.steps, pipe))
+        if w.reference:
+            sim.process(_loop(reference_step, w.steps, pipe))
+        sim.process(_loop(advantage_step, w.steps, pipe))
+        sim.process(_actor_loop(pipe))
+    sim.run()
+    if len(pipe.step_end) != w.steps:
+        raise RuntimeError(f"simulation stalled after {len(pipe.step_end)} of {w.steps} steps (a deadlock in "
+                           f"the workload's settings)")
+    ends = pipe.step_end
+    first = min(w.warmup_steps, w.steps - 1)
+    t0 = ends[first - 1] if first > 0 else 0.0
+    steady = (ends[-1] - t0) / (w.steps - first)
+    tl = pipe.timeline
+    return SimResult(w, ends, w.rows_per_step / steady if steady > 0 else float("inf"), steady,
+                     tl.idle_fractions() if len(tl) else {}, pipe.lags, tl)

@@ -1,0 +1,172 @@
+"""The simulator's event logic on cases with closed-form answers, and the staleness bound.
+
+Costs here are round numbers, not measurements: each test sets only the terms its formula needs, so that
+the expected step time can be written down by hand.
+"""
+
+import dataclasses
+import itertools
+import json
+import math
+
+import pytest
+
+from asyncflow.simulator.costs import CostModel, QueueCosts, RolloutCosts, TrainCosts, WeightSyncCosts, fit
+from asyncflow.simulator.events import Device, Sim
+from asyncflow.simulator.rollout_models import engine_batch
+from asyncflow.simulator.sim import simulate
+from asyncflow.simulator.workload import Workload, draw_lengths
+from asyncflow.workflow.batching import fit_seq_len
+
+ROLLOUT = RolloutCosts(step_s=0.01, per_seq_s=1e-4, per_ctx_token_s=1e-6, prefill_per_token_s=2e-5, per_request_s=1e-4)
+TRAIN = TrainCosts(per_micro_s=0.02, per_token_s=1e-4, optimizer_s=0.05)
+
+
+def _workload(**kw) -> Workload:
+    base = dict(steps=6, prompts_per_step=4, samples_per_prompt=4, rollout_chunk=16, score_chunk=16,
+                micro_batch_size=4, ppo_epochs=2, reference=False, prompt_len=6, max_new_tokens=12,
+                lengths="constant:12", placement="devices", warmup_steps=2)
+    base.update(kw)
+    return Workload(**base)
+
+
+def _generation(w: Workload, length: int, r: RolloutCosts = ROLLOUT) -> float:
+    """One engine batch of every row of a step, all ``length`` tokens long (the loop's chunked rollout)."""
+    b, p = w.rows_per_step, w.prompt_len
+    first = r.step_s + r.per_seq_s * b + (r.prefill_per_token_s * p + r.per_request_s) * b
+    decode = sum(r.step_s + r.per_seq_s * b + r.per_ctx_token_s * b * (p + t) for t in range(1, length))
+    return first + decode
+
+
+def _training(w: Workload, length: int) -> float:
+    """``ppo_epochs`` passes over the step's micro-batches, each padded like ``batching.fit_seq_len``."""
+    width = fit_seq_len([[0] * w.prompt_len], [[0] * length], w.seq_cap)
+    micro = w.rows_per_step // w.micro_batch_size
+    per_pass = micro * (TRAIN.per_micro_s + TRAIN.per_token_s * w.micro_batch_size * width)
+    return w.ppo_epochs * (per_pass + TRAIN.optimizer_s)
+
+
+def test_engine_batch_finishes_rows_by_length_and_admits_waiting_rows():
+    costs = RolloutCosts(step_s=1.0)  # every engine step costs 1 s, whatever it runs
+    segments = engine_batch([3, 1, 2], prompt_len=4, costs=costs, max_seqs=8)
+    assert segments == [(1.0, [1]), (1.0, [2]), (1.0, [0])]
+    # Two slots: row 2 is admitted once row 1 finishes (after the first step) and ends 2 steps later.
+    segments = engine_batch([3, 1, 2], prompt_len=4, costs=costs, max_seqs=2)
+    assert [(s, sorted(f)) for s, f in segments] == [(1.0, [1]), (2.0, [0, 2])]
+
+
+def test_processor_sharing_device_splits_its_speed():
+    sim = Sim()
+    device = Device(sim, "d")
+    ends = {}
+
+    def job(name, work, delay):
+        yield sim.timeout(delay)
+        yield device.run(work)
+        ends[name] = sim.now
+
+    sim.process(job("a", 2.0, 0.0))
+    sim.process(job("b", 1.0, 1.0))
+    sim.run()
+    # a runs alone for 1 s (1 s left), then both at half speed: b's 1 s and a's last 1 s end together at 3 s.
+    assert ends == pytest.approx({"a": 3.0, "b": 3.0})
+    assert device.busy == pytest.approx(3.0)
+
+
+def test_sync_step_is_generation_plus_training_with_equal_lengths():
+    w = _workload(mode="sync", max_staleness=0)
+    result = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
+    step = _generation(w, 12) + _training(w, 12)
+    assert result.step_end_s == pytest.approx([step * (i + 1) for i in range(w.steps)])
+    assert result.samples_per_s == pytest.approx(w.rows_per_step / step)
+    assert result.lag_max == 0
+
+
+@pytest.mark.parametrize("slow", ["rollout", "train"])
+def test_async_staleness_one_overlaps_generation_and_training(slow):
+    w = _workload(mode="async", max_staleness=1)
+    rollout = dataclasses.replace(ROLLOUT, step_s=0.05) if slow == "rollout" else ROLLOUT
+    train = TRAIN if slow == "rollout" else TrainCosts(per_micro_s=0.5, per_token_s=1e-4, optimizer_s=0.05)
+    result = simulate(w, CostModel(rollout=rollout, train=train))
+    gen = _generation(w, 12, rollout)
+    width = fit_seq_len([[0] * 6], [[0] * 12], w.seq_cap)
+    tr = w.ppo_epochs * (4 * (train.per_micro_s + train.per_token_s * 4 * width) + train.optimizer_s)
+    assert (gen > tr) == (slow == "rollout")
+    # Steady state: the slower of the two sets the pace; the first step pays both.
+    assert result.step_end_s[0] == pytest.approx(gen + tr)
+    assert result.step_time_s == pytest.approx(max(gen, tr))
+    assert result.lag_max == 1
+
+
+def test_async_staleness_zero_serialises_generation_and_training():
+    w = _workload(mode="async", max_staleness=0)
+    result = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
+    assert result.step_time_s == pytest.approx(_generation(w, 12) + _training(w, 12))
+
+
+def test_weight_sync_and_queue_costs_add_to_the_sync_step():
+    ws = WeightSyncCosts(stage_fixed_s=0.1, apply_fixed_s=0.2)
+    w = _workload(mode="sync", max_staleness=0)
+    base = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN)).step_time_s
+    synced = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, weight_sync=ws)).step_time_s
+    # Every steady step stages one version and applies one (the first step applies nothing: version 0).
+    assert synced - base == pytest.approx(0.3)
+    queued = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, queue=QueueCosts(per_request_s=1e-3))).step_time_s
+    assert queued > base
+
+
+def test_long_tail_costs_more_than_its_mean_in_sync():
+    """A chunk lasts as long as its longest response: long-tailed lengths cost more than equal ones of the
+    same mean, and async hides part of it."""
+    kw = dict(prompts_per_step=16, samples_per_prompt=8, rollout_chunk=128, score_chunk=32, micro_batch_size=32,
+              max_new_tokens=128, steps=8)
+    tail = _workload(mode="sync", max_staleness=0, lengths="lognormal:24:1", **kw)
+    mean = round(sum(map(sum, draw_lengths(tail))) / (tail.steps * tail.rows_per_step))
+    flat = _workload(mode="sync", max_staleness=0, lengths=f"constant:{mean}", **kw)
+    costs = CostModel(rollout=ROLLOUT, train=TRAIN)
+    assert simulate(tail, costs).step_time_s > simulate(flat, costs).step_time_s
+    asyn = _workload(mode="async", max_staleness=1, lengths="lognormal:24:1", **kw)
+    assert simulate(asyn, costs).samples_per_s > simulate(tail, costs).samples_per_s
+
+
+CASES = list(itertools.product(["async", "sync"], [0, 1, 2], [1, 3], ["cpu", "devices"], [5, 16]))
+
+
+@pytest.mark.parametrize("mode,k,instances,placement,chunk", CASES)
+def test_staleness_bound_is_never_exceeded(mode, k, instances, placement, chunk):
+    w = _workload(mode=mode, max_staleness=k, rollout_instances=instances, placement=placement, rollout_chunk=chunk,
+                  score_chunk=8, lengths="lognormal:6:1", steps=7, reference=True, seed=k + instances)
+    costs = CostModel(rollout=ROLLOUT, train=TRAIN, weight_sync=WeightSyncCosts(apply_fixed_s=0.05),
+                      queue=QueueCosts(per_request_s=1e-3))
+    result = simulate(w, costs)
+    assert len(result.lags) == w.steps and all(len(step) == w.rows_per_step for step in result.lags)
+    bound = 0 if mode == "sync" else k
+    assert 0 <= min(min(s) for s in result.lags) and result.lag_max <= bound
+    assert all(b > a for a, b in zip(result.step_end_s, result.step_end_s[1:]))
+
+
+def test_fit_recovers_linear_costs_and_never_goes_negative():
+    xs = [[1.0, b, b * c] for b in (1, 4, 16) for c in (8, 64)]
+    ys = [0.01 + 0.002 * b + 1e-5 * b * c for _, b, bc in xs for c in [bc / b]]
+    assert fit(xs, ys) == pytest.approx([0.01, 0.002, 1e-5], rel=1e-6)
+    # A noisy grid that plain least squares would fit with a negative intercept: the term is dropped.
+    coef = fit([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [0.9, 2.1, 3.2])
+    assert min(coef) >= 0 and math.isclose(coef[0], 0.0)
+
+
+def test_replayed_lengths_follow_each_steps_mean(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"step": s, "rollout/tokens": 128 * m, "actor/rows": 128})
+                                 for s, m in enumerate([10, 40])) + "\n")
+    w = _workload(lengths=f"replay:{metrics}", steps=2, prompts_per_step=64, samples_per_prompt=8,
+                  max_new_tokens=400, replay_sigma=0.3)
+    means = [sum(step) / len(step) for step in draw_lengths(w)]
+    assert means[0] == pytest.approx(10, rel=0.1) and means[1] == pytest.approx(40, rel=0.1)
+
+
+def test_rollout_model_registry_names_the_valid_models():
+    from asyncflow.registry import RegistryError
+
+    w = _workload(rollout_model="continuous-someday")
+    with pytest.raises(RegistryError, match="valid: chunked"):
+        simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
