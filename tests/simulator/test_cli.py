@@ -52,12 +52,13 @@ def test_simulate_tiny_recipe_prints_table_and_draws_gantt(cost_file, tmp_path, 
 
 def test_split_search_respects_planner_memory(cost_file, tmp_path, capsys):
     rc = main(["simulate", str(REPO / "recipes/qwen2.5-7b"), "workflow.steps=3", "rollout.max_new_tokens=256",
-               "rollout.max_model_len=1280", "--costs", str(cost_file), "--out", str(tmp_path),
+               "rollout.max_model_len=1280", "trainer.reference_placement=colocated", "--costs", str(cost_file),
+               "--out", str(tmp_path),
                "--lengths", "lognormal:64:1"])
     text = capsys.readouterr().out
     assert rc == 0
     assert "split search over 16 devices" in text and "best: workflow.rollout_instances=" in text
-    # TP2 x DP1 trainer ranks hold a 7B model with Adam states on one replica: the planner says no.
+    # TP2 x DP1 trainer ranks hold a 7B model with Adam states on one replica and a resident reference: no.
     assert "does not fit" in text
 
 
