@@ -167,6 +167,7 @@ def _bare_trainer(module, arch, cfg):
 
     trainer = MegatronTrainer.__new__(MegatronTrainer)
     trainer.cfg, trainer.arch, trainer.head = cfg, arch, "lm"
+    trainer.module, trainer.trainable, trainer.optimizer = module, False, None
     trainer.model = types.SimpleNamespace(module=module)
     return trainer
 
