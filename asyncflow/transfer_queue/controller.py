@@ -25,7 +25,7 @@ from .get_path import GetHandlers, ParkedGet, ReplicaBatches
 from .partition import READ, Partition
 from .protocol import Signer
 from .put_path import PendingPut, PutHandlers
-from .shm import RangeAllocator
+from .shm import RangeAllocator, valid_arena_name
 from .transport import DEFERRED, Request, RpcServer
 from .validation import check_int
 
@@ -56,7 +56,8 @@ class Controller(PutHandlers, GetHandlers):
         for module in config.sampler_modules:
             importlib.import_module(module)  # user samplers register themselves on import
         self.server = RpcServer("controller", config.host, config.controller_port, Signer(config.secret),
-                                config.max_message_bytes, config.advertise_host)
+                                config.max_request_bytes, config.advertise_host,
+                                config.receive_queue_messages)
         self.address = self.server.address
         self.units: dict[int, Unit] = {}
         self.partitions: dict[str, Partition] = {}
@@ -89,8 +90,11 @@ class Controller(PutHandlers, GetHandlers):
         uid = check_int(h, "unit", 0)
         size = check_int(h, "size", 1)
         arena = h.get("arena")
-        if arena is not None and not isinstance(arena, str):
-            raise BadRequestError("arena must be a string")
+        if arena is not None and not valid_arena_name(arena):
+            # Clients join this name onto /dev/shm and map the file read-write: "../x" or "/x" would
+            # make every client map a file of the attacker's choice.
+            raise BadRequestError(f"arena must be a plain file name (letters, digits, '.', '_', '-'; "
+                                  f"no separators), got {arena!r}")
         address = h.get("address")
         if not isinstance(address, str):
             raise BadRequestError("address must be a string")

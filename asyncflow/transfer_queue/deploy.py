@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import threading
@@ -197,8 +198,15 @@ def _wait_ready(address: str, config: TransferQueueConfig, procs=None) -> None:
 
 
 def start(config: TransferQueueConfig | None = None, **overrides) -> Deployment:
-    """Start a TransferQueue as ``config.deployment`` says ("threads", "processes" or "ray")."""
+    """Start a TransferQueue as ``config.deployment`` says ("threads", "processes" or "ray").
+
+    Without ``config.secret`` the processes and Ray deployments generate one; pass
+    ``deployment.config`` (not the config you started with) to clients in other processes."""
     config = replace(config or TransferQueueConfig(), **overrides)
+    if config.secret is None and config.deployment != "threads":
+        # Other local users could otherwise read, write or clear rows over loopback TCP. Clients get
+        # the secret through the deployment's config (``Deployment.client()``, ``deployment.config``).
+        config = replace(config, secret=secrets.token_hex(32))
     config.validate()
     if config.deployment == "threads":
         return ThreadDeployment(config)

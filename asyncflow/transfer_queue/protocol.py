@@ -66,11 +66,12 @@ def decode(signer: Signer, frames: list) -> tuple[dict, list] | None:
     if len(frames) < 2:
         return None
     body = [_as_buffer(f) for f in frames[1:]]
+    # Size caps first: an oversized header is refused before a byte of it is hashed or parsed.
+    if memoryview(body[0]).nbytes > _MAX_HEADER_BYTES:
+        return None
     if not signer.verify(_as_buffer(frames[0]), body):
         return None
     head = body[0]
-    if memoryview(head).nbytes > _MAX_HEADER_BYTES:
-        return None
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception:  # msgpack raises several unrelated types on garbage

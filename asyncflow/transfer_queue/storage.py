@@ -28,6 +28,7 @@ class StorageUnit:
 
     def __init__(self, unit_id: int, config: TransferQueueConfig, controller_address: str,
                  shm_prefix: str | None):
+        config.validate()
         self.unit_id = unit_id
         self.config = config
         self.controller_address = controller_address
@@ -35,7 +36,8 @@ class StorageUnit:
         self.arena = Arena.create(config.storage_unit_capacity_bytes, name)
         self.signer = Signer(config.secret)
         self.server = RpcServer(f"storage unit {unit_id}", config.host, 0, self.signer,
-                                config.max_message_bytes, config.advertise_host)
+                                config.max_message_bytes, config.advertise_host,
+                                config.receive_queue_messages)
         self.address = self.server.address
         self.server.handlers.update(write=self._op_write, read=self._op_read, ping=lambda req: {})
         self._heartbeat_sock: zmq.Socket | None = None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .config import is_loopback
 from .errors import (
     BadRequestError,
     ServerUnavailableError,
@@ -35,6 +36,7 @@ DEFERRED = object()
 
 # Frames below this size are cheaper to copy than to hand to ZMQ zero-copy (which needs a callback).
 ZERO_COPY_MIN_BYTES = 64 << 10
+_MAX_FRAMES = 1 << 16  # a write of many rows sends one frame per coalesced range; far below this
 
 
 @dataclass
@@ -60,9 +62,13 @@ class RpcServer:
     """A single-threaded ROUTER loop that dispatches requests to handlers by ``op``."""
 
     def __init__(self, name: str, host: str, port: int, signer: Signer, max_message_bytes: int,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, receive_queue_messages: int = 10000):
+        if not is_loopback(host) and not signer.enabled:
+            raise ValueError(f"{name}: refusing to bind {host!r} (reachable from other machines) "
+                             "without a shared secret")
         self.name = name
         self.signer = signer
+        self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -70,7 +76,8 @@ class RpcServer:
         # Replies to a client that went away must not block or raise; ROUTER drops them.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
+        # Bounded: a flooding peer is held back by TCP flow control, not buffered without limit.
+        self.sock.setsockopt(zmq.RCVHWM, receive_queue_messages)
         bind_host = "*" if host in ("0.0.0.0", "") else host
         if port:
             self.sock.bind(f"tcp://{bind_host}:{port}")
@@ -148,6 +155,11 @@ class RpcServer:
     def _handle(self, frames: list) -> None:
         self.messages_received += 1
         identity = frames[0].bytes
+        # ZMQ's MAXMSGSIZE caps each frame; cap the whole message (and its frame count) here, before
+        # decode hashes a byte of it.
+        if len(frames) > _MAX_FRAMES or sum(len(f) for f in frames) > self.max_message_bytes:
+            self.dropped_messages += 1
+            return
         msg = decode(self.signer, frames[1:])
         if msg is None:
             # Unauthenticated or malformed: drop silently, an attacker learns nothing.
