@@ -21,9 +21,11 @@ from .client import (
     ReadPlan,
     UnitHandle,
     _ints,
+    check_lease,
     check_ragged,
     encode_put,
     get_header,
+    lease_deadline,
     put_header,
     write_plan,
 )
@@ -185,17 +187,19 @@ class AsyncTransferQueueClient:
         encoded, count = encode_put(data, indexes, versions, group_ids, lengths)
         header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout)
         reply = await self._call(header, timeout + _RPC_GRACE_S)
+        lease_end = lease_deadline(reply)
         try:
             waits = []
             for uid, items in write_plan(reply["chunks"], encoded).items():
                 unit = await self._unit(uid)
                 if self._use_shm(unit, sum(p.nbytes for _, p in items)):
                     for offset, piece in items:
+                        check_lease(reply["put"], lease_end)
                         copy_bytes(unit.arena.view[offset:offset + piece.nbytes], piece)
                 else:
                     waits.append(self._conn(unit).request(
-                        {"op": "write", "ranges": [[o, p.nbytes] for o, p in items]}, [p for _, p in items],
-                        self.config.rpc_timeout_s))
+                        {"op": "write", "ranges": [[o, p.nbytes] for o, p in items], "epoch": reply["put"]},
+                        [p for _, p in items], self.config.rpc_timeout_s))
             await asyncio.gather(*waits)
             return (await self._call({"op": "commit_put", "put": reply["put"]}))["indexes"]
         except BaseException:

@@ -19,13 +19,14 @@ import zmq
 from .batch import Batch, BatchMeta
 from .codec import EncodedField, copy_bytes, encode_field, finish_output, new_output
 from .config import TransferQueueConfig
-from .errors import BadRequestError, ServerUnavailableError, TransferQueueError
+from .errors import BadRequestError, ServerUnavailableError, StalePutError, TransferQueueError
 from .protocol import Signer
 from .schema import FieldSpec
 from .shm import Arena, can_open
 from .transport import Connection
 
 _RPC_GRACE_S = 5.0  # a parked request's reply may arrive this long after its server-side timeout
+_LEASE_MARGIN_S = 0.5
 
 
 # --------------------------------------------------------------------- shared request building
@@ -81,6 +82,19 @@ def write_plan(chunks: list, encoded: dict[str, EncodedField]) -> dict[int, list
                     items.append((pos, piece))
                 pos += piece.nbytes
     return plan
+
+
+def lease_deadline(reply: dict) -> float:
+    """Local monotonic time after which this client must not write into a prepared put's ranges.
+
+    The controller's lease started before its reply left; a margin covers the reply's transit."""
+    return time.monotonic() + float(reply.get("lease", 0.0)) - _LEASE_MARGIN_S
+
+
+def check_lease(put_id: int, lease_end: float) -> None:
+    if time.monotonic() >= lease_end:
+        raise StalePutError(f"the lease of put {put_id} ran out before its bytes were written; it is being "
+                            "rolled back (raise put_lease_s for very large or slow puts)")
 
 
 class ReadPlan:
@@ -246,8 +260,9 @@ class TransferQueueClient:
         header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout)
         with self._lock:
             reply = self._call(header, timeout + _RPC_GRACE_S)
+            lease_end = lease_deadline(reply)
             try:
-                self._write(write_plan(reply["chunks"], encoded))
+                self._write(write_plan(reply["chunks"], encoded), reply["put"], lease_end)
                 return self._call({"op": "commit_put", "put": reply["put"]})["indexes"]
             except BaseException:
                 self._abort(reply["put"])
@@ -259,18 +274,20 @@ class TransferQueueClient:
         except TransferQueueError:
             pass  # the controller expires uncommitted puts by itself
 
-    def _write(self, plan: dict[int, list]) -> None:
+    def _write(self, plan: dict[int, list], put_id: int, lease_end: float) -> None:
         pending = []
         for uid, items in plan.items():
             unit = self._unit(uid)
             if self._use_shm(unit, sum(p.nbytes for _, p in items)):
                 view = unit.arena.view
                 for offset, piece in items:
+                    check_lease(put_id, lease_end)  # never start a copy into a range that may be reused
                     copy_bytes(view[offset:offset + piece.nbytes], piece)
             else:
                 conn = self._conn(unit)
                 ranges = [[offset, piece.nbytes] for offset, piece in items]
-                pending.append((conn, conn.send({"op": "write", "ranges": ranges}, [p for _, p in items])))
+                pending.append((conn, conn.send({"op": "write", "ranges": ranges, "epoch": put_id},
+                                                [p for _, p in items])))
         for conn, req_id in pending:  # all units write in parallel; then wait for each
             conn.recv(req_id, self.config.rpc_timeout_s, "write")
 

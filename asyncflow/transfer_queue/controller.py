@@ -15,12 +15,14 @@ import importlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .config import TransferQueueConfig
 from .errors import BackPressureError, BadRequestError, StorageUnitError, UnknownPartitionError
+from .fencing import FenceHandlers
 from .get_path import GetHandlers, ParkedGet, ReplicaBatches
 from .partition import READ, Partition
 from .protocol import Signer
@@ -43,9 +45,16 @@ class Unit:
     alloc: RangeAllocator
     last_seen: float
     alive: bool = True
+    link: object = None  # zmq DEALER to the unit, for fences
+    link_id: bytes = b""
+    retiring: list = field(default_factory=list)  # [(offset, size, epoch, not_before)]
+    retiring_bytes: int = 0
+    fence_seq: int = 0
+    fence_inflight: list | None = None
+    fence_sent: float = 0.0
 
 
-class Controller(PutHandlers, GetHandlers):
+class Controller(PutHandlers, GetHandlers, FenceHandlers):
     """Controller server state and request handlers; runs on one thread inside an RpcServer.
 
     Membership, partitions and lifecycle live here; the put and get paths are the two mixins."""
@@ -62,7 +71,11 @@ class Controller(PutHandlers, GetHandlers):
         self.units: dict[int, Unit] = {}
         self.partitions: dict[str, Partition] = {}
         self.puts: dict[int, PendingPut] = {}
-        self.blocks: dict[int, list] = {}  # id -> [unit, offset, nbytes, live rows]
+        self.blocks: dict[int, list] = {}  # id -> [unit, offset, nbytes, live rows, epoch]
+        # Outcome of recent puts by id (("committed", reply) or ("aborted", reason)): a retried commit
+        # gets the first answer, a stale one a clear error. Bounded: old entries fall off the front.
+        self.closed_puts: OrderedDict[int, tuple] = OrderedDict()
+        self._epoch_high = 0
         self.parked_gets: list[ParkedGet] = []
         self.parked_puts: list[tuple[Request, float]] = []
         self.replicas: dict[tuple, ReplicaBatches] = {}
@@ -72,6 +85,7 @@ class Controller(PutHandlers, GetHandlers):
                    "abort_put", "get_meta", "ack", "release", "seal", "clear", "status"):
             self.server.handlers[op] = getattr(self, "_op_" + op)
         self.server.add_timer(0.05, self._expire)
+        self.server.add_timer(0.05, self._fence_timer)
 
     def serve_forever(self) -> None:
         self.server.serve_forever()
@@ -100,9 +114,12 @@ class Controller(PutHandlers, GetHandlers):
             raise BadRequestError("address must be a string")
         if uid in self.units and self.units[uid].alive:
             raise BadRequestError(f"storage unit {uid} is already registered")
+        if uid in self.units:
+            self._unlink_unit(self.units[uid])
         self.units[uid] = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic())
+        self._link_unit(self.units[uid])
         logger.info("storage unit %d registered at %s", uid, address)
-        return {}
+        return {"link": self.units[uid].link_id.hex()}
 
     def _op_heartbeat(self, req: Request):
         unit = self.units.get(req.header.get("unit"))
@@ -117,7 +134,8 @@ class Controller(PutHandlers, GetHandlers):
                 self._unit_died(unit)
         for put_id in [k for k, p in self.puts.items() if p.deadline < now]:
             logger.warning("put %d was never committed; releasing its reservation", put_id)
-            self._abort(put_id)
+            self._abort(put_id, f"its lease of {self.config.put_lease_s:g} s expired before the commit",
+                        by_writer=False)
         for p in [p for p in self.parked_gets if p.deadline < now]:
             self.parked_gets.remove(p)
             self.server.reply_error(p.req, self._timeout_error(p))
@@ -129,6 +147,7 @@ class Controller(PutHandlers, GetHandlers):
 
     def _unit_died(self, unit: Unit) -> None:
         unit.alive = False
+        self._unlink_unit(unit)
         logger.error("storage unit %d at %s stopped sending heartbeats; its rows are lost", unit.id,
                      unit.address)
         for part in self.partitions.values():
@@ -186,8 +205,10 @@ class Controller(PutHandlers, GetHandlers):
     def _op_status(self, req: Request):
         name = req.header.get("partition")
         parts = [self._partition(name)] if name is not None else list(self.partitions.values())
-        units = {str(u.id): {"address": u.address, "alive": u.alive, "used_bytes": u.alloc.used,
-                             "capacity_bytes": u.size} for u in self.units.values()}
+        units = {str(u.id): {"address": u.address, "alive": u.alive,
+                             "used_bytes": u.alloc.used - u.retiring_bytes,
+                             "retiring_bytes": u.retiring_bytes, "capacity_bytes": u.size}
+                 for u in self.units.values()}
         return {"partitions": {p.name: p.status() for p in parts}, "units": units,
                 "live_rows": self.live_rows, "parked_gets": len(self.parked_gets),
                 "parked_puts": len(self.parked_puts), "pending_puts": len(self.puts),
@@ -255,7 +276,7 @@ class Controller(PutHandlers, GetHandlers):
         # rows (dynamic sampling drops a group while rollout still streams the rest of the step).
         for put_id in [k for k, put in self.puts.items() if put.partition == part.name
                        and (whole or np.isin(put.rows, rows).any())]:
-            self._abort(put_id)
+            self._abort(put_id, "its rows were cleared", by_writer=False)
         self._drop(part, rows, wake=False)
         if whole:
             del self.partitions[part.name]

@@ -15,10 +15,11 @@ import time
 import zmq
 
 from .config import TransferQueueConfig
-from .errors import BadRequestError
+from .errors import BadRequestError, StalePutError
 from .protocol import Signer, decode, encode
 from .shm import Arena
 from .transport import Request, RpcServer
+from .validation import check_int
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,13 @@ class StorageUnit:
                                 config.max_message_bytes, config.advertise_host,
                                 config.receive_queue_messages)
         self.address = self.server.address
-        self.server.handlers.update(write=self._op_write, read=self._op_read, ping=lambda req: {})
+        self.server.handlers.update(write=self._op_write, read=self._op_read, fence=self._op_fence,
+                                    ping=lambda req: {})
+        # Fencing (see fencing.py): writes of closed epochs, or of any epoch below the floor, are refused.
+        self.fence_floor = 0
+        self.controller_link = b""  # routing id of the controller's fence connection, from registration
+        self.closed_epochs: set[int] = set()
+        self.refused_writes = 0
         self._heartbeat_sock: zmq.Socket | None = None
 
     def serve_forever(self) -> None:
@@ -78,6 +85,8 @@ class StorageUnit:
                     if not msg[0].get("ok"):
                         raise RuntimeError(f"storage unit {self.unit_id}: registration refused: "
                                            f"{msg[0].get('msg')}")
+                    link = msg[0].get("link")
+                    self.controller_link = bytes.fromhex(link) if isinstance(link, str) else b""
                     return
         raise RuntimeError(f"storage unit {self.unit_id}: controller at {self.controller_address} "
                            "did not answer the registration")
@@ -109,7 +118,27 @@ class StorageUnit:
             raise BadRequestError("read larger than max_message_bytes; split it")
         return out
 
+    def _op_fence(self, req: Request):
+        """The controller closes epochs before it reuses their ranges; ours to refuse from now on."""
+        if not self.controller_link or req.identity != self.controller_link:
+            raise BadRequestError("fences are accepted from the controller's link only")
+        floor = check_int(req.header, "floor", 0)
+        epochs = req.header.get("epochs")
+        if not isinstance(epochs, list) or not all(isinstance(e, int) and not isinstance(e, bool)
+                                                   for e in epochs):
+            raise BadRequestError("epochs must be a list of integers")
+        if floor > self.fence_floor:
+            self.fence_floor = floor
+            self.closed_epochs = {e for e in self.closed_epochs if e >= floor}
+        self.closed_epochs.update(e for e in epochs if e >= self.fence_floor)
+        return {}
+
     def _op_write(self, req: Request):
+        epoch = check_int(req.header, "epoch", 0)
+        if epoch < self.fence_floor or epoch in self.closed_epochs:
+            self.refused_writes += 1
+            raise StalePutError(f"storage unit {self.unit_id}: write of put {epoch} refused: that put was "
+                                "already committed or rolled back and its ranges may hold other rows")
         ranges = self._ranges(req)
         if len(ranges) != len(req.buffers):
             raise BadRequestError(f"write has {len(ranges)} ranges but {len(req.buffers)} buffers")

@@ -86,6 +86,9 @@ class RpcServer:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{resolve_advertise_host(host, advertise_host)}:{self.port}"
         self.handlers: dict[str, Callable[[Request], object]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._extra: dict[zmq.Socket, Callable[[], None]] = {}
         self._timers: list[list] = []  # [interval_s, callback, next_due]
         self._stop = threading.Event()
         self.on_close: list[Callable[[], None]] = []  # e.g. closing extra sockets of self.ctx
@@ -96,6 +99,15 @@ class RpcServer:
     def add_timer(self, interval_s: float, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the server thread about every ``interval_s`` seconds."""
         self._timers.append([interval_s, callback, time.monotonic() + interval_s])
+
+    def add_socket(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
+        """Also poll ``sock`` (of ``self.ctx``) and call ``on_readable`` on the server thread."""
+        self._extra[sock] = on_readable
+        self._poller.register(sock, zmq.POLLIN)
+
+    def remove_socket(self, sock: zmq.Socket) -> None:
+        if self._extra.pop(sock, None) is not None:
+            self._poller.unregister(sock)
 
     def reply(self, identity: bytes, header: dict, buffers: list | tuple = ()) -> None:
         """Send a reply header (built with ok_reply / error_reply) to one client."""
@@ -117,19 +129,27 @@ class RpcServer:
 
     def serve_forever(self) -> None:
         """Run until ``stop``; closes the socket on exit."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 wait_s = 0.05
                 if self._timers:
                     wait_s = max(0.0, min(wait_s, min(t[2] for t in self._timers) - time.monotonic()))
-                if poller.poll(int(wait_s * 1000)):
-                    self._drain()
+                for sock, _ in self._poller.poll(int(wait_s * 1000)):
+                    if sock is self.sock:
+                        self._drain()
+                    else:
+                        callback = self._extra.get(sock)
+                        try:
+                            if callback is not None:
+                                callback()
+                        except Exception:  # a bug there must not take the server down
+                            logger.exception("%s: socket handler failed", self.name)
                 self._run_timers()
         finally:
             for callback in self.on_close:
                 callback()
+            for sock in list(self._extra):
+                sock.close(linger=0)
             self.sock.close(linger=0)
             self.ctx.term()
 
