@@ -17,10 +17,12 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .batch import Batch, BatchMeta
 from .client import (
+    _COMMIT_TRIES,
     _RPC_GRACE_S,
     ReadPlan,
     UnitHandle,
     _ints,
+    ack_header,
     check_lease,
     check_ragged,
     encode_put,
@@ -32,7 +34,7 @@ from .client import (
 from .codec import copy_bytes
 from .config import TransferQueueConfig
 from .errors import ServerUnavailableError, TransferQueueError
-from .protocol import Signer, decode, encode
+from .protocol import RequestIds, Signer, decode, encode
 from .transport import _check, _copy_frames, dealer_socket
 
 
@@ -117,8 +119,10 @@ class AsyncTransferQueueClient:
         self._controller = AsyncConnection(self._ctx, address, self._signer, "controller",
                                            self.config.max_message_bytes)
         self._units: dict[int, UnitHandle] = {}
+        self._rids = RequestIds()
 
     async def _call(self, header: dict, timeout_s: float | None = None) -> dict:
+        header = self._rids.stamp(header)
         return (await self._controller.request(header, (), timeout_s or self.config.rpc_timeout_s))[0]
 
     async def connect(self) -> AsyncTransferQueueClient:
@@ -201,7 +205,13 @@ class AsyncTransferQueueClient:
                         {"op": "write", "ranges": [[o, p.nbytes] for o, p in items], "epoch": reply["put"]},
                         [p for _, p in items], self.config.rpc_timeout_s))
             await asyncio.gather(*waits)
-            return (await self._call({"op": "commit_put", "put": reply["put"]}))["indexes"]
+            commit = self._rids.stamp({"op": "commit_put", "put": reply["put"]})
+            for attempt in range(_COMMIT_TRIES):  # idempotent: a lost reply is asked for again
+                try:
+                    return (await self._call(commit))["indexes"]
+                except ServerUnavailableError:
+                    if attempt == _COMMIT_TRIES - 1:
+                        raise
         except BaseException:
             try:
                 await self._call({"op": "abort_put", "put": reply["put"]})
@@ -212,13 +222,21 @@ class AsyncTransferQueueClient:
     async def get_meta(self, partition: str, task: str, fields, batch_size: int, *,
                        sampler: str = "sequential", sampler_args: dict | None = None, dp_rank: int = 0,
                        dp_size: int = 1, mp_rank: int = 0, mp_size: int = 1, block: bool = True,
-                       timeout: float | None = None, allow_partial: bool = False) -> BatchMeta:
+                       timeout: float | None = None, allow_partial: bool = False,
+                       lease: float | None = None) -> BatchMeta:
         """See ``TransferQueueClient.get_meta``."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         header = get_header(partition, task, fields, batch_size, sampler, sampler_args, dp_rank, dp_size,
-                            mp_rank, mp_size, timeout if block else None, allow_partial)
+                            mp_rank, mp_size, timeout if block else None, allow_partial, lease)
         reply = await self._call(header, (timeout if block else 0) + self.config.rpc_timeout_s)
         return BatchMeta.from_reply(partition, task, reply)
+
+    async def renew(self, meta: BatchMeta, lease: float | None = None) -> int:
+        """See ``TransferQueueClient.renew``."""
+        if not meta.indexes:
+            return 0
+        return (await self._call({"op": "renew", "partition": meta.partition, "task": meta.task,
+                                  "indexes": meta.indexes, "handout": meta.handout, "lease": lease}))["renewed"]
 
     async def get_data(self, meta: BatchMeta, fields=None, *, ragged: str = "list") -> Batch:
         """See ``TransferQueueClient.get_data``."""
@@ -240,8 +258,7 @@ class AsyncTransferQueueClient:
             for (_, _, dst), buf in zip(items, buffers):
                 dst[:] = memoryview(buf).cast("B")
         if meta.indexes:
-            await self._controller.send_oneway({"op": "ack", "partition": meta.partition, "task": meta.task,
-                                                "indexes": meta.indexes})
+            await self._controller.send_oneway(self._rids.stamp(ack_header(meta)))
         return plan.finish(meta, ragged)
 
     async def get(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list",

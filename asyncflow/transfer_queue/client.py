@@ -20,13 +20,14 @@ from .batch import Batch, BatchMeta
 from .codec import EncodedField, copy_bytes, encode_field, finish_output, new_output
 from .config import TransferQueueConfig
 from .errors import BadRequestError, ServerUnavailableError, StalePutError, TransferQueueError
-from .protocol import Signer
+from .protocol import RequestIds, Signer
 from .schema import FieldSpec
 from .shm import Arena, can_open
 from .transport import Connection
 
 _RPC_GRACE_S = 5.0  # a parked request's reply may arrive this long after its server-side timeout
 _LEASE_MARGIN_S = 0.5
+_COMMIT_TRIES = 3
 
 
 # --------------------------------------------------------------------- shared request building
@@ -134,13 +135,20 @@ class ReadPlan:
 
 
 def get_header(partition: str, task: str, fields, batch_size: int, sampler: str, sampler_args,
-               dp_rank: int, dp_size: int, mp_rank: int, mp_size: int, timeout, allow_partial: bool) -> dict:
+               dp_rank: int, dp_size: int, mp_rank: int, mp_size: int, timeout, allow_partial: bool,
+               lease: float | None = None) -> dict:
     if isinstance(fields, str):
         fields = [fields]
     return {"op": "get_meta", "partition": partition, "task": task, "fields": list(fields),
             "batch_size": batch_size, "sampler": sampler, "sampler_args": sampler_args or {},
             "dp_rank": dp_rank, "dp_size": dp_size, "mp_rank": mp_rank, "mp_size": mp_size,
-            "timeout": timeout, "allow_partial": allow_partial}
+            "timeout": timeout, "allow_partial": allow_partial, "lease": lease}
+
+
+def ack_header(meta: BatchMeta) -> dict:
+    """One-way ack of a batch's rows, naming its hand-out (an ack of an older hand-out is ignored)."""
+    return {"op": "ack", "partition": meta.partition, "task": meta.task, "indexes": meta.indexes,
+            "handout": meta.handout, "noreply": True}
 
 
 def check_ragged(ragged: str) -> None:
@@ -174,15 +182,44 @@ class TransferQueueClient:
         self._ctx = zmq.Context()
         self._signer = Signer(self.config.secret)
         self._lock = threading.RLock()
+        self._rids = RequestIds()
         self._controller = Connection(self._ctx, address, self._signer, "controller",
                                       self.config.max_message_bytes)
+        # Blocking gets wait on a connection of their own thread, not under the client lock, so that a
+        # consumer parked for minutes never stalls the puts, acks or status calls of other threads.
+        self._waiters = threading.local()
+        self._waiter_conns: list[Connection] = []
         self._units: dict[int, UnitHandle] = {}
         self._closed = False
         self._hello()
 
     # ------------------------------------------------------------- plumbing
-    def _call(self, header: dict, timeout_s: float | None = None, buffers=()) -> dict:
-        return self._controller.request(header, buffers, timeout_s or self.config.rpc_timeout_s)[0]
+    def _call(self, header: dict, timeout_s: float | None = None, buffers=(), conn=None) -> dict:
+        conn = conn or self._controller
+        return conn.request(self._rids.stamp(header), buffers, timeout_s or self.config.rpc_timeout_s)[0]
+
+    def _waiter(self) -> Connection:
+        conn = getattr(self._waiters, "conn", None)
+        if conn is None:
+            with self._lock:
+                if self._closed:
+                    raise TransferQueueError("the client is closed")
+                conn = Connection(self._ctx, self.address, self._signer, "controller",
+                                  self.config.max_message_bytes)
+                self._waiter_conns.append(conn)
+            self._waiters.conn = conn
+        return conn
+
+    def _commit(self, put_id: int) -> list[int]:
+        # A commit is idempotent (by put id and request id): when its reply is lost, ask again rather than
+        # abort a put that may have been committed (the retry of the whole put would duplicate rows).
+        header = self._rids.stamp({"op": "commit_put", "put": put_id})
+        for attempt in range(_COMMIT_TRIES):
+            try:
+                return self._call(header)["indexes"]
+            except ServerUnavailableError:
+                if attempt == _COMMIT_TRIES - 1:
+                    raise
 
     def _hello(self) -> None:
         deadline = time.monotonic() + self.config.rpc_timeout_s
@@ -263,7 +300,7 @@ class TransferQueueClient:
             lease_end = lease_deadline(reply)
             try:
                 self._write(write_plan(reply["chunks"], encoded), reply["put"], lease_end)
-                return self._call({"op": "commit_put", "put": reply["put"]})["indexes"]
+                return self._commit(reply["put"])
             except BaseException:
                 self._abort(reply["put"])
                 raise
@@ -295,17 +332,29 @@ class TransferQueueClient:
     def get_meta(self, partition: str, task: str, fields, batch_size: int, *, sampler: str = "sequential",
                  sampler_args: dict | None = None, dp_rank: int = 0, dp_size: int = 1, mp_rank: int = 0,
                  mp_size: int = 1, block: bool = True, timeout: float | None = None,
-                 allow_partial: bool = False) -> BatchMeta:
+                 allow_partial: bool = False, lease: float | None = None) -> BatchMeta:
         """Ask the controller for up to ``batch_size`` rows in which all ``fields`` are produced and
         that ``task`` has not received. The rows are marked handed out to ``task``. Blocks until a
         full batch is ready (or the partition is sealed and this is the last, partial one), raising
         TransferQueueTimeoutError after ``timeout``; ``block=False`` returns an empty meta at once."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         header = get_header(partition, task, fields, batch_size, sampler, sampler_args, dp_rank, dp_size,
-                            mp_rank, mp_size, timeout if block else None, allow_partial)
-        with self._lock:
-            reply = self._call(header, (timeout if block else 0) + self.config.rpc_timeout_s)
+                            mp_rank, mp_size, timeout if block else None, allow_partial, lease)
+        if block:
+            reply = self._call(header, timeout + self.config.rpc_timeout_s, conn=self._waiter())
+        else:
+            with self._lock:
+                reply = self._call(header)
         return BatchMeta.from_reply(partition, task, reply)
+
+    def renew(self, meta: BatchMeta, lease: float | None = None) -> int:
+        """Extend the lease of ``meta``'s rows (for consumers that hold rows longer than ``row_lease_s``
+        before reading them). Returns how many rows were still leased to this hand-out."""
+        if not meta.indexes:
+            return 0
+        with self._lock:
+            return self._call({"op": "renew", "partition": meta.partition, "task": meta.task,
+                               "indexes": meta.indexes, "handout": meta.handout, "lease": lease})["renewed"]
 
     def get_data(self, meta: BatchMeta, fields: list[str] | None = None, *, ragged: str = "list") -> Batch:
         """Read the rows of ``meta`` from the storage units (all fields, or ``fields``); ragged fields
@@ -331,8 +380,7 @@ class TransferQueueClient:
                 for (_, _, dst), buf in zip(items, buffers):
                     dst[:] = memoryview(buf).cast("B")
             if meta.indexes:
-                self._controller.send({"op": "ack", "partition": meta.partition, "task": meta.task,
-                                       "indexes": meta.indexes, "noreply": True})
+                self._controller.send(self._rids.stamp(ack_header(meta)))
         return plan.finish(meta, ragged)
 
     def get(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list",
@@ -375,6 +423,8 @@ class TransferQueueClient:
                 return
             self._closed = True
             self._controller.close()
+            for conn in self._waiter_conns:
+                conn.close()
             for unit in self._units.values():
                 if unit.conn is not None:
                     unit.conn.close()

@@ -79,10 +79,11 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
         self.parked_gets: list[ParkedGet] = []
         self.parked_puts: list[tuple[Request, float]] = []
         self.replicas: dict[tuple, ReplicaBatches] = {}
+        self.leases: list[tuple] = []  # heap of (lease end, hand-out, partition, task, rows)
         self._ids = itertools.count(1)
         self.live_rows = 0
         for op in ("hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put",
-                   "abort_put", "get_meta", "ack", "release", "seal", "clear", "status"):
+                   "abort_put", "get_meta", "renew", "ack", "release", "seal", "clear", "status"):
             self.server.handlers[op] = getattr(self, "_op_" + op)
         self.server.add_timer(0.05, self._expire)
         self.server.add_timer(0.05, self._fence_timer)
@@ -136,6 +137,7 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
             logger.warning("put %d was never committed; releasing its reservation", put_id)
             self._abort(put_id, f"its lease of {self.config.put_lease_s:g} s expired before the commit",
                         by_writer=False)
+        self._expire_leases(now)
         for p in [p for p in self.parked_gets if p.deadline < now]:
             self.parked_gets.remove(p)
             self.server.reply_error(p.req, self._timeout_error(p))
@@ -227,7 +229,9 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
         part = self.partitions.get(req.header.get("partition"))
         task = req.header.get("task")
         if part is not None and isinstance(task, str):
-            rows = part.ack(task, self._rows_arg(part, req.header.get("indexes")))
+            handout = req.header.get("handout")
+            handout = handout if isinstance(handout, int) and not isinstance(handout, bool) else None
+            rows = part.ack(task, self._rows_arg(part, req.header.get("indexes")), handout)
             if part.auto_clear and len(rows):
                 rows = rows[part.alive[rows]]
                 read_by_all = np.ones(len(rows), bool)

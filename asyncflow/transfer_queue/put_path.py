@@ -268,7 +268,7 @@ class PutHandlers:
                 f.pending[put.rows] = False
                 f.block[put.rows] = -1
             if put.new_rows:
-                part.drop_rows(put.rows)
+                part.roll_back_rows(put.rows)
                 self.live_rows -= len(put.rows)
         self._free_blocks(put.blocks, not_before=0.0 if by_writer else put.deadline + COPY_GRACE_S)
         self._wake_puts()

@@ -14,6 +14,7 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ DEFERRED = object()
 
 # Frames below this size are cheaper to copy than to hand to ZMQ zero-copy (which needs a callback).
 ZERO_COPY_MIN_BYTES = 64 << 10
+_ANSWERS_KEPT = 1 << 17  # first answers kept for retries (a few hundred bytes each)
 _MAX_FRAMES = 1 << 16  # a write of many rows sends one frame per coalesced range; far below this
 
 
@@ -95,6 +97,10 @@ class RpcServer:
         self.messages_received = 0
         self.dropped_messages = 0
         self.requests_served = 0
+        self.duplicate_requests = 0
+        # rid -> ["pending", Request] or ["done", reply header]: the first answer to every request that
+        # carried a request id, so that a retry or a duplicated message takes no effect twice.
+        self._answers: OrderedDict[str, list] = OrderedDict()
 
     def add_timer(self, interval_s: float, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the server thread about every ``interval_s`` seconds."""
@@ -118,10 +124,40 @@ class RpcServer:
             logger.debug("%s: reply dropped: %s", self.name, exc)
 
     def reply_ok(self, req: Request, buffers: list | tuple = (), **fields) -> None:
-        self.reply(req.identity, ok_reply(req.id, **fields), buffers)
+        header = ok_reply(req.id, **fields)
+        self._remember(req, header)
+        self.reply(req.identity, header, buffers)
 
     def reply_error(self, req: Request, exc: TransferQueueError) -> None:
-        self.reply(req.identity, error_reply(req.id, exc.code, str(exc)))
+        header = error_reply(req.id, exc.code, str(exc))
+        self._remember(req, header)
+        self.reply(req.identity, header)
+
+    def _remember(self, req: Request, header: dict | None) -> None:
+        rid = req.header.get("rid")
+        if rid is None:
+            return
+        self._answers[rid] = ["done", header]
+        self._answers.move_to_end(rid)
+        while len(self._answers) > _ANSWERS_KEPT:
+            self._answers.popitem(last=False)
+
+    def _answer_again(self, req: Request) -> bool:
+        """True when ``req`` repeats a request id already seen (answered now, or redirected if parked)."""
+        rid = req.header.get("rid")
+        if rid is None:
+            return False
+        if not isinstance(rid, str) or len(rid) > 64:
+            raise BadRequestError("rid must be a string of at most 64 characters")
+        seen = self._answers.get(rid)
+        if seen is None:
+            return False
+        self.duplicate_requests += 1
+        if seen[0] == "pending":  # still parked: its eventual answer goes to this, the latest, copy
+            seen[1].identity, seen[1].id = req.identity, req.id
+        elif seen[1] is not None and not req.header.get("noreply"):
+            self.reply(req.identity, {**seen[1], "id": req.id})
+        return True
 
     def stop(self) -> None:
         """Ask the loop to exit; it does within about 50 ms."""
@@ -195,6 +231,8 @@ class RpcServer:
             return
         self.requests_served += 1
         try:
+            if self._answer_again(req):
+                return
             result = handler(req)
         except TransferQueueError as exc:
             self.reply_error(req, exc)
@@ -205,6 +243,10 @@ class RpcServer:
                                                   f"{type(exc).__name__}: {exc}"))
             return
         if result is DEFERRED or header.get("noreply"):
+            rid = header.get("rid")
+            if rid is not None and rid not in self._answers:
+                self._answers[rid] = ["pending", req] if result is DEFERRED and not header.get("noreply") \
+                    else ["done", None]
             return
         fields, buffers = result if isinstance(result, tuple) else (result or {}, ())
         self.reply_ok(req, buffers, **fields)
