@@ -30,7 +30,7 @@ class Raw:
 
     def unit(self, tq, uid):
         if uid not in self.units:
-            address = self.call({"op": "hello"})["units"][uid][1]
+            address = next(u[1] for u in self.call({"op": "hello"})["units"] if u[0] == uid)
             self.units[uid] = Connection(self.ctx, address, self.signer, f"unit {uid}", 1 << 30)
         return self.units[uid]
 
