@@ -29,6 +29,8 @@ from .client import (
     get_header,
     lease_deadline,
     put_header,
+    refresh_units,
+    stale_units,
     write_plan,
 )
 from .codec import copy_bytes
@@ -134,9 +136,7 @@ class AsyncTransferQueueClient:
             if reply.get("ready") or loop.time() > deadline:
                 break
             await asyncio.sleep(0.02)
-        for uid, address, arena, size, _ in reply["units"]:
-            if uid not in self._units:
-                self._units[uid] = UnitHandle(uid, address, arena, size, self.config.shm_enabled)
+        refresh_units(self._units, reply["units"], self.config.shm_enabled)
         if not self._units:
             raise ServerUnavailableError(f"the controller at {self.address} has no storage units")
         return self
@@ -193,6 +193,8 @@ class AsyncTransferQueueClient:
         reply = await self._call(header, timeout + _RPC_GRACE_S)
         lease_end = lease_deadline(reply)
         try:
+            if stale_units(self._units, reply.get("units")):
+                await self.connect()
             waits = []
             for uid, items in write_plan(reply["chunks"], encoded).items():
                 unit = await self._unit(uid)
@@ -242,6 +244,8 @@ class AsyncTransferQueueClient:
         """See ``TransferQueueClient.get_data``."""
         check_ragged(ragged)
         plan = ReadPlan(meta, fields)
+        if stale_units(self._units, meta.units):
+            await self.connect()
         reads = []
         for uid, items in plan.by_unit.items():
             unit = await self._unit(uid)
@@ -289,10 +293,7 @@ class AsyncTransferQueueClient:
         """Close sockets and unmap arenas."""
         self._controller.close()
         for unit in self._units.values():
-            if unit.conn is not None:
-                unit.conn.close()
-            if unit.arena is not None:
-                unit.arena.close()
+            unit.close()
         self._units.clear()
         self._ctx.term()
 

@@ -28,6 +28,10 @@ class BatchMeta:
     same rows (after a release or an expired lease)."""
     lease_s: float | None = None
     """The rows return to the task unless read (acked) or renewed within this many seconds."""
+    lost_rows: int = 0
+    """Rows of the partition lost with a dead storage unit (they are never handed out)."""
+    units: dict = field(default_factory=dict, repr=False)
+    """Storage unit id (str) -> incarnation: a client reconnects to a unit that registered again."""
 
     def __len__(self) -> int:
         return len(self.indexes)
@@ -41,7 +45,8 @@ class BatchMeta:
         return cls(partition, task, list(reply.get("indexes", [])), list(reply.get("versions", [])),
                    list(reply.get("group_ids", [])), list(reply.get("lengths", [])),
                    bool(reply.get("done")), reply.get("ready"), dict(reply.get("fields", {})),
-                   reply.get("handout"), reply.get("lease"))
+                   reply.get("handout"), reply.get("lease"), int(reply.get("lost_rows", 0)),
+                   dict(reply.get("units", {})))
 
 
 @dataclass
@@ -85,7 +90,7 @@ class Batch:
                          [self.meta.group_ids[i] for i in positions] if self.meta.group_ids else [],
                          [self.meta.lengths[i] for i in positions] if self.meta.lengths else [],
                          self.meta.done, self.meta.ready, self.meta.locations, self.meta.handout,
-                         self.meta.lease_s)
+                         self.meta.lease_s, self.meta.lost_rows, self.meta.units)
         data = {}
         for name, value in self.data.items():
             if isinstance(value, torch.Tensor):

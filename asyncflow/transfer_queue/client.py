@@ -159,8 +159,10 @@ def check_ragged(ragged: str) -> None:
 class UnitHandle:
     """How a client reaches one storage unit: its mapped arena (same host) and/or a connection."""
 
-    def __init__(self, uid: int, address: str, arena_name: str | None, size: int, use_shm: bool):
+    def __init__(self, uid: int, address: str, arena_name: str | None, size: int, use_shm: bool,
+                 incarnation: int = 0):
         self.id = uid
+        self.incarnation = incarnation
         self.address = address
         self.arena: Arena | None = None
         if use_shm and arena_name and can_open(arena_name):
@@ -169,6 +171,30 @@ class UnitHandle:
             except OSError:
                 self.arena = None  # another /dev/shm namespace: fall back to messages
         self.conn = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        if self.arena is not None:
+            self.arena.close()
+
+
+def refresh_units(units: dict[int, UnitHandle], listed: list, use_shm: bool) -> None:
+    """Update a client's unit handles from ``hello``: a unit that registered again (it rejoined after
+    being declared dead, or its process was restarted with a new arena) gets a new handle."""
+    for uid, address, arena, size, _alive, incarnation in listed:
+        old = units.get(uid)
+        if old is not None and old.incarnation == incarnation:
+            continue
+        if old is not None:
+            old.close()
+        units[uid] = UnitHandle(uid, address, arena, size, use_shm, incarnation)
+
+
+def stale_units(units: dict[int, UnitHandle], incarnations: dict | None) -> bool:
+    """True when a reply names a unit this client does not know, or knows an older incarnation of."""
+    return any(int(uid) not in units or units[int(uid)].incarnation != inc
+               for uid, inc in (incarnations or {}).items())
 
 
 # --------------------------------------------------------------------- the client
@@ -228,9 +254,7 @@ class TransferQueueClient:
             if reply.get("ready") or time.monotonic() > deadline:
                 break
             time.sleep(0.02)  # storage units are still registering (start-up only)
-        for uid, address, arena, size, _alive in reply["units"]:
-            if uid not in self._units:
-                self._units[uid] = UnitHandle(uid, address, arena, size, self.config.shm_enabled)
+        refresh_units(self._units, reply["units"], self.config.shm_enabled)
         if not self._units:
             raise ServerUnavailableError(f"the controller at {self.address} has no storage units")
 
@@ -299,6 +323,8 @@ class TransferQueueClient:
             reply = self._call(header, timeout + _RPC_GRACE_S)
             lease_end = lease_deadline(reply)
             try:
+                if stale_units(self._units, reply.get("units")):
+                    self._hello()
                 self._write(write_plan(reply["chunks"], encoded), reply["put"], lease_end)
                 return self._commit(reply["put"])
             except BaseException:
@@ -362,6 +388,8 @@ class TransferQueueClient:
         check_ragged(ragged)
         plan = ReadPlan(meta, fields)
         with self._lock:
+            if stale_units(self._units, meta.units):
+                self._hello()
             pending = []
             for uid, items in plan.by_unit.items():
                 unit = self._unit(uid)
@@ -426,10 +454,7 @@ class TransferQueueClient:
             for conn in self._waiter_conns:
                 conn.close()
             for unit in self._units.values():
-                if unit.conn is not None:
-                    unit.conn.close()
-                if unit.arena is not None:
-                    unit.arena.close()
+                unit.close()
             self._ctx.term()
 
     def __enter__(self) -> TransferQueueClient:

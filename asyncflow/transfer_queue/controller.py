@@ -16,48 +16,27 @@ import itertools
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from .config import TransferQueueConfig
-from .errors import BackPressureError, BadRequestError, StorageUnitError, UnknownPartitionError
+from .errors import BackPressureError, BadRequestError, UnknownPartitionError
 from .fencing import FenceHandlers
 from .get_path import GetHandlers, ParkedGet, ReplicaBatches
+from .membership import HeartbeatListener, MembershipHandlers, Unit
 from .partition import READ, Partition
 from .protocol import Signer
 from .put_path import PendingPut, PutHandlers
-from .shm import RangeAllocator, valid_arena_name
 from .transport import DEFERRED, Request, RpcServer
 from .validation import check_int
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Unit:
-    """A storage unit as the controller knows it."""
-
-    id: int
-    address: str
-    arena: str | None
-    size: int
-    alloc: RangeAllocator
-    last_seen: float
-    alive: bool = True
-    link: object = None  # zmq DEALER to the unit, for fences
-    link_id: bytes = b""
-    retiring: list = field(default_factory=list)  # [(offset, size, epoch, not_before)]
-    retiring_bytes: int = 0
-    fence_seq: int = 0
-    fence_inflight: list | None = None
-    fence_sent: float = 0.0
-
-
-class Controller(PutHandlers, GetHandlers, FenceHandlers):
+class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
     """Controller server state and request handlers; runs on one thread inside an RpcServer.
 
-    Membership, partitions and lifecycle live here; the put and get paths are the two mixins."""
+    Partitions and lifecycle live here; membership, the put and get paths and fencing are mixins."""
 
     def __init__(self, config: TransferQueueConfig):
         config.validate()
@@ -82,57 +61,25 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
         self.leases: list[tuple] = []  # heap of (lease end, hand-out, partition, task, rows)
         self._ids = itertools.count(1)
         self.live_rows = 0
-        for op in ("hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put",
+        self.heartbeats = HeartbeatListener(self.server.ctx, self.server)
+        self.server.on_close.append(self.heartbeats.stop)
+        for op in ("hello", "register_unit", "create_partition", "prepare_put", "commit_put",
                    "abort_put", "get_meta", "renew", "ack", "release", "seal", "clear", "status"):
             self.server.handlers[op] = getattr(self, "_op_" + op)
         self.server.add_timer(0.05, self._expire)
         self.server.add_timer(0.05, self._fence_timer)
 
     def serve_forever(self) -> None:
+        self.heartbeats.start()
         self.server.serve_forever()
 
     def stop(self) -> None:
         self.server.stop()
 
-    # ----------------------------------------------------------------- membership
-    def _op_hello(self, req: Request):
-        units = [[u.id, u.address, u.arena, u.size, u.alive] for u in self.units.values()]
-        return {"units": units, "expected_units": self.config.num_storage_units,
-                "ready": len(self.units) >= self.config.num_storage_units}
-
-    def _op_register_unit(self, req: Request):
-        h = req.header
-        uid = check_int(h, "unit", 0)
-        size = check_int(h, "size", 1)
-        arena = h.get("arena")
-        if arena is not None and not valid_arena_name(arena):
-            # Clients join this name onto /dev/shm and map the file read-write: "../x" or "/x" would
-            # make every client map a file of the attacker's choice.
-            raise BadRequestError(f"arena must be a plain file name (letters, digits, '.', '_', '-'; "
-                                  f"no separators), got {arena!r}")
-        address = h.get("address")
-        if not isinstance(address, str):
-            raise BadRequestError("address must be a string")
-        if uid in self.units and self.units[uid].alive:
-            raise BadRequestError(f"storage unit {uid} is already registered")
-        if uid in self.units:
-            self._unlink_unit(self.units[uid])
-        self.units[uid] = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic())
-        self._link_unit(self.units[uid])
-        logger.info("storage unit %d registered at %s", uid, address)
-        return {"link": self.units[uid].link_id.hex()}
-
-    def _op_heartbeat(self, req: Request):
-        unit = self.units.get(req.header.get("unit"))
-        if unit is not None and unit.alive:
-            unit.last_seen = time.monotonic()
-        return DEFERRED  # heartbeats are one-way
-
+    # ----------------------------------------------------------------- timers
     def _expire(self) -> None:
         now = time.monotonic()
-        for unit in self.units.values():
-            if unit.alive and now - unit.last_seen > self.config.heartbeat_timeout_s:
-                self._unit_died(unit)
+        self._check_units(now)
         for put_id in [k for k, p in self.puts.items() if p.deadline < now]:
             logger.warning("put %d was never committed; releasing its reservation", put_id)
             self._abort(put_id, f"its lease of {self.config.put_lease_s:g} s expired before the commit",
@@ -146,28 +93,6 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
             self.server.reply_error(item[0], BackPressureError(
                 f"put to partition {item[0].header.get('partition')!r} waited "
                 f"{item[0].header.get('timeout')} s for capacity: {self._capacity_text()}"))
-
-    def _unit_died(self, unit: Unit) -> None:
-        unit.alive = False
-        self._unlink_unit(unit)
-        logger.error("storage unit %d at %s stopped sending heartbeats; its rows are lost", unit.id,
-                     unit.address)
-        for part in self.partitions.values():
-            for f in part.fields.values():
-                n = part.n
-                on_unit = np.flatnonzero((f.unit[:n] == unit.id) & (f.produced[:n] | f.pending[:n]))
-                if len(on_unit):
-                    part.mark_lost(on_unit)
-        for p in list(self.parked_gets):
-            part = self.partitions.get(p.partition)
-            if part is not None and part.lost_rows:
-                self.parked_gets.remove(p)
-                self.server.reply_error(p.req, self._lost_error(part))
-
-    def _lost_error(self, part: Partition) -> StorageUnitError:
-        dead = sorted(u.id for u in self.units.values() if not u.alive)
-        return StorageUnitError(f"storage unit(s) {dead} died; {part.lost_rows} rows of partition "
-                                f"{part.name!r} were lost (clear them, or the partition, to go on)")
 
     # ----------------------------------------------------------------- partitions
     def _partition(self, name) -> Partition:
@@ -207,7 +132,7 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
     def _op_status(self, req: Request):
         name = req.header.get("partition")
         parts = [self._partition(name)] if name is not None else list(self.partitions.values())
-        units = {str(u.id): {"address": u.address, "alive": u.alive,
+        units = {str(u.id): {"address": u.address, "alive": u.alive, "incarnation": u.incarnation,
                              "used_bytes": u.alloc.used - u.retiring_bytes,
                              "retiring_bytes": u.retiring_bytes, "capacity_bytes": u.size}
                  for u in self.units.values()}
@@ -282,6 +207,8 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
                        and (whole or np.isin(put.rows, rows).any())]:
             self._abort(put_id, "its rows were cleared", by_writer=False)
         self._drop(part, rows, wake=False)
+        if not whole and part.sealed:
+            self._wake_gets(part.name)  # the rows a consumer still waited for may be the ones cleared
         if whole:
             del self.partitions[part.name]
             for key in [k for k in self.replicas if k[0] == part.name]:
@@ -312,6 +239,8 @@ class Controller(PutHandlers, GetHandlers, FenceHandlers):
         self._free_blocks(freed)
         if wake:
             self._wake_puts()
+            if part.sealed:  # only the end of a sealed partition can depend on rows that went away
+                self._wake_gets(part.name)
 
 
 

@@ -88,8 +88,8 @@ class GetHandlers:
         part = self.partitions.get(p.partition)
         if part is None:
             raise UnknownPartitionError(f"partition {p.partition!r} was cleared")
-        if part.lost_rows:
-            raise self._lost_error(part)
+        # Rows lost with a dead storage unit never go out (they left every ready view); the rest of the
+        # partition stays readable, and replies say how many rows were lost.
         dp_rank, dp_size, mp_rank, mp_size = p.dp
         joint = p.sampler.joint_dp and dp_size > 1
         if mp_size == 1 and not joint:
@@ -162,13 +162,16 @@ class GetHandlers:
     def _meta_reply(self, part: Partition, p: ParkedGet, rows: list[int], handout: int):
         idx = np.asarray(rows, np.int64)
         fields = {}
+        units = set()
         for name in p.fields:
             f = part.fields[name]
-            fields[name] = [f.spec.to_wire(), f.unit[idx].tolist(), f.offset[idx].tolist(),
-                            f.nbytes[idx].tolist(), f.len0[idx].tolist()]
+            on = f.unit[idx].tolist()
+            units.update(on)
+            fields[name] = [f.spec.to_wire(), on, f.offset[idx].tolist(), f.nbytes[idx].tolist(),
+                            f.len0[idx].tolist()]
         return {"indexes": idx.tolist(), "done": not rows, "fields": fields, "handout": handout,
-                "lease": p.lease,
-                "versions": part.versions[idx].tolist(), "group_ids": part.group_ids[idx].tolist(),
+                "lease": p.lease, "lost_rows": part.lost_rows, "versions": part.versions[idx].tolist(),
+                "group_ids": part.group_ids[idx].tolist(), "units": self._incarnations(units),
                 "lengths": part.lengths[idx].tolist()}
 
     def _wake_gets(self, name: str) -> None:
@@ -197,4 +200,5 @@ class GetHandlers:
             f"task {p.task!r} timed out after {p.timeout:g} s waiting for {p.batch_size} rows of partition "
             f"{p.partition!r} with fields {list(p.fields)} (sampler {p.sampler.name!r}): {ready} rows ready "
             f"and unconsumed; fields still missing: {missing_text}; partition has {part.live_rows} live "
-            f"rows{', sealed' if part.sealed else ''}")
+            f"rows{', sealed' if part.sealed else ''}"
+            + (f"; {part.lost_rows} rows were lost with a dead storage unit" if part.lost_rows else ""))

@@ -59,8 +59,6 @@ class PutHandlers:
         """Validate and reserve; None means 'valid but no capacity yet' (the caller parks it)."""
         h = req.header
         part = self._partition(h.get("partition"))
-        if part.lost_rows:
-            raise self._lost_error(part)
         count = check_int(h, "count", 1)
         specs = self._check_put_fields(part, h.get("fields"), count)
         indexes = h.get("indexes")
@@ -77,6 +75,8 @@ class PutHandlers:
         else:
             rows = int_array(indexes, count, "indexes")
             part.check_rows(rows)
+            if part.lost[rows].any():
+                raise self._lost_error(part)
             for name in specs:
                 f = part.fields.get(name)
                 if f is not None:
@@ -115,7 +115,8 @@ class PutHandlers:
         self.puts[put_id] = PendingPut(part.name, rows, indexes is None, specs, blocks, meta, deadline)
         self._epoch_high = put_id
         # The put id is the epoch of its ranges: writes carry it, and units refuse it once it is closed.
-        return {"put": put_id, "indexes": rows.tolist(), "chunks": chunks, "lease": self.config.put_lease_s}
+        return {"put": put_id, "indexes": rows.tolist(), "chunks": chunks, "lease": self.config.put_lease_s,
+                "units": self._incarnations(c[0] for c in chunks)}
 
     def _check_put_fields(self, part: Partition, fields, count: int) -> dict[str, tuple]:
         if not isinstance(fields, dict) or not fields:
@@ -220,8 +221,8 @@ class PutHandlers:
                         by_writer=False)
             return self._op_commit_put(req)
         part = self.partitions.get(put.partition)
-        if part is None or part.lost_rows:
-            self._abort(put_id, "its partition was cleared or lost rows")
+        if part is None or part.lost[put.rows].any():
+            self._abort(put_id, "its partition was cleared, or its rows were lost with a storage unit")
             raise self._lost_error(part) if part is not None else UnknownPartitionError(
                 f"partition {put.partition!r} was cleared during the put")
         del self.puts[put_id]
@@ -270,6 +271,8 @@ class PutHandlers:
             if put.new_rows:
                 part.roll_back_rows(put.rows)
                 self.live_rows -= len(put.rows)
+                if part.sealed:  # the rows a sealed partition's consumers waited for are gone
+                    self._wake_gets(part.name)
         self._free_blocks(put.blocks, not_before=0.0 if by_writer else put.deadline + COPY_GRACE_S)
         self._wake_puts()
 

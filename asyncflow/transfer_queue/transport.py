@@ -37,6 +37,7 @@ DEFERRED = object()
 
 # Frames below this size are cheaper to copy than to hand to ZMQ zero-copy (which needs a callback).
 ZERO_COPY_MIN_BYTES = 64 << 10
+_RECONNECT_GRACE_S = 2.0  # ZMQ redials every 100 ms: a peer still gone after this is down, not blipping
 _ANSWERS_KEPT = 1 << 17  # first answers kept for retries (a few hundred bytes each)
 _MAX_FRAMES = 1 << 16  # a write of many rows sends one frame per coalesced range; far below this
 
@@ -80,7 +81,7 @@ class RpcServer:
         self.sock.setsockopt(zmq.SNDHWM, 0)
         # Bounded: a flooding peer is held back by TCP flow control, not buffered without limit.
         self.sock.setsockopt(zmq.RCVHWM, receive_queue_messages)
-        bind_host = "*" if host in ("0.0.0.0", "") else host
+        self.bind_host = bind_host = "*" if host in ("0.0.0.0", "") else host
         if port:
             self.sock.bind(f"tcp://{bind_host}:{port}")
             self.port = port
@@ -282,7 +283,10 @@ class Connection:
         self.signer = signer
         self.sock, self.monitor = dealer_socket(ctx, address, max_message_bytes)
         self.connected = False
-        self.lost = False
+        self.lost = False  # the peer went away and has not come back (yet)
+        self.disconnects = 0
+        self.lost_since = 0.0
+        self._sent_at: dict[int, int] = {}  # request id -> disconnects when it was sent
         self._ids = itertools.count(1)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
@@ -293,11 +297,15 @@ class Connection:
         """Send one request and return its id."""
         req_id = next(self._ids)
         frames = encode(self.signer, {**header, "id": req_id}, buffers)
+        if not header.get("noreply"):
+            self._read_monitor()  # connection state as of this send
+            self._sent_at[req_id] = self.disconnects
         self.sock.send_multipart(frames, copy=_copy_frames(frames))
         return req_id
 
     def recv(self, req_id: int, timeout_s: float, what: str = "") -> tuple[dict, list]:
         """Wait for the reply to ``req_id``; raise the server's error or ServerUnavailableError."""
+        sent_at = self._sent_at.pop(req_id, self.disconnects)
         if req_id in self._early:
             return _check(self._early.pop(req_id))
         deadline = time.monotonic() + timeout_s
@@ -324,7 +332,11 @@ class Connection:
                         return _check(msg)
                     if isinstance(rid, int) and rid > req_id:
                         self._early[rid] = msg  # in-flight request answered out of order
-            if self.lost:
+            # A disconnect after this request was sent fails it, and so does a peer that has been gone
+            # for a while; a connection that dropped and came back (a restarted server, a network blip)
+            # serves new requests normally.
+            if self.disconnects != sent_at or (
+                    self.lost and time.monotonic() - self.lost_since > _RECONNECT_GRACE_S):
                 raise ServerUnavailableError(
                     f"{self.name} at {self.address} closed the connection while {what or 'a request'} "
                     "was pending (the process died or exited)")
@@ -342,8 +354,11 @@ class Connection:
                 return
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self.lost = False
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.lost = True
+                self.lost_since = time.monotonic()
+                self.disconnects += 1
 
     def close(self) -> None:
         try:

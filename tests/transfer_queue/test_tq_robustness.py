@@ -178,3 +178,80 @@ def test_client_never_hangs_on_a_garbage_server():
         thread.join()
         server.close(linger=0)
         ctx.term()
+
+
+def test_connection_recovers_after_the_server_comes_back():
+    """A dropped and re-established connection serves new requests (the client's 'lost' state once
+    stuck, so every later call failed within half a second); a request pending across the drop fails."""
+    from asyncflow.transfer_queue.protocol import decode
+    from asyncflow.transfer_queue.transport import Connection
+
+    signer = Signer("s")
+    ctx = zmq.Context()
+
+    def echo_server(port=0):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+            return sock, port
+        return sock, sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer(sock):
+        assert sock.poll(20000)
+        identity, *frames = sock.recv_multipart()
+        header, _ = decode(signer, frames)
+        sock.send_multipart([identity, *encode(signer, {"id": header["id"], "ok": True, "n": header["n"]})])
+
+    server, port = echo_server()
+    conn = Connection(ctx, f"tcp://127.0.0.1:{port}", signer, "echo", 1 << 20)
+    try:
+        first = conn.send({"op": "x", "n": 1})
+        answer(server)
+        assert conn.recv(first, 20)[0]["n"] == 1
+        pending = conn.send({"op": "x", "n": 2})
+        server.close(linger=0)  # the server goes away with a request pending
+        with pytest.raises(ServerUnavailableError, match="closed the connection"):
+            conn.recv(pending, 20)
+        server, _ = echo_server(port)  # ... and comes back on the same port
+        for n in (3, 4):
+            req = conn.send({"op": "x", "n": n})
+            answer(server)
+            assert conn.recv(req, 20)[0]["n"] == n
+        assert not conn.lost
+    finally:
+        conn.close()
+        server.close(linger=0)
+        ctx.term()
+
+
+def test_busy_controller_does_not_declare_healthy_units_dead(make_tq):
+    """Heartbeats are read on their own thread: a request thread stuck for twice the heartbeat timeout
+    behind a long request and a queue of 300 more (it handles 256 between timer runs) once declared
+    both healthy units dead, for good."""
+    import time
+
+    tq = make_tq(heartbeat_timeout_s=1.5)
+    with tq.client() as client:
+        incarnations = {k: u["incarnation"] for k, u in client.status()["units"].items()}
+    # A stand-in for an expensive request: it holds the controller's request thread for 3 s.
+    tq.controller.server.handlers["busy"] = lambda req: time.sleep(3.0) or {}
+    signer = Signer(tq.config.secret)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tq.address)
+    try:
+        sock.send_multipart(encode(signer, {"op": "busy", "id": 1}))
+        for i in range(300):
+            sock.send_multipart(encode(signer, {"op": "status", "id": 2 + i}))
+        for _ in range(301):
+            assert sock.poll(60000)
+            sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    with tq.client() as client:
+        units = client.status()["units"]
+        assert all(u["alive"] for u in units.values())
+        assert {k: u["incarnation"] for k, u in units.items()} == incarnations  # never re-registered
