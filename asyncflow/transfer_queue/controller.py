@@ -11,6 +11,7 @@ timeout error that says what was missing.
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import itertools
 import logging
@@ -213,6 +214,8 @@ class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
             del self.partitions[part.name]
             for key in [k for k in self.replicas if k[0] == part.name]:
                 del self.replicas[key]
+            self.leases = [entry for entry in self.leases if entry[2] != part.name]
+            heapq.heapify(self.leases)
             for p in [p for p in self.parked_gets if p.partition == part.name]:
                 self.parked_gets.remove(p)
                 self.server.reply_error(p.req, UnknownPartitionError(f"partition {part.name!r} was cleared"))

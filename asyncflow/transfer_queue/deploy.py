@@ -22,6 +22,7 @@ from .config import TransferQueueConfig
 from .errors import ServerUnavailableError
 from .shm import new_shm_prefix, remove_leftovers, remove_stale, unlink_quietly
 
+_START_TIMEOUT_S = 120.0  # interpreter start-up on a heavily loaded machine can take tens of seconds
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -125,9 +126,10 @@ class ProcessDeployment(Deployment):
             ctrl = self._spawn({"role": "controller"}, stdout=subprocess.PIPE)
             units = [self._spawn({"role": "unit", "unit": i, "shm_prefix": self.shm_prefix}, keep_stdin=True)
                      for i in range(config.num_storage_units)]
-            line = _read_line(ctrl, config.rpc_timeout_s)
+            line = _read_line(ctrl, max(config.rpc_timeout_s, _START_TIMEOUT_S))
             if not line.startswith("tcp://"):
-                raise ServerUnavailableError(f"controller failed to start within {config.rpc_timeout_s:g} s "
+                raise ServerUnavailableError(f"controller did not start within "
+                                             f"{max(config.rpc_timeout_s, _START_TIMEOUT_S):g} s "
                                              f"(exit code {ctrl.poll()})")
             self.address = line
             for unit in units:

@@ -18,6 +18,8 @@ from .errors import BadRequestError
 from .schema import FieldSpec
 
 FREE, IN_FLIGHT, READ = 0, 1, 2  # per-task consumption state of a row
+MAX_TASKS = 256  # consumer tasks per partition (each costs 19 bytes per row)
+MAX_VIEWS_PER_TASK = 16  # field sets per task kept as ready views (each costs O(ready rows))
 
 
 def _grow(arr: np.ndarray, size: int, fill) -> np.ndarray:
@@ -201,6 +203,14 @@ class Partition:
             state = self.fields[name] = FieldState(name, self.capacity)
         return state
 
+    def _produced(self, name: str, rows) -> np.ndarray:
+        """Which of ``rows`` have field ``name``; a field never written has no state (a request naming
+        it allocates nothing) and no produced rows."""
+        f = self.fields.get(name)
+        if f is None:
+            return np.zeros(len(range(self.capacity)[rows]) if isinstance(rows, slice) else len(rows), bool)
+        return f.produced[rows]
+
     def check_rows(self, rows: np.ndarray) -> None:
         if len(rows) and (rows.min() < 0 or rows.max() >= self.n):
             raise BadRequestError(f"row index out of range for partition {self.name!r} with {self.n} rows")
@@ -214,23 +224,30 @@ class Partition:
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)
         if state is None:
+            if len(self.tasks) >= MAX_TASKS:
+                raise BadRequestError(f"partition {self.name!r} already has {MAX_TASKS} consumer tasks; "
+                                      "task names are meant to name RL tasks, not requests")
             state = self.tasks[name] = TaskState(self.capacity)
         return state
 
     def view(self, task: str, fields: tuple[str, ...]) -> ReadyView:
-        """The ready view for (task, fields), built from the arrays the first time it is asked for."""
+        """The ready view for (task, fields), built from the arrays the first time it is asked for. At
+        most MAX_VIEWS_PER_TASK per task: the least recently used goes (it is rebuilt when asked again)."""
         state = self.task(task)
-        view = state.views.get(fields)
+        view = state.views.pop(fields, None)
         if view is None:
-            view = state.views[fields] = ReadyView(self, fields)
+            view = ReadyView(self, fields)
             view.add(np.flatnonzero(self._ready_mask(state, fields)))
+            while len(state.views) >= MAX_VIEWS_PER_TASK:
+                del state.views[next(iter(state.views))]
+        state.views[fields] = view  # most recently used last
         return view
 
     def _ready_mask(self, state: TaskState, fields: tuple[str, ...]) -> np.ndarray:
         n = self.n
         mask = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
         for name in fields:
-            mask &= self.field(name).produced[:n]
+            mask &= self._produced(name, slice(0, n))
         return mask
 
     def on_produced(self, rows: np.ndarray, names: list[str]) -> None:
@@ -242,7 +259,7 @@ class Partition:
                     continue
                 ok = self.alive[rows] & ~self.lost[rows] & (state.consumed[rows] == FREE)
                 for name in fields:
-                    ok &= self.fields[name].produced[rows]
+                    ok &= self._produced(name, rows)
                 view.add(rows[ok])
 
     def hand_out(self, task: str, rows: list[int], readers: int, handout: int, lease_end: float) -> None:
@@ -292,7 +309,7 @@ class Partition:
         for fields, view in state.views.items():
             ok = self.alive[rows] & ~self.lost[rows]
             for name in fields:
-                ok &= self.fields[name].produced[rows]
+                ok &= self._produced(name, rows)
             view.add(rows[ok], front=True)
         return len(rows)
 
@@ -327,7 +344,7 @@ class Partition:
         state = self.task(task)
         n = self.n
         candidates = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
-        return {name: int(np.count_nonzero(candidates & ~self.field(name).produced[:n])) for name in fields}
+        return {name: int(np.count_nonzero(candidates & ~self._produced(name, slice(0, n)))) for name in fields}
 
     # ----------------------------------------------------------------- lifecycle
     def unconsumed_by(self, rows: np.ndarray, tasks: list[str]) -> dict[str, int]:
