@@ -158,6 +158,8 @@ class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
             handout = req.header.get("handout")
             handout = handout if isinstance(handout, int) and not isinstance(handout, bool) else None
             rows = part.ack(task, self._rows_arg(part, req.header.get("indexes")), handout)
+            if part.sealed and len(rows):
+                self._wake_gets(part.name)  # a consumer waiting for "done" waited for these rows
             if part.auto_clear and len(rows):
                 rows = rows[part.alive[rows]]
                 read_by_all = np.ones(len(rows), bool)

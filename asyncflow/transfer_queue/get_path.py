@@ -125,6 +125,10 @@ class GetHandlers:
         if len(rows) < n and not (rows and p.allow_partial):
             if not part.sealed or part.remaining_unready(p.task, view.fields) > 0:
                 return None  # more rows can still come: wait
+            if not rows and part.in_flight_count(p.task):
+                # Not done while rows of this task are out: an ack finishes them, or their lease ends and
+                # they come back. (Answering "done" here lost the rows of a consumer that died.)
+                return None
         handout = next(self._ids)
         if rows:
             lease_end = time.monotonic() + p.lease

@@ -332,6 +332,11 @@ class Partition:
         state.readers[done] = 0
         return done
 
+    def in_flight_count(self, task: str) -> int:
+        """Rows of ``task`` handed out and not yet read by all their readers."""
+        state = self.tasks.get(task)
+        return 0 if state is None else int(np.count_nonzero(state.consumed[: self.n] == IN_FLIGHT))
+
     def remaining_unready(self, task: str, fields: tuple[str, ...]) -> int:
         """Unconsumed live rows that may still become ready for (task, fields)."""
         state = self.task(task)

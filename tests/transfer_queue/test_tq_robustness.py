@@ -14,10 +14,12 @@ from asyncflow.transfer_queue import ServerUnavailableError, TransferQueueClient
 from asyncflow.transfer_queue.protocol import Signer, encode
 
 OPS = ["hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put", "abort_put",
-       "get_meta", "ack", "release", "seal", "clear", "status", "read", "ping", "nonsense"]
+       "get_meta", "renew", "ack", "release", "seal", "clear", "status", "read", "write", "fence", "ping",
+       "nonsense"]
 KEYS = ["partition", "task", "fields", "batch_size", "indexes", "count", "put", "unit", "address", "size",
         "sampler", "sampler_args", "dp_rank", "dp_size", "mp_rank", "mp_size", "timeout", "ranges",
-        "versions", "group_ids", "lengths", "expected_rows", "consumers", "force", "exist_ok", "arena"]
+        "versions", "group_ids", "lengths", "expected_rows", "consumers", "force", "exist_ok", "arena",
+        "epoch", "epochs", "floor", "handout", "lease", "rid", "inc"]
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -54,7 +56,7 @@ def malformed_message(rng: random.Random, signer: Signer, real: list[bytes]) -> 
     if choice < 0.65:
         header = {k: random_value(rng) for k in rng.sample(KEYS, rng.randint(0, 8))}
         header["op"] = rng.choice(OPS)
-        if header["op"] in ("read", "ping") or header.get("partition") == "keep":
+        if header["op"] in ("read", "write", "ping") or header.get("partition") == "keep":
             header["partition"] = "fuzz"
         header["id"] = rng.choice([rng.randint(0, 1 << 30), -5, "x", None])
         try:
@@ -119,8 +121,12 @@ def test_fuzz_controller_and_storage_units(make_tq, secret):
                                    "fields": {"x": [["dense", "float32", [2]], [8], None]}})
         fuzz_socket(tq.address, signer, real_put, 2000, seed=1)
         real_read = encode(signer, {"op": "read", "id": 3, "ranges": [[0, 16]]})
+        # A well-formed write of a put that never existed (epoch 0 is below every unit's floor).
+        real_write = encode(signer, {"op": "write", "id": 4, "epoch": 0, "ranges": [[0, 8]]}, [b"\xff" * 8])
         for i, unit in enumerate(tq.units):
-            fuzz_socket(unit.address, signer, real_read, 600, seed=10 + i)
+            fuzz_socket(unit.address, signer, real_read, 400, seed=10 + i)
+            fuzz_socket(unit.address, signer, real_write, 400, seed=20 + i)
+            assert unit.refused_writes or not unit.fence_floor  # stale writes were refused, not applied
         assert tq.controller.server.messages_received > 2000  # every fuzz message reached the server
         # Everything still works and the data is intact.
         batch = client.get("keep", "after-fuzz", ["x", "tok"], 64)
