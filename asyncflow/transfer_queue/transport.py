@@ -135,7 +135,7 @@ class RpcServer:
         self.reply(req.identity, header)
 
     def _remember(self, req: Request, header: dict | None) -> None:
-        rid = req.header.get("rid")
+        rid = _rid(req.header)
         if rid is None:
             return
         self._answers[rid] = ["done", header]
@@ -145,11 +145,11 @@ class RpcServer:
 
     def _answer_again(self, req: Request) -> bool:
         """True when ``req`` repeats a request id already seen (answered now, or redirected if parked)."""
-        rid = req.header.get("rid")
+        if req.header.get("rid") is not None and _rid(req.header) is None:
+            raise BadRequestError("rid must be a string of at most 64 characters")
+        rid = _rid(req.header)
         if rid is None:
             return False
-        if not isinstance(rid, str) or len(rid) > 64:
-            raise BadRequestError("rid must be a string of at most 64 characters")
         seen = self._answers.get(rid)
         if seen is None:
             return False
@@ -244,13 +244,19 @@ class RpcServer:
                                                   f"{type(exc).__name__}: {exc}"))
             return
         if result is DEFERRED or header.get("noreply"):
-            rid = header.get("rid")
+            rid = _rid(header)
             if rid is not None and rid not in self._answers:
                 self._answers[rid] = ["pending", req] if result is DEFERRED and not header.get("noreply") \
                     else ["done", None]
             return
         fields, buffers = result if isinstance(result, tuple) else (result or {}, ())
         self.reply_ok(req, buffers, **fields)
+
+
+def _rid(header: dict) -> str | None:
+    """The request id of a header when it is a valid one (untrusted input: anything else is None)."""
+    rid = header.get("rid")
+    return rid if isinstance(rid, str) and len(rid) <= 64 else None
 
 
 def _copy_frames(frames: list) -> bool:

@@ -28,4 +28,4 @@ def test_load_bench_smoke(tmp_path):
     assert stream["side_live_rows"] == 0 and stream["side_rolled_back"] == 32  # the killed put rolled back
     assert unit["lost_reported"] == unit["rows_on_dead_unit"] > 0 and unit["corrupted"] == 0
     assert unit["readable_after"] > 0 and unit["units_after_restart"] == [0, 1]
-    assert "| get_meta p50 ms |" in proc.stdout.replace("partition rows | parked consumers ", "")
+    assert "get_meta p50 ms" in proc.stdout

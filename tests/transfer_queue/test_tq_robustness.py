@@ -10,8 +10,9 @@ import pytest
 import torch
 import zmq
 
-from asyncflow.transfer_queue import ServerUnavailableError, TransferQueueClient, TransferQueueConfig
+from asyncflow.transfer_queue import ServerUnavailableError, StalePutError, TransferQueueClient, TransferQueueConfig
 from asyncflow.transfer_queue.protocol import Signer, encode
+from asyncflow.transfer_queue.transport import Connection
 
 OPS = ["hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put", "abort_put",
        "get_meta", "renew", "ack", "release", "seal", "clear", "status", "read", "write", "fence", "ping",
@@ -126,7 +127,15 @@ def test_fuzz_controller_and_storage_units(make_tq, secret):
         for i, unit in enumerate(tq.units):
             fuzz_socket(unit.address, signer, real_read, 400, seed=10 + i)
             fuzz_socket(unit.address, signer, real_write, 400, seed=20 + i)
-            assert unit.refused_writes or not unit.fence_floor  # stale writes were refused, not applied
+            # The well-formed one itself is refused: a write of an epoch the unit never opened is stale.
+            ctx = zmq.Context()
+            conn = Connection(ctx, unit.address, signer, "unit", 1 << 20)
+            try:
+                with pytest.raises(StalePutError):
+                    conn.request({"op": "write", "epoch": 0, "ranges": [[0, 8]]}, [b"\xff" * 8], timeout_s=20)
+            finally:
+                conn.close()
+                ctx.term()
         assert tq.controller.server.messages_received > 2000  # every fuzz message reached the server
         # Everything still works and the data is intact.
         batch = client.get("keep", "after-fuzz", ["x", "tok"], 64)
