@@ -171,3 +171,25 @@ def test_arenas_of_crashed_runs_are_removed_at_the_next_start(tmp_path):
         for path in (stale, live):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_unit_death_wakes_a_consumer_of_a_sealed_partition(tq_procs):
+    with tq_procs.client() as client:
+        client.create_partition("p")
+        spread_rows(client, "p")
+        placed = rows_by_unit(client, "p", 8)
+        client.put("p", {"y": torch.ones(4)}, indexes=placed[0])  # the rows on unit 1 never get y
+        client.seal("p")
+        got = {}
+
+        def consume():
+            with tq_procs.client() as c:
+                got["batch"] = c.get("p", "t", ["x", "y"], 8, timeout=120)
+
+        thread = threading.Thread(target=consume)
+        thread.start()
+        wait_until(lambda: client.status()["parked_gets"] == 1)
+        tq_procs.kill_unit(1)  # its rows can never become ready now: the waiter gets the final batch
+        thread.join(60)
+        assert not thread.is_alive()
+        assert sorted(got["batch"].indexes) == placed[0] and got["batch"].meta.lost_rows == 4
