@@ -12,6 +12,7 @@ send every request twice, the copy one request late (duplicated and delayed mess
 Phase 2, storage unit: a unit holding rows is SIGKILLed and restarted; rows elsewhere stay readable and
 intact, the lost ones are reported, new rows land on the new incarnation and read back intact.
 Phase 3, latency: get_meta p50/p99 with 1, 64 and 256 parked consumers, on partitions of 10k and 1M rows.
+Last, the controller's own CPU per request, measured in-process (the basis of the 1,000-client estimate).
 
 Every received row is checked against its CRC, and every task must receive every row exactly once.
 """
@@ -292,6 +293,61 @@ def phase_latency(tq, sizes, parked_counts, reps, workdir) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- controller CPU per request
+class _Frame:
+    def __init__(self, data: bytes):
+        self.bytes, self.buffer = data, memoryview(data)
+
+    def __len__(self) -> int:
+        return len(self.bytes)
+
+
+def controller_cost(sizes, reps=200) -> dict:
+    """Server-side CPU per request (decode, keyed MAC, handler, reply) of a controller that is not
+    serving: requests go straight to its dispatch on this thread, so nothing else competes for its state."""
+    from asyncflow.transfer_queue import TransferQueueConfig
+    from asyncflow.transfer_queue.controller import Controller
+    from asyncflow.transfer_queue.protocol import Signer, encode
+
+    ctrl = Controller(TransferQueueConfig(secret="bench"))
+    signer = Signer("bench")
+    calls = iter(range(1, 1 << 30))
+
+    def call(header: dict) -> None:
+        ctrl.server._handle([_Frame(b"bench")] + [_Frame(bytes(f)) for f in
+                                                  encode(signer, {**header, "id": next(calls)})])
+
+    call({"op": "register_unit", "unit": 0, "address": "tcp://127.0.0.1:9", "arena": None, "size": 1 << 40})
+    out = {}
+    try:
+        for size in sizes:
+            call({"op": "create_partition", "partition": "c"})
+            for start in range(0, size, 250_000):
+                n = min(250_000, size - start)
+                call({"op": "prepare_put", "partition": "c", "count": n,
+                      "fields": {"id": [["dense", "int32", []], None, None]}})
+                put = max(ctrl.puts)
+                call({"op": "commit_put", "put": put})  # metadata only: no bytes are needed for get_meta
+            for op, header in [("get_meta", {"op": "get_meta", "partition": "c", "task": "m", "fields": ["id"],
+                                             "batch_size": 64}),
+                               ("hello", {"op": "hello"}), ("status", {"op": "status", "partition": "c"})]:
+                times = []
+                for i in range(reps):
+                    t0 = time.perf_counter()
+                    call({**header, "rid": f"{size}.{op}.{i}"} if op == "get_meta" else header)
+                    times.append((time.perf_counter() - t0) * 1e6)
+                out[f"{op} {size:,} rows"] = statistics.median(times)
+            call({"op": "clear", "partition": "c", "force": True})
+    finally:
+        ctrl.server.sock.close(linger=0)
+        for cb in ctrl.server.on_close:
+            cb()
+        for sock in list(ctrl.server._extra):
+            sock.close(linger=0)
+        ctrl.server.ctx.term()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--producers", type=int, default=8)
@@ -341,6 +397,10 @@ def main() -> None:
     print("\n| partition rows | parked consumers | get_meta p50 ms | get_meta p99 ms |\n|---|---|---|---|")
     for r in results["latency"]:
         print(f"| {r['rows']:,} | {r['parked']} | {r['p50_ms']:.3f} | {r['p99_ms']:.3f} |")
+    results["controller_us"] = controller_cost([int(x) for x in args.sizes.split(",")])
+    print("\n| controller CPU per request (median) | us |\n|---|---|")
+    for label, us in results["controller_us"].items():
+        print(f"| {label} | {us:.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)
