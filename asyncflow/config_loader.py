@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -156,11 +157,28 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | tuple
     return build(cls, data)
 
 
+SECRET_KEYS = frozenset({"secret", "password", "token", "api_key"})
+"""Config keys whose values never leave the process in dumps, logs or metrics sinks."""
+
+REDACTED = "<redacted>"
+
+
+def redact_secrets(data: Any) -> Any:
+    """A copy of plain config data with the value of every key in ``SECRET_KEYS`` replaced (when set)."""
+    if isinstance(data, Mapping):
+        return {k: (REDACTED if k in SECRET_KEYS and v is not None else redact_secrets(v))
+                for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(redact_secrets(v) for v in data)
+    return data
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
-    """The resolved config as plain data (for printing, YAML dumps and metrics)."""
-    return dataclasses.asdict(cfg)
+    """The resolved config as plain data (for printing, YAML dumps and metrics), secrets redacted:
+    everything this returns may end up in a terminal, a log or a wandb run."""
+    return redact_secrets(dataclasses.asdict(cfg))
 
 
 def dump_yaml(cfg: Any) -> str:
-    """The resolved config as YAML text."""
+    """The resolved config as YAML text (secrets redacted)."""
     return yaml.safe_dump(to_dict(cfg), sort_keys=False, default_flow_style=False)

@@ -125,7 +125,7 @@ def bench_ours(sizes: dict[int, int], meta_rows: int, meta_reps: int) -> dict:
     dep = start(config)
     ctx = mp.get_context("spawn")
     queues = {role: (ctx.Queue(), ctx.Queue()) for role in ("producer", "consumer")}
-    procs = [ctx.Process(target=tq_worker, args=(dep.address, config, *queues[role]), daemon=True)
+    procs = [ctx.Process(target=tq_worker, args=(dep.address, dep.config, *queues[role]), daemon=True)
              for role in queues]
     for p in procs:
         p.start()

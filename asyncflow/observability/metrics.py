@@ -172,6 +172,10 @@ class MetricsLogger:
         names = [n for n, on in (("jsonl", cfg.jsonl), ("tensorboard", cfg.tensorboard),
                                  ("wandb", cfg.wandb_project is not None)) if on]
         self.sinks: list[Sink] = []
+        if run_config is not None:  # sinks such as wandb upload it; secrets must never leave the process
+            from asyncflow.config_loader import redact_secrets
+
+            run_config = redact_secrets(run_config)
         for sink in [*names, *extra_sinks]:
             if isinstance(sink, Sink):
                 self.sinks.append(sink)

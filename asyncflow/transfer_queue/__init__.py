@@ -38,6 +38,7 @@ _EXPORTS = {
     "TransferQueueTimeoutError": "errors",
     "BackPressureError": "errors",
     "StorageUnitError": "errors",
+    "StalePutError": "errors",
     "ServerUnavailableError": "errors",
 }
 

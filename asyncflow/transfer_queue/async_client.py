@@ -17,20 +17,26 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .batch import Batch, BatchMeta
 from .client import (
+    _COMMIT_TRIES,
     _RPC_GRACE_S,
     ReadPlan,
     UnitHandle,
     _ints,
+    ack_header,
+    check_lease,
     check_ragged,
     encode_put,
     get_header,
+    lease_deadline,
     put_header,
+    refresh_units,
+    stale_units,
     write_plan,
 )
 from .codec import copy_bytes
 from .config import TransferQueueConfig
 from .errors import ServerUnavailableError, TransferQueueError
-from .protocol import Signer, decode, encode
+from .protocol import RequestIds, Signer, decode, encode
 from .transport import _check, _copy_frames, dealer_socket
 
 
@@ -115,8 +121,10 @@ class AsyncTransferQueueClient:
         self._controller = AsyncConnection(self._ctx, address, self._signer, "controller",
                                            self.config.max_message_bytes)
         self._units: dict[int, UnitHandle] = {}
+        self._rids = RequestIds()
 
     async def _call(self, header: dict, timeout_s: float | None = None) -> dict:
+        header = self._rids.stamp(header)
         return (await self._controller.request(header, (), timeout_s or self.config.rpc_timeout_s))[0]
 
     async def connect(self) -> AsyncTransferQueueClient:
@@ -128,9 +136,7 @@ class AsyncTransferQueueClient:
             if reply.get("ready") or loop.time() > deadline:
                 break
             await asyncio.sleep(0.02)
-        for uid, address, arena, size, _ in reply["units"]:
-            if uid not in self._units:
-                self._units[uid] = UnitHandle(uid, address, arena, size, self.config.shm_enabled)
+        refresh_units(self._units, reply["units"], self.config.shm_enabled)
         if not self._units:
             raise ServerUnavailableError(f"the controller at {self.address} has no storage units")
         return self
@@ -185,19 +191,29 @@ class AsyncTransferQueueClient:
         encoded, count = encode_put(data, indexes, versions, group_ids, lengths)
         header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout)
         reply = await self._call(header, timeout + _RPC_GRACE_S)
+        lease_end = lease_deadline(reply)
         try:
+            if stale_units(self._units, reply.get("units")):
+                await self.connect()
             waits = []
             for uid, items in write_plan(reply["chunks"], encoded).items():
                 unit = await self._unit(uid)
                 if self._use_shm(unit, sum(p.nbytes for _, p in items)):
                     for offset, piece in items:
+                        check_lease(reply["put"], lease_end)
                         copy_bytes(unit.arena.view[offset:offset + piece.nbytes], piece)
                 else:
                     waits.append(self._conn(unit).request(
-                        {"op": "write", "ranges": [[o, p.nbytes] for o, p in items]}, [p for _, p in items],
-                        self.config.rpc_timeout_s))
+                        {"op": "write", "ranges": [[o, p.nbytes] for o, p in items], "epoch": reply["put"]},
+                        [p for _, p in items], self.config.rpc_timeout_s))
             await asyncio.gather(*waits)
-            return (await self._call({"op": "commit_put", "put": reply["put"]}))["indexes"]
+            commit = self._rids.stamp({"op": "commit_put", "put": reply["put"]})
+            for attempt in range(_COMMIT_TRIES):  # idempotent: a lost reply is asked for again
+                try:
+                    return (await self._call(commit))["indexes"]
+                except ServerUnavailableError:
+                    if attempt == _COMMIT_TRIES - 1:
+                        raise
         except BaseException:
             try:
                 await self._call({"op": "abort_put", "put": reply["put"]})
@@ -208,18 +224,28 @@ class AsyncTransferQueueClient:
     async def get_meta(self, partition: str, task: str, fields, batch_size: int, *,
                        sampler: str = "sequential", sampler_args: dict | None = None, dp_rank: int = 0,
                        dp_size: int = 1, mp_rank: int = 0, mp_size: int = 1, block: bool = True,
-                       timeout: float | None = None, allow_partial: bool = False) -> BatchMeta:
+                       timeout: float | None = None, allow_partial: bool = False,
+                       lease: float | None = None) -> BatchMeta:
         """See ``TransferQueueClient.get_meta``."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         header = get_header(partition, task, fields, batch_size, sampler, sampler_args, dp_rank, dp_size,
-                            mp_rank, mp_size, timeout if block else None, allow_partial)
+                            mp_rank, mp_size, timeout if block else None, allow_partial, lease)
         reply = await self._call(header, (timeout if block else 0) + self.config.rpc_timeout_s)
         return BatchMeta.from_reply(partition, task, reply)
+
+    async def renew(self, meta: BatchMeta, lease: float | None = None) -> int:
+        """See ``TransferQueueClient.renew``."""
+        if not meta.indexes:
+            return 0
+        return (await self._call({"op": "renew", "partition": meta.partition, "task": meta.task,
+                                  "indexes": meta.indexes, "handout": meta.handout, "lease": lease}))["renewed"]
 
     async def get_data(self, meta: BatchMeta, fields=None, *, ragged: str = "list") -> Batch:
         """See ``TransferQueueClient.get_data``."""
         check_ragged(ragged)
         plan = ReadPlan(meta, fields)
+        if stale_units(self._units, meta.units):
+            await self.connect()
         reads = []
         for uid, items in plan.by_unit.items():
             unit = await self._unit(uid)
@@ -236,8 +262,7 @@ class AsyncTransferQueueClient:
             for (_, _, dst), buf in zip(items, buffers):
                 dst[:] = memoryview(buf).cast("B")
         if meta.indexes:
-            await self._controller.send_oneway({"op": "ack", "partition": meta.partition, "task": meta.task,
-                                                "indexes": meta.indexes})
+            await self._controller.send_oneway(self._rids.stamp(ack_header(meta)))
         return plan.finish(meta, ragged)
 
     async def get(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list",
@@ -268,10 +293,7 @@ class AsyncTransferQueueClient:
         """Close sockets and unmap arenas."""
         self._controller.close()
         for unit in self._units.values():
-            if unit.conn is not None:
-                unit.conn.close()
-            if unit.arena is not None:
-                unit.arena.close()
+            unit.close()
         self._units.clear()
         self._ctx.term()
 

@@ -23,6 +23,15 @@ class BatchMeta:
     ready: int | None = None
     locations: dict = field(default_factory=dict, repr=False)
     """field -> [spec, units, offsets, nbytes, len0] as sent by the controller."""
+    handout: int | None = None
+    """Id of this hand-out: acks and renewals name it, so that they never touch a later hand-out of the
+    same rows (after a release or an expired lease)."""
+    lease_s: float | None = None
+    """The rows return to the task unless read (acked) or renewed within this many seconds."""
+    lost_rows: int = 0
+    """Rows of the partition lost with a dead storage unit (they are never handed out)."""
+    units: dict = field(default_factory=dict, repr=False)
+    """Storage unit id (str) -> incarnation: a client reconnects to a unit that registered again."""
 
     def __len__(self) -> int:
         return len(self.indexes)
@@ -35,7 +44,9 @@ class BatchMeta:
     def from_reply(cls, partition: str, task: str, reply: dict) -> BatchMeta:
         return cls(partition, task, list(reply.get("indexes", [])), list(reply.get("versions", [])),
                    list(reply.get("group_ids", [])), list(reply.get("lengths", [])),
-                   bool(reply.get("done")), reply.get("ready"), dict(reply.get("fields", {})))
+                   bool(reply.get("done")), reply.get("ready"), dict(reply.get("fields", {})),
+                   reply.get("handout"), reply.get("lease"), int(reply.get("lost_rows", 0)),
+                   dict(reply.get("units", {})))
 
 
 @dataclass
@@ -78,7 +89,8 @@ class Batch:
                          [self.meta.versions[i] for i in positions] if self.meta.versions else [],
                          [self.meta.group_ids[i] for i in positions] if self.meta.group_ids else [],
                          [self.meta.lengths[i] for i in positions] if self.meta.lengths else [],
-                         self.meta.done, self.meta.ready, self.meta.locations)
+                         self.meta.done, self.meta.ready, self.meta.locations, self.meta.handout,
+                         self.meta.lease_s, self.meta.lost_rows, self.meta.units)
         data = {}
         for name, value in self.data.items():
             if isinstance(value, torch.Tensor):

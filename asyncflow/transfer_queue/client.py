@@ -19,13 +19,15 @@ import zmq
 from .batch import Batch, BatchMeta
 from .codec import EncodedField, copy_bytes, encode_field, finish_output, new_output
 from .config import TransferQueueConfig
-from .errors import BadRequestError, ServerUnavailableError, TransferQueueError
-from .protocol import Signer
+from .errors import BadRequestError, ServerUnavailableError, StalePutError, TransferQueueError
+from .protocol import RequestIds, Signer
 from .schema import FieldSpec
 from .shm import Arena, can_open
 from .transport import Connection
 
 _RPC_GRACE_S = 5.0  # a parked request's reply may arrive this long after its server-side timeout
+_LEASE_MARGIN_S = 0.5
+_COMMIT_TRIES = 3
 
 
 # --------------------------------------------------------------------- shared request building
@@ -83,6 +85,19 @@ def write_plan(chunks: list, encoded: dict[str, EncodedField]) -> dict[int, list
     return plan
 
 
+def lease_deadline(reply: dict) -> float:
+    """Local monotonic time after which this client must not write into a prepared put's ranges.
+
+    The controller's lease started before its reply left; a margin covers the reply's transit."""
+    return time.monotonic() + float(reply.get("lease", 0.0)) - _LEASE_MARGIN_S
+
+
+def check_lease(put_id: int, lease_end: float) -> None:
+    if time.monotonic() >= lease_end:
+        raise StalePutError(f"the lease of put {put_id} ran out before its bytes were written; it is being "
+                            "rolled back (raise put_lease_s for very large or slow puts)")
+
+
 class ReadPlan:
     """Output buffers for the fields of a batch and the byte ranges that fill them."""
 
@@ -120,13 +135,20 @@ class ReadPlan:
 
 
 def get_header(partition: str, task: str, fields, batch_size: int, sampler: str, sampler_args,
-               dp_rank: int, dp_size: int, mp_rank: int, mp_size: int, timeout, allow_partial: bool) -> dict:
+               dp_rank: int, dp_size: int, mp_rank: int, mp_size: int, timeout, allow_partial: bool,
+               lease: float | None = None) -> dict:
     if isinstance(fields, str):
         fields = [fields]
     return {"op": "get_meta", "partition": partition, "task": task, "fields": list(fields),
             "batch_size": batch_size, "sampler": sampler, "sampler_args": sampler_args or {},
             "dp_rank": dp_rank, "dp_size": dp_size, "mp_rank": mp_rank, "mp_size": mp_size,
-            "timeout": timeout, "allow_partial": allow_partial}
+            "timeout": timeout, "allow_partial": allow_partial, "lease": lease}
+
+
+def ack_header(meta: BatchMeta) -> dict:
+    """One-way ack of a batch's rows, naming its hand-out (an ack of an older hand-out is ignored)."""
+    return {"op": "ack", "partition": meta.partition, "task": meta.task, "indexes": meta.indexes,
+            "handout": meta.handout, "noreply": True}
 
 
 def check_ragged(ragged: str) -> None:
@@ -137,8 +159,10 @@ def check_ragged(ragged: str) -> None:
 class UnitHandle:
     """How a client reaches one storage unit: its mapped arena (same host) and/or a connection."""
 
-    def __init__(self, uid: int, address: str, arena_name: str | None, size: int, use_shm: bool):
+    def __init__(self, uid: int, address: str, arena_name: str | None, size: int, use_shm: bool,
+                 incarnation: int = 0):
         self.id = uid
+        self.incarnation = incarnation
         self.address = address
         self.arena: Arena | None = None
         if use_shm and arena_name and can_open(arena_name):
@@ -147,6 +171,30 @@ class UnitHandle:
             except OSError:
                 self.arena = None  # another /dev/shm namespace: fall back to messages
         self.conn = None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        if self.arena is not None:
+            self.arena.close()
+
+
+def refresh_units(units: dict[int, UnitHandle], listed: list, use_shm: bool) -> None:
+    """Update a client's unit handles from ``hello``: a unit that registered again (it rejoined after
+    being declared dead, or its process was restarted with a new arena) gets a new handle."""
+    for uid, address, arena, size, _alive, incarnation in listed:
+        old = units.get(uid)
+        if old is not None and old.incarnation == incarnation:
+            continue
+        if old is not None:
+            old.close()
+        units[uid] = UnitHandle(uid, address, arena, size, use_shm, incarnation)
+
+
+def stale_units(units: dict[int, UnitHandle], incarnations: dict | None) -> bool:
+    """True when a reply names a unit this client does not know, or knows an older incarnation of."""
+    return any(int(uid) not in units or units[int(uid)].incarnation != inc
+               for uid, inc in (incarnations or {}).items())
 
 
 # --------------------------------------------------------------------- the client
@@ -160,15 +208,44 @@ class TransferQueueClient:
         self._ctx = zmq.Context()
         self._signer = Signer(self.config.secret)
         self._lock = threading.RLock()
+        self._rids = RequestIds()
         self._controller = Connection(self._ctx, address, self._signer, "controller",
                                       self.config.max_message_bytes)
+        # Blocking gets wait on a connection of their own thread, not under the client lock, so that a
+        # consumer parked for minutes never stalls the puts, acks or status calls of other threads.
+        self._waiters = threading.local()
+        self._waiter_conns: list[Connection] = []
         self._units: dict[int, UnitHandle] = {}
         self._closed = False
         self._hello()
 
     # ------------------------------------------------------------- plumbing
-    def _call(self, header: dict, timeout_s: float | None = None, buffers=()) -> dict:
-        return self._controller.request(header, buffers, timeout_s or self.config.rpc_timeout_s)[0]
+    def _call(self, header: dict, timeout_s: float | None = None, buffers=(), conn=None) -> dict:
+        conn = conn or self._controller
+        return conn.request(self._rids.stamp(header), buffers, timeout_s or self.config.rpc_timeout_s)[0]
+
+    def _waiter(self) -> Connection:
+        conn = getattr(self._waiters, "conn", None)
+        if conn is None:
+            with self._lock:
+                if self._closed:
+                    raise TransferQueueError("the client is closed")
+                conn = Connection(self._ctx, self.address, self._signer, "controller",
+                                  self.config.max_message_bytes)
+                self._waiter_conns.append(conn)
+            self._waiters.conn = conn
+        return conn
+
+    def _commit(self, put_id: int) -> list[int]:
+        # A commit is idempotent (by put id and request id): when its reply is lost, ask again rather than
+        # abort a put that may have been committed (the retry of the whole put would duplicate rows).
+        header = self._rids.stamp({"op": "commit_put", "put": put_id})
+        for attempt in range(_COMMIT_TRIES):
+            try:
+                return self._call(header)["indexes"]
+            except ServerUnavailableError:
+                if attempt == _COMMIT_TRIES - 1:
+                    raise
 
     def _hello(self) -> None:
         deadline = time.monotonic() + self.config.rpc_timeout_s
@@ -177,9 +254,7 @@ class TransferQueueClient:
             if reply.get("ready") or time.monotonic() > deadline:
                 break
             time.sleep(0.02)  # storage units are still registering (start-up only)
-        for uid, address, arena, size, _alive in reply["units"]:
-            if uid not in self._units:
-                self._units[uid] = UnitHandle(uid, address, arena, size, self.config.shm_enabled)
+        refresh_units(self._units, reply["units"], self.config.shm_enabled)
         if not self._units:
             raise ServerUnavailableError(f"the controller at {self.address} has no storage units")
 
@@ -246,9 +321,12 @@ class TransferQueueClient:
         header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout)
         with self._lock:
             reply = self._call(header, timeout + _RPC_GRACE_S)
+            lease_end = lease_deadline(reply)
             try:
-                self._write(write_plan(reply["chunks"], encoded))
-                return self._call({"op": "commit_put", "put": reply["put"]})["indexes"]
+                if stale_units(self._units, reply.get("units")):
+                    self._hello()
+                self._write(write_plan(reply["chunks"], encoded), reply["put"], lease_end)
+                return self._commit(reply["put"])
             except BaseException:
                 self._abort(reply["put"])
                 raise
@@ -259,18 +337,20 @@ class TransferQueueClient:
         except TransferQueueError:
             pass  # the controller expires uncommitted puts by itself
 
-    def _write(self, plan: dict[int, list]) -> None:
+    def _write(self, plan: dict[int, list], put_id: int, lease_end: float) -> None:
         pending = []
         for uid, items in plan.items():
             unit = self._unit(uid)
             if self._use_shm(unit, sum(p.nbytes for _, p in items)):
                 view = unit.arena.view
                 for offset, piece in items:
+                    check_lease(put_id, lease_end)  # never start a copy into a range that may be reused
                     copy_bytes(view[offset:offset + piece.nbytes], piece)
             else:
                 conn = self._conn(unit)
                 ranges = [[offset, piece.nbytes] for offset, piece in items]
-                pending.append((conn, conn.send({"op": "write", "ranges": ranges}, [p for _, p in items])))
+                pending.append((conn, conn.send({"op": "write", "ranges": ranges, "epoch": put_id},
+                                                [p for _, p in items])))
         for conn, req_id in pending:  # all units write in parallel; then wait for each
             conn.recv(req_id, self.config.rpc_timeout_s, "write")
 
@@ -278,17 +358,29 @@ class TransferQueueClient:
     def get_meta(self, partition: str, task: str, fields, batch_size: int, *, sampler: str = "sequential",
                  sampler_args: dict | None = None, dp_rank: int = 0, dp_size: int = 1, mp_rank: int = 0,
                  mp_size: int = 1, block: bool = True, timeout: float | None = None,
-                 allow_partial: bool = False) -> BatchMeta:
+                 allow_partial: bool = False, lease: float | None = None) -> BatchMeta:
         """Ask the controller for up to ``batch_size`` rows in which all ``fields`` are produced and
         that ``task`` has not received. The rows are marked handed out to ``task``. Blocks until a
         full batch is ready (or the partition is sealed and this is the last, partial one), raising
         TransferQueueTimeoutError after ``timeout``; ``block=False`` returns an empty meta at once."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         header = get_header(partition, task, fields, batch_size, sampler, sampler_args, dp_rank, dp_size,
-                            mp_rank, mp_size, timeout if block else None, allow_partial)
-        with self._lock:
-            reply = self._call(header, (timeout if block else 0) + self.config.rpc_timeout_s)
+                            mp_rank, mp_size, timeout if block else None, allow_partial, lease)
+        if block:
+            reply = self._call(header, timeout + self.config.rpc_timeout_s, conn=self._waiter())
+        else:
+            with self._lock:
+                reply = self._call(header)
         return BatchMeta.from_reply(partition, task, reply)
+
+    def renew(self, meta: BatchMeta, lease: float | None = None) -> int:
+        """Extend the lease of ``meta``'s rows (for consumers that hold rows longer than ``row_lease_s``
+        before reading them). Returns how many rows were still leased to this hand-out."""
+        if not meta.indexes:
+            return 0
+        with self._lock:
+            return self._call({"op": "renew", "partition": meta.partition, "task": meta.task,
+                               "indexes": meta.indexes, "handout": meta.handout, "lease": lease})["renewed"]
 
     def get_data(self, meta: BatchMeta, fields: list[str] | None = None, *, ragged: str = "list") -> Batch:
         """Read the rows of ``meta`` from the storage units (all fields, or ``fields``); ragged fields
@@ -296,6 +388,8 @@ class TransferQueueClient:
         check_ragged(ragged)
         plan = ReadPlan(meta, fields)
         with self._lock:
+            if stale_units(self._units, meta.units):
+                self._hello()
             pending = []
             for uid, items in plan.by_unit.items():
                 unit = self._unit(uid)
@@ -314,8 +408,7 @@ class TransferQueueClient:
                 for (_, _, dst), buf in zip(items, buffers):
                     dst[:] = memoryview(buf).cast("B")
             if meta.indexes:
-                self._controller.send({"op": "ack", "partition": meta.partition, "task": meta.task,
-                                       "indexes": meta.indexes, "noreply": True})
+                self._controller.send(self._rids.stamp(ack_header(meta)))
         return plan.finish(meta, ragged)
 
     def get(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list",
@@ -358,11 +451,10 @@ class TransferQueueClient:
                 return
             self._closed = True
             self._controller.close()
+            for conn in self._waiter_conns:
+                conn.close()
             for unit in self._units.values():
-                if unit.conn is not None:
-                    unit.conn.close()
-                if unit.arena is not None:
-                    unit.arena.close()
+                unit.close()
             self._ctx.term()
 
     def __enter__(self) -> TransferQueueClient:

@@ -59,13 +59,36 @@ class TransferQueueConfig:
     0 (default): always use the mapped arena when it is reachable, which is cheaper at every size
     because the arena is mapped once per client (no per-request segment)."""
 
-    secret: str | None = None
+    secret: str | None = field(default=None, repr=False)
     """Shared secret. When set every message carries a keyed BLAKE2b tag and untagged or wrongly
-    tagged messages are dropped. None disables authentication (local mode on loopback only);
-    Ray mode requires a secret when ``host`` is not loopback."""
+    tagged messages are dropped. None: the "processes" and "ray" deployments generate a random one at
+    start and hand it to clients through the deployment's ``config`` (``Deployment.client()``); the
+    "threads" deployment (tests, one process) runs without one, on loopback only. A server bound to a
+    non-loopback ``host`` refuses to start without a secret in every mode. Never printed: ``repr``
+    leaves it out and config dumps and metrics sinks redact it."""
 
     max_message_bytes: int = 4 << 30
-    """Largest inbound ZMQ message a server accepts; bigger ones are refused by ZMQ itself."""
+    """Largest inbound ZMQ message a storage unit accepts (write payloads); bigger ones are refused by
+    ZMQ itself while reading the size prefix, before any byte is buffered or hashed."""
+
+    max_request_bytes: int = 64 << 20
+    """Largest inbound message the controller accepts. Its requests are metadata only (a put of a
+    million object rows describes itself in a few MiB), so a hostile peer cannot make it buffer or hash
+    gigabytes."""
+
+    receive_queue_messages: int = 10000
+    """Bound on each server's receive queue (ZMQ high-water mark, per peer connection). A peer that
+    floods a busy server is held back by TCP flow control instead of growing the server's memory."""
+
+    row_lease_s: float = 600.0
+    """Rows handed out by ``get_meta`` are leased to the consumer for this long. If it neither acks
+    (reads) nor renews them in time, they return to the task (counted in ``status`` as
+    ``lease_expired``), so a consumer that died or gave up never strands rows in flight."""
+
+    put_lease_s: float = 120.0
+    """Time a prepared put has to write its bytes and commit. The writer checks its lease before it
+    copies into an arena; afterwards the put is rolled back, its ranges fenced on the storage units and
+    reused only once no writer can still hold them."""
 
     sampler_modules: list[str] = field(default_factory=list)
     """Modules the controller imports at start-up, so that samplers they register with
@@ -80,6 +103,11 @@ class TransferQueueConfig:
 
     ray_placement_strategy: str = "SPREAD"
     """Placement-group strategy for the storage-unit actors ("SPREAD", "PACK", "STRICT_SPREAD")."""
+
+    @property
+    def loopback(self) -> bool:
+        """True when the servers bind to this host's loopback interface only."""
+        return is_loopback(self.host)
 
     def validate(self) -> None:
         """Raise ValueError on settings that cannot work, naming the field."""
@@ -97,3 +125,16 @@ class TransferQueueConfig:
             raise ValueError(f"deployment must be threads, processes or ray, got {self.deployment!r}")
         if self.max_rows < 0:
             raise ValueError("max_rows must be >= 0")
+        for name in ("row_lease_s", "put_lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.max_request_bytes < 1 << 16 or self.receive_queue_messages < 1:
+            raise ValueError("max_request_bytes must be >= 64 KiB and receive_queue_messages >= 1")
+        if not self.loopback and not self.secret:
+            raise ValueError(f"host={self.host!r} is reachable from other machines: set "
+                             "transfer_queue.secret (every mode refuses an open binding without one)")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names the loopback interface (so nothing outside this machine can connect)."""
+    return host in ("localhost", "::1") or host.startswith("127.")

@@ -11,44 +11,33 @@ timeout error that says what was missing.
 
 from __future__ import annotations
 
+import heapq
 import importlib
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
 
 import numpy as np
 
 from .config import TransferQueueConfig
-from .errors import BackPressureError, BadRequestError, StorageUnitError, UnknownPartitionError
+from .errors import BackPressureError, BadRequestError, UnknownPartitionError
+from .fencing import FenceHandlers
 from .get_path import GetHandlers, ParkedGet, ReplicaBatches
+from .membership import HeartbeatListener, MembershipHandlers, Unit
 from .partition import READ, Partition
 from .protocol import Signer
 from .put_path import PendingPut, PutHandlers
-from .shm import RangeAllocator
 from .transport import DEFERRED, Request, RpcServer
 from .validation import check_int
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Unit:
-    """A storage unit as the controller knows it."""
-
-    id: int
-    address: str
-    arena: str | None
-    size: int
-    alloc: RangeAllocator
-    last_seen: float
-    alive: bool = True
-
-
-class Controller(PutHandlers, GetHandlers):
+class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
     """Controller server state and request handlers; runs on one thread inside an RpcServer.
 
-    Membership, partitions and lifecycle live here; the put and get paths are the two mixins."""
+    Partitions and lifecycle live here; membership, the put and get paths and fencing are mixins."""
 
     def __init__(self, config: TransferQueueConfig):
         config.validate()
@@ -56,64 +45,47 @@ class Controller(PutHandlers, GetHandlers):
         for module in config.sampler_modules:
             importlib.import_module(module)  # user samplers register themselves on import
         self.server = RpcServer("controller", config.host, config.controller_port, Signer(config.secret),
-                                config.max_message_bytes, config.advertise_host)
+                                config.max_request_bytes, config.advertise_host,
+                                config.receive_queue_messages)
         self.address = self.server.address
         self.units: dict[int, Unit] = {}
         self.partitions: dict[str, Partition] = {}
         self.puts: dict[int, PendingPut] = {}
-        self.blocks: dict[int, list] = {}  # id -> [unit, offset, nbytes, live rows]
+        self.blocks: dict[int, list] = {}  # id -> [unit, offset, nbytes, live rows, epoch]
+        # Outcome of recent puts by id (("committed", reply) or ("aborted", reason)): a retried commit
+        # gets the first answer, a stale one a clear error. Bounded: old entries fall off the front.
+        self.closed_puts: OrderedDict[int, tuple] = OrderedDict()
+        self._epoch_high = 0
         self.parked_gets: list[ParkedGet] = []
         self.parked_puts: list[tuple[Request, float]] = []
         self.replicas: dict[tuple, ReplicaBatches] = {}
+        self.leases: list[tuple] = []  # heap of (lease end, hand-out, partition, task, rows)
         self._ids = itertools.count(1)
         self.live_rows = 0
-        for op in ("hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put",
-                   "abort_put", "get_meta", "ack", "release", "seal", "clear", "status"):
+        self.heartbeats = HeartbeatListener(self.server.ctx, self.server)
+        self.server.on_close.append(self.heartbeats.stop)
+        for op in ("hello", "register_unit", "create_partition", "prepare_put", "commit_put",
+                   "abort_put", "get_meta", "renew", "ack", "release", "seal", "clear", "status"):
             self.server.handlers[op] = getattr(self, "_op_" + op)
         self.server.add_timer(0.05, self._expire)
+        self.server.add_timer(0.05, self._fence_timer)
 
     def serve_forever(self) -> None:
+        self.heartbeats.start()
         self.server.serve_forever()
 
     def stop(self) -> None:
         self.server.stop()
 
-    # ----------------------------------------------------------------- membership
-    def _op_hello(self, req: Request):
-        units = [[u.id, u.address, u.arena, u.size, u.alive] for u in self.units.values()]
-        return {"units": units, "expected_units": self.config.num_storage_units,
-                "ready": len(self.units) >= self.config.num_storage_units}
-
-    def _op_register_unit(self, req: Request):
-        h = req.header
-        uid = check_int(h, "unit", 0)
-        size = check_int(h, "size", 1)
-        arena = h.get("arena")
-        if arena is not None and not isinstance(arena, str):
-            raise BadRequestError("arena must be a string")
-        address = h.get("address")
-        if not isinstance(address, str):
-            raise BadRequestError("address must be a string")
-        if uid in self.units and self.units[uid].alive:
-            raise BadRequestError(f"storage unit {uid} is already registered")
-        self.units[uid] = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic())
-        logger.info("storage unit %d registered at %s", uid, address)
-        return {}
-
-    def _op_heartbeat(self, req: Request):
-        unit = self.units.get(req.header.get("unit"))
-        if unit is not None and unit.alive:
-            unit.last_seen = time.monotonic()
-        return DEFERRED  # heartbeats are one-way
-
+    # ----------------------------------------------------------------- timers
     def _expire(self) -> None:
         now = time.monotonic()
-        for unit in self.units.values():
-            if unit.alive and now - unit.last_seen > self.config.heartbeat_timeout_s:
-                self._unit_died(unit)
+        self._check_units(now)
         for put_id in [k for k, p in self.puts.items() if p.deadline < now]:
             logger.warning("put %d was never committed; releasing its reservation", put_id)
-            self._abort(put_id)
+            self._abort(put_id, f"its lease of {self.config.put_lease_s:g} s expired before the commit",
+                        by_writer=False)
+        self._expire_leases(now)
         for p in [p for p in self.parked_gets if p.deadline < now]:
             self.parked_gets.remove(p)
             self.server.reply_error(p.req, self._timeout_error(p))
@@ -122,27 +94,6 @@ class Controller(PutHandlers, GetHandlers):
             self.server.reply_error(item[0], BackPressureError(
                 f"put to partition {item[0].header.get('partition')!r} waited "
                 f"{item[0].header.get('timeout')} s for capacity: {self._capacity_text()}"))
-
-    def _unit_died(self, unit: Unit) -> None:
-        unit.alive = False
-        logger.error("storage unit %d at %s stopped sending heartbeats; its rows are lost", unit.id,
-                     unit.address)
-        for part in self.partitions.values():
-            for f in part.fields.values():
-                n = part.n
-                on_unit = np.flatnonzero((f.unit[:n] == unit.id) & (f.produced[:n] | f.pending[:n]))
-                if len(on_unit):
-                    part.mark_lost(on_unit)
-        for p in list(self.parked_gets):
-            part = self.partitions.get(p.partition)
-            if part is not None and part.lost_rows:
-                self.parked_gets.remove(p)
-                self.server.reply_error(p.req, self._lost_error(part))
-
-    def _lost_error(self, part: Partition) -> StorageUnitError:
-        dead = sorted(u.id for u in self.units.values() if not u.alive)
-        return StorageUnitError(f"storage unit(s) {dead} died; {part.lost_rows} rows of partition "
-                                f"{part.name!r} were lost (clear them, or the partition, to go on)")
 
     # ----------------------------------------------------------------- partitions
     def _partition(self, name) -> Partition:
@@ -182,8 +133,10 @@ class Controller(PutHandlers, GetHandlers):
     def _op_status(self, req: Request):
         name = req.header.get("partition")
         parts = [self._partition(name)] if name is not None else list(self.partitions.values())
-        units = {str(u.id): {"address": u.address, "alive": u.alive, "used_bytes": u.alloc.used,
-                             "capacity_bytes": u.size} for u in self.units.values()}
+        units = {str(u.id): {"address": u.address, "alive": u.alive, "incarnation": u.incarnation,
+                             "used_bytes": u.alloc.used - u.retiring_bytes,
+                             "retiring_bytes": u.retiring_bytes, "capacity_bytes": u.size}
+                 for u in self.units.values()}
         return {"partitions": {p.name: p.status() for p in parts}, "units": units,
                 "live_rows": self.live_rows, "parked_gets": len(self.parked_gets),
                 "parked_puts": len(self.parked_puts), "pending_puts": len(self.puts),
@@ -202,7 +155,11 @@ class Controller(PutHandlers, GetHandlers):
         part = self.partitions.get(req.header.get("partition"))
         task = req.header.get("task")
         if part is not None and isinstance(task, str):
-            rows = part.ack(task, self._rows_arg(part, req.header.get("indexes")))
+            handout = req.header.get("handout")
+            handout = handout if isinstance(handout, int) and not isinstance(handout, bool) else None
+            rows = part.ack(task, self._rows_arg(part, req.header.get("indexes")), handout)
+            if part.sealed and len(rows):
+                self._wake_gets(part.name)  # a consumer waiting for "done" waited for these rows
             if part.auto_clear and len(rows):
                 rows = rows[part.alive[rows]]
                 read_by_all = np.ones(len(rows), bool)
@@ -251,12 +208,16 @@ class Controller(PutHandlers, GetHandlers):
         # rows (dynamic sampling drops a group while rollout still streams the rest of the step).
         for put_id in [k for k, put in self.puts.items() if put.partition == part.name
                        and (whole or np.isin(put.rows, rows).any())]:
-            self._abort(put_id)
+            self._abort(put_id, "its rows were cleared", by_writer=False)
         self._drop(part, rows, wake=False)
+        if not whole and part.sealed:
+            self._wake_gets(part.name)  # the rows a consumer still waited for may be the ones cleared
         if whole:
             del self.partitions[part.name]
             for key in [k for k in self.replicas if k[0] == part.name]:
                 del self.replicas[key]
+            self.leases = [entry for entry in self.leases if entry[2] != part.name]
+            heapq.heapify(self.leases)
             for p in [p for p in self.parked_gets if p.partition == part.name]:
                 self.parked_gets.remove(p)
                 self.server.reply_error(p.req, UnknownPartitionError(f"partition {part.name!r} was cleared"))
@@ -283,6 +244,8 @@ class Controller(PutHandlers, GetHandlers):
         self._free_blocks(freed)
         if wake:
             self._wake_puts()
+            if part.sealed:  # only the end of a sealed partition can depend on rows that went away
+                self._wake_gets(part.name)
 
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
+import select
 import subprocess
 import sys
 import threading
@@ -18,8 +20,9 @@ from dataclasses import asdict, replace
 
 from .config import TransferQueueConfig
 from .errors import ServerUnavailableError
-from .shm import new_shm_prefix, remove_leftovers, remove_stale
+from .shm import new_shm_prefix, remove_leftovers, remove_stale, unlink_quietly
 
+_START_TIMEOUT_S = 120.0  # interpreter start-up on a heavily loaded machine can take tens of seconds
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -93,8 +96,10 @@ class ThreadDeployment(Deployment):
         for t in self._threads:
             if t.is_alive():
                 t.join(5)
-            elif t.ident is None:  # never started: its server still owns a socket and an arena
+            elif t.ident is None:  # never started: its server still owns sockets and an arena
                 server = self.controller if t is self._threads[0] else self.units[self._threads.index(t) - 1]
+                for callback in server.server.on_close:
+                    callback()
                 server.server.sock.close(linger=0)
                 server.server.ctx.term()
                 if hasattr(server, "arena"):
@@ -113,6 +118,7 @@ class ProcessDeployment(Deployment):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         self._env = env
         self.procs: list[subprocess.Popen] = []
+        self._restarts = 0
         self._finalizer = weakref.finalize(self, _terminate, self.procs, self.shm_prefix)
         try:
             # All processes start at once (interpreter start-up dominates); units learn the
@@ -120,9 +126,11 @@ class ProcessDeployment(Deployment):
             ctrl = self._spawn({"role": "controller"}, stdout=subprocess.PIPE)
             units = [self._spawn({"role": "unit", "unit": i, "shm_prefix": self.shm_prefix}, keep_stdin=True)
                      for i in range(config.num_storage_units)]
-            line = ctrl.stdout.readline().decode().strip()
+            line = _read_line(ctrl, max(config.rpc_timeout_s, _START_TIMEOUT_S))
             if not line.startswith("tcp://"):
-                raise ServerUnavailableError(f"controller failed to start (exit code {ctrl.poll()})")
+                raise ServerUnavailableError(f"controller did not start within "
+                                             f"{max(config.rpc_timeout_s, _START_TIMEOUT_S):g} s "
+                                             f"(exit code {ctrl.poll()})")
             self.address = line
             for unit in units:
                 unit.stdin.write((line + "\n").encode())
@@ -152,8 +160,31 @@ class ProcessDeployment(Deployment):
         self.procs[index + 1].kill()
         self.procs[index + 1].wait()
 
+    def restart_unit(self, index: int) -> None:
+        """Start a new process for storage unit ``index`` after its old one died. It gets a fresh arena
+        (the old one's rows are lost) and registers as a new incarnation; clients reconnect by
+        themselves when a reply names it."""
+        old = self.procs[index + 1]
+        if old.poll() is None:
+            raise RuntimeError(f"storage unit {index} is still running")
+        self._restarts += 1
+        # The dead process could not remove its arena; clients that still map it keep the memory until
+        # they learn of the new incarnation and unmap it.
+        unlink_quietly(f"{self.shm_prefix}-unit{index}")
+        proc = self._spawn({"role": "unit", "unit": index, "controller": self.address,
+                            "shm_prefix": f"{self.shm_prefix}-r{self._restarts}"})
+        self.procs.remove(proc)  # _spawn appends; keep the unit at its index
+        self.procs[index + 1] = proc
+
     def shutdown(self) -> None:
         self._finalizer()
+
+
+def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
+    """The first line a child prints, or "" when it prints none within ``timeout_s`` (a controller
+    stuck in start-up must fail the deployment, not hang it)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    return proc.stdout.readline().decode().strip() if ready else ""
 
 
 def _terminate(procs: list[subprocess.Popen], shm_prefix: str) -> None:
@@ -197,8 +228,15 @@ def _wait_ready(address: str, config: TransferQueueConfig, procs=None) -> None:
 
 
 def start(config: TransferQueueConfig | None = None, **overrides) -> Deployment:
-    """Start a TransferQueue as ``config.deployment`` says ("threads", "processes" or "ray")."""
+    """Start a TransferQueue as ``config.deployment`` says ("threads", "processes" or "ray").
+
+    Without ``config.secret`` the processes and Ray deployments generate one; pass
+    ``deployment.config`` (not the config you started with) to clients in other processes."""
     config = replace(config or TransferQueueConfig(), **overrides)
+    if config.secret is None and config.deployment != "threads":
+        # Other local users could otherwise read, write or clear rows over loopback TCP. Clients get
+        # the secret through the deployment's config (``Deployment.client()``, ``deployment.config``).
+        config = replace(config, secret=secrets.token_hex(32))
     config.validate()
     if config.deployment == "threads":
         return ThreadDeployment(config)

@@ -47,6 +47,13 @@ class StorageUnitError(TransferQueueError):
     code = "storage"
 
 
+class StalePutError(TransferQueueError):
+    """A write or commit of a put that was already rolled back (its lease expired, its writer or a
+    force clear aborted it): nothing of it is visible, and its ranges may already hold other rows."""
+
+    code = "stale"
+
+
 class ServerUnavailableError(TransferQueueError):
     """The controller or a storage unit did not answer within the RPC timeout."""
 
@@ -56,7 +63,7 @@ class ServerUnavailableError(TransferQueueError):
 ERRORS_BY_CODE: dict[str, type[TransferQueueError]] = {
     cls.code: cls
     for cls in (TransferQueueError, BadRequestError, UnknownPartitionError, TransferQueueTimeoutError,
-                BackPressureError, StorageUnitError, ServerUnavailableError)
+                BackPressureError, StorageUnitError, StalePutError, ServerUnavailableError)
 }
 
 

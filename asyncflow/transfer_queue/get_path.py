@@ -9,6 +9,7 @@ the others are served the cached copy.
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -33,6 +34,7 @@ class ParkedGet:
     allow_partial: bool
     deadline: float
     timeout: float
+    lease: float
 
 @dataclass
 class ReplicaBatches:
@@ -68,8 +70,11 @@ class GetHandlers:
             raise BadRequestError(f"need dp_rank < dp_size and mp_rank < mp_size, got {dp}")
         timeout = h.get("timeout")
         timeout = None if timeout is None else check_float(h, "timeout", 0.0)
+        lease = check_float(h, "lease", self.config.row_lease_s)
+        if lease <= 0:
+            raise BadRequestError("lease must be > 0")
         p = ParkedGet(req, part.name, task, tuple(dict.fromkeys(fields)), batch_size, sampler, dp,
-                      bool(h.get("allow_partial")), time.monotonic() + (timeout or 0.0), timeout or 0.0)
+                      bool(h.get("allow_partial")), time.monotonic() + (timeout or 0.0), timeout or 0.0, lease)
         result = self._try_get(p)
         if result is not None:
             return result
@@ -83,13 +88,13 @@ class GetHandlers:
         part = self.partitions.get(p.partition)
         if part is None:
             raise UnknownPartitionError(f"partition {p.partition!r} was cleared")
-        if part.lost_rows:
-            raise self._lost_error(part)
+        # Rows lost with a dead storage unit never go out (they left every ready view); the rest of the
+        # partition stays readable, and replies say how many rows were lost.
         dp_rank, dp_size, mp_rank, mp_size = p.dp
         joint = p.sampler.joint_dp and dp_size > 1
         if mp_size == 1 and not joint:
-            rows = self._sample(part, p, p.batch_size, readers=1)
-            return None if rows is None else self._meta_reply(part, p, rows)
+            sampled = self._sample(part, p, p.batch_size, readers=1)
+            return None if sampled is None else self._meta_reply(part, p, *sampled)
         key = (part.name, p.task, "joint" if joint else dp_rank)
         rb = self.replicas.setdefault(key, ReplicaBatches())
         member = (dp_rank, mp_rank)
@@ -98,11 +103,12 @@ class GetHandlers:
         entry = rb.batches.get(seq)
         if entry is None:
             # Each row goes to the mp_size ranks of one replica: all of them must ack it before it is read.
-            rows = self._sample(part, p, p.batch_size * (dp_size if joint else 1), readers=mp_size)
-            if rows is None:
+            sampled = self._sample(part, p, p.batch_size * (dp_size if joint else 1), readers=mp_size)
+            if sampled is None:
                 return None
+            rows, handout = sampled
             parts = p.sampler.split(rows, part.lengths[rows], dp_size) if joint else [rows]
-            entry = rb.batches[seq] = [signature, parts, mp_size * (dp_size if joint else 1)]
+            entry = rb.batches[seq] = [signature, parts, mp_size * (dp_size if joint else 1), handout]
         elif entry[0] != signature:
             raise BadRequestError(f"rank (dp {dp_rank}, mp {mp_rank}) of task {p.task!r} asked for "
                                   f"{signature}, but its replica's batch {seq} was {entry[0]}; all ranks "
@@ -111,26 +117,65 @@ class GetHandlers:
         entry[2] -= 1
         if entry[2] == 0:
             del rb.batches[seq]
-        return self._meta_reply(part, p, entry[1][dp_rank if joint else 0])
+        return self._meta_reply(part, p, entry[1][dp_rank if joint else 0], entry[3])
 
-    def _sample(self, part: Partition, p: ParkedGet, n: int, readers: int) -> list[int] | None:
+    def _sample(self, part: Partition, p: ParkedGet, n: int, readers: int) -> tuple[list[int], int] | None:
         view = part.view(p.task, tuple(sorted(p.fields)))
         rows = p.sampler.select(view, n)
         if len(rows) < n and not (rows and p.allow_partial):
             if not part.sealed or part.remaining_unready(p.task, view.fields) > 0:
                 return None  # more rows can still come: wait
-        part.hand_out(p.task, rows, readers)
-        return rows
+            if not rows and part.in_flight_count(p.task):
+                # Not done while rows of this task are out: an ack finishes them, or their lease ends and
+                # they come back. (Answering "done" here lost the rows of a consumer that died.)
+                return None
+        handout = next(self._ids)
+        if rows:
+            lease_end = time.monotonic() + p.lease
+            part.hand_out(p.task, rows, readers, handout, lease_end)
+            heapq.heappush(self.leases, (lease_end, handout, part.name, p.task, np.asarray(rows, np.int64)))
+        return rows, handout
 
-    def _meta_reply(self, part: Partition, p: ParkedGet, rows: list[int]):
+    def _op_renew(self, req: Request):
+        """Extend the lease of rows a consumer still works on (long steps); stale hand-outs renew nothing."""
+        h = req.header
+        part = self._partition(h.get("partition"))
+        task = h.get("task")
+        handout = check_int(h, "handout", 0)
+        lease = check_float(h, "lease", self.config.row_lease_s)
+        rows = part.renew(task, self._rows_arg(part, h.get("indexes")), handout, time.monotonic() + lease)
+        if len(rows):
+            heapq.heappush(self.leases, (time.monotonic() + lease, handout, part.name, task, rows))
+        return {"renewed": len(rows)}
+
+    def _expire_leases(self, now: float) -> None:
+        """Rows whose consumer neither acked nor renewed in time go back to their task."""
+        woken = set()
+        while self.leases and self.leases[0][0] <= now:
+            _, handout, name, task, rows = heapq.heappop(self.leases)
+            part = self.partitions.get(name)
+            if part is None or not part.expire_leases(task, rows, handout, now):
+                continue
+            # Cached replica batches would hand the returned rows out again without sampling; drop them.
+            for key in [k for k in self.replicas if k[0] == name and k[1] == task]:
+                del self.replicas[key]
+            woken.add(name)
+        for name in woken:
+            self._wake_gets(name)
+
+    def _meta_reply(self, part: Partition, p: ParkedGet, rows: list[int], handout: int):
         idx = np.asarray(rows, np.int64)
         fields = {}
+        units = set()
         for name in p.fields:
             f = part.fields[name]
-            fields[name] = [f.spec.to_wire(), f.unit[idx].tolist(), f.offset[idx].tolist(),
-                            f.nbytes[idx].tolist(), f.len0[idx].tolist()]
-        return {"indexes": idx.tolist(), "done": not rows, "fields": fields,
-                "versions": part.versions[idx].tolist(), "group_ids": part.group_ids[idx].tolist(),
+            on = f.unit[idx].tolist()
+            units.update(on)
+            fields[name] = [f.spec.to_wire(), on, f.offset[idx].tolist(), f.nbytes[idx].tolist(),
+                            f.len0[idx].tolist()]
+        return {"indexes": idx.tolist(), "done": not rows, "fields": fields, "handout": handout,
+                "lease": p.lease, "lost_rows": part.lost_rows, "versions": part.versions[idx].tolist(),
+                "group_ids": part.group_ids[idx].tolist(), "units": self._incarnations(units),
                 "lengths": part.lengths[idx].tolist()}
 
     def _wake_gets(self, name: str) -> None:
@@ -159,4 +204,5 @@ class GetHandlers:
             f"task {p.task!r} timed out after {p.timeout:g} s waiting for {p.batch_size} rows of partition "
             f"{p.partition!r} with fields {list(p.fields)} (sampler {p.sampler.name!r}): {ready} rows ready "
             f"and unconsumed; fields still missing: {missing_text}; partition has {part.live_rows} live "
-            f"rows{', sealed' if part.sealed else ''}")
+            f"rows{', sealed' if part.sealed else ''}"
+            + (f"; {part.lost_rows} rows were lost with a dead storage unit" if part.lost_rows else ""))

@@ -18,6 +18,8 @@ from .errors import BadRequestError
 from .schema import FieldSpec
 
 FREE, IN_FLIGHT, READ = 0, 1, 2  # per-task consumption state of a row
+MAX_TASKS = 256  # consumer tasks per partition (each costs 19 bytes per row)
+MAX_VIEWS_PER_TASK = 16  # field sets per task kept as ready views (each costs O(ready rows))
 
 
 def _grow(arr: np.ndarray, size: int, fill) -> np.ndarray:
@@ -97,12 +99,24 @@ class ReadyView:
 class TaskState:
     """Consumption record of one task in one partition."""
 
+    ARRAYS = (("consumed", np.int8, FREE), ("readers", np.int16, 0), ("handout", np.int64, -1),
+              ("lease_end", np.float64, 0.0))
+
     def __init__(self, capacity: int):
-        self.consumed = np.zeros(capacity, np.int8)
-        # Acks still owed for rows in flight: every model-parallel rank of the replica reads the row, and
-        # it counts as read (and may be auto-cleared, its storage reused) only after the last of them.
-        self.readers = np.zeros(capacity, np.int16)
+        # consumed: FREE / IN_FLIGHT / READ. readers: acks still owed for rows in flight (every
+        # model-parallel rank of the replica reads the row, and it counts as read, and may be
+        # auto-cleared, only after the last of them). handout: id of the hand-out a row in flight belongs
+        # to, so that an ack or renewal of an older hand-out of the same row is recognised as stale.
+        # lease_end: when a row in flight returns to the task unless acked or renewed.
+        for attr, dtype, fill in self.ARRAYS:
+            setattr(self, attr, np.full(capacity, fill, dtype=dtype))
         self.views: dict[tuple[str, ...], ReadyView] = {}
+        self.lease_expired = 0
+        self.stale_acks = 0
+
+    def grow(self, capacity: int) -> None:
+        for attr, _, fill in self.ARRAYS:
+            setattr(self, attr, _grow(getattr(self, attr), capacity, fill))
 
 
 class Partition:
@@ -116,6 +130,7 @@ class Partition:
         self.expected_rows = expected_rows
         self.auto_clear = auto_clear
         self.sealed = False
+        self.rolled_back = 0  # appended rows whose put was rolled back: they give back their budget
         self.n = 0
         self.capacity = 0
         self.alive = np.zeros(0, bool)
@@ -141,25 +156,37 @@ class Partition:
         for f in self.fields.values():
             f.grow(capacity)
         for t in self.tasks.values():
-            t.consumed = _grow(t.consumed, capacity, FREE)
-            t.readers = _grow(t.readers, capacity, 0)
+            t.grow(capacity)
 
     def add_rows(self, count: int) -> np.ndarray:
         """Append ``count`` rows (alive, no field produced) and return their indexes."""
         if self.sealed:
             raise BadRequestError(f"partition {self.name!r} is sealed; no new rows can be added")
-        if self.expected_rows is not None and self.n + count > self.expected_rows:
+        if self.expected_rows is not None and self.appended + count > self.expected_rows:
             raise BadRequestError(f"partition {self.name!r} expects {self.expected_rows} rows; "
-                                  f"{self.n} exist and {count} more were put")
+                                  f"{self.appended} exist and {count} more were put")
         if self.n + count > self.capacity:
             self._grow_to(max(self.capacity * 2, self.n + count))
         rows = np.arange(self.n, self.n + count, dtype=np.int64)
         self.n += count
         self.alive[rows] = True
         self.live_rows += count
-        if self.expected_rows is not None and self.n == self.expected_rows:
+        if self.expected_rows is not None and self.appended == self.expected_rows:
             self.sealed = True
         return rows
+
+    @property
+    def appended(self) -> int:
+        """Rows appended by puts that were not rolled back (what ``expected_rows`` counts)."""
+        return self.n - self.rolled_back
+
+    def roll_back_rows(self, rows: np.ndarray) -> None:
+        """Appended rows of a put that never committed: dropped, and their budget given back (a partition
+        that sealed itself when the put was prepared opens again for the rows still owed)."""
+        self.drop_rows(rows)
+        self.rolled_back += len(rows)
+        if self.expected_rows is not None and self.appended < self.expected_rows:
+            self.sealed = False
 
     def check_field_name(self, name) -> None:
         if not isinstance(name, str) or not name:
@@ -176,6 +203,14 @@ class Partition:
             state = self.fields[name] = FieldState(name, self.capacity)
         return state
 
+    def _produced(self, name: str, rows) -> np.ndarray:
+        """Which of ``rows`` have field ``name``; a field never written has no state (a request naming
+        it allocates nothing) and no produced rows."""
+        f = self.fields.get(name)
+        if f is None:
+            return np.zeros(len(range(self.capacity)[rows]) if isinstance(rows, slice) else len(rows), bool)
+        return f.produced[rows]
+
     def check_rows(self, rows: np.ndarray) -> None:
         if len(rows) and (rows.min() < 0 or rows.max() >= self.n):
             raise BadRequestError(f"row index out of range for partition {self.name!r} with {self.n} rows")
@@ -189,23 +224,30 @@ class Partition:
     def task(self, name: str) -> TaskState:
         state = self.tasks.get(name)
         if state is None:
+            if len(self.tasks) >= MAX_TASKS:
+                raise BadRequestError(f"partition {self.name!r} already has {MAX_TASKS} consumer tasks; "
+                                      "task names are meant to name RL tasks, not requests")
             state = self.tasks[name] = TaskState(self.capacity)
         return state
 
     def view(self, task: str, fields: tuple[str, ...]) -> ReadyView:
-        """The ready view for (task, fields), built from the arrays the first time it is asked for."""
+        """The ready view for (task, fields), built from the arrays the first time it is asked for. At
+        most MAX_VIEWS_PER_TASK per task: the least recently used goes (it is rebuilt when asked again)."""
         state = self.task(task)
-        view = state.views.get(fields)
+        view = state.views.pop(fields, None)
         if view is None:
-            view = state.views[fields] = ReadyView(self, fields)
+            view = ReadyView(self, fields)
             view.add(np.flatnonzero(self._ready_mask(state, fields)))
+            while len(state.views) >= MAX_VIEWS_PER_TASK:
+                del state.views[next(iter(state.views))]
+        state.views[fields] = view  # most recently used last
         return view
 
     def _ready_mask(self, state: TaskState, fields: tuple[str, ...]) -> np.ndarray:
         n = self.n
         mask = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
         for name in fields:
-            mask &= self.field(name).produced[:n]
+            mask &= self._produced(name, slice(0, n))
         return mask
 
     def on_produced(self, rows: np.ndarray, names: list[str]) -> None:
@@ -217,16 +259,41 @@ class Partition:
                     continue
                 ok = self.alive[rows] & ~self.lost[rows] & (state.consumed[rows] == FREE)
                 for name in fields:
-                    ok &= self.fields[name].produced[rows]
+                    ok &= self._produced(name, rows)
                 view.add(rows[ok])
 
-    def hand_out(self, task: str, rows: list[int], readers: int = 1) -> None:
-        """Mark ``rows`` in flight for ``task``; they become read once ``readers`` clients acked them."""
+    def hand_out(self, task: str, rows: list[int], readers: int, handout: int, lease_end: float) -> None:
+        """Mark ``rows`` in flight for ``task`` under hand-out id ``handout``, leased until ``lease_end``;
+        they become read once ``readers`` clients acked them."""
         state = self.task(task)
         state.consumed[rows] = IN_FLIGHT
         state.readers[rows] = readers
+        state.handout[rows] = handout
+        state.lease_end[rows] = lease_end
         for view in state.views.values():
             view.remove(rows)
+
+    def renew(self, task: str, rows: np.ndarray, handout: int, lease_end: float) -> np.ndarray:
+        """Extend the lease of the rows of ``handout`` still in flight; returns those rows."""
+        state = self.tasks.get(task)
+        if state is None:
+            return rows[:0]
+        rows = rows[(state.consumed[rows] == IN_FLIGHT) & (state.handout[rows] == handout)]
+        state.lease_end[rows] = np.maximum(state.lease_end[rows], lease_end)
+        return rows
+
+    def expire_leases(self, task: str, rows: np.ndarray, handout: int, now: float) -> int:
+        """Rows of ``handout`` still in flight whose lease has ended go back to the task."""
+        state = self.tasks.get(task)
+        if state is None:
+            return 0
+        rows = rows[(rows < self.n)]
+        rows = rows[(state.consumed[rows] == IN_FLIGHT) & (state.handout[rows] == handout)
+                    & (state.lease_end[rows] <= now) & self.alive[rows]]
+        if len(rows):
+            self.release(task, rows)
+            state.lease_expired += len(rows)
+        return len(rows)
 
     def release(self, task: str, rows: np.ndarray | None) -> int:
         """Give rows handed out but never read back to ``task`` again; returns how many."""
@@ -238,25 +305,37 @@ class Partition:
             rows = rows[consumed[rows] == IN_FLIGHT]
         state.consumed[rows] = FREE
         state.readers[rows] = 0
+        state.handout[rows] = -1
         for fields, view in state.views.items():
             ok = self.alive[rows] & ~self.lost[rows]
             for name in fields:
-                ok &= self.fields[name].produced[rows]
+                ok &= self._produced(name, rows)
             view.add(rows[ok], front=True)
         return len(rows)
 
-    def ack(self, task: str, rows: np.ndarray) -> np.ndarray:
-        """One reader of ``task`` has read ``rows``; returns the rows that all their readers have now read."""
+    def ack(self, task: str, rows: np.ndarray, handout: int | None = None) -> np.ndarray:
+        """One reader of ``task`` has read ``rows`` of hand-out ``handout``; returns the rows that all their
+        readers have now read. Acks of an older hand-out (the rows were released or their lease ran out,
+        and they went out again) are ignored and counted: the new holder has not read them yet."""
         state = self.tasks.get(task)
         if state is None or not len(rows):
             return rows[:0]
         rows = np.unique(rows[(rows >= 0) & (rows < self.n)])
         rows = rows[state.consumed[rows] == IN_FLIGHT]
+        if handout is not None:
+            current = state.handout[rows] == handout
+            state.stale_acks += int(np.count_nonzero(~current))
+            rows = rows[current]
         state.readers[rows] -= 1
         done = rows[state.readers[rows] <= 0]
         state.consumed[done] = READ
         state.readers[done] = 0
         return done
+
+    def in_flight_count(self, task: str) -> int:
+        """Rows of ``task`` handed out and not yet read by all their readers."""
+        state = self.tasks.get(task)
+        return 0 if state is None else int(np.count_nonzero(state.consumed[: self.n] == IN_FLIGHT))
 
     def remaining_unready(self, task: str, fields: tuple[str, ...]) -> int:
         """Unconsumed live rows that may still become ready for (task, fields)."""
@@ -270,7 +349,7 @@ class Partition:
         state = self.task(task)
         n = self.n
         candidates = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
-        return {name: int(np.count_nonzero(candidates & ~self.field(name).produced[:n])) for name in fields}
+        return {name: int(np.count_nonzero(candidates & ~self._produced(name, slice(0, n)))) for name in fields}
 
     # ----------------------------------------------------------------- lifecycle
     def unconsumed_by(self, rows: np.ndarray, tasks: list[str]) -> dict[str, int]:
@@ -317,6 +396,7 @@ class Partition:
         alive = self.alive[:n]
         return {
             "rows": int(n), "live_rows": int(self.live_rows), "cleared_rows": int(self.cleared_rows),
+            "rolled_back_rows": int(self.rolled_back),
             "lost_rows": int(self.lost_rows), "sealed": self.sealed, "expected_rows": self.expected_rows,
             "consumers": self.consumers, "auto_clear": self.auto_clear,
             "fields": {name: {"spec": f.spec.describe() if f.spec else None,
@@ -324,6 +404,7 @@ class Partition:
                        for name, f in self.fields.items()},
             "tasks": {name: {"in_flight": int(np.count_nonzero((t.consumed[:n] == IN_FLIGHT) & alive)),
                              "read": int(np.count_nonzero((t.consumed[:n] == READ) & alive)),
+                             "lease_expired": t.lease_expired, "stale_acks": t.stale_acks,
                              "ready": {",".join(k): len(v.ready) for k, v in t.views.items()}}
                       for name, t in self.tasks.items()},
         }

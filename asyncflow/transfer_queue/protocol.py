@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
+import secrets
 from typing import Any
 
 import msgpack
@@ -66,11 +68,12 @@ def decode(signer: Signer, frames: list) -> tuple[dict, list] | None:
     if len(frames) < 2:
         return None
     body = [_as_buffer(f) for f in frames[1:]]
+    # Size caps first: an oversized header is refused before a byte of it is hashed or parsed.
+    if memoryview(body[0]).nbytes > _MAX_HEADER_BYTES:
+        return None
     if not signer.verify(_as_buffer(frames[0]), body):
         return None
     head = body[0]
-    if memoryview(head).nbytes > _MAX_HEADER_BYTES:
-        return None
     try:
         header = msgpack.unpackb(head, raw=False, strict_map_key=True)
     except Exception:  # msgpack raises several unrelated types on garbage
@@ -83,6 +86,26 @@ def decode(signer: Signer, frames: list) -> tuple[dict, list] | None:
 def _as_buffer(frame: Any):
     # zmq.Frame (copy=False receive) exposes .buffer; bytes and memoryviews pass through.
     return frame.buffer if hasattr(frame, "buffer") else frame
+
+
+MUTATING_OPS = frozenset({"create_partition", "prepare_put", "commit_put", "abort_put", "get_meta", "renew",
+                          "ack", "release", "seal", "clear"})
+"""Controller requests that change state. Clients give each a unique request id (``rid``); a retried or
+duplicated request with an id the controller has seen gets the first answer and takes no effect twice."""
+
+
+class RequestIds:
+    """Unique request ids of one client: a random client prefix and a counter."""
+
+    def __init__(self):
+        self._prefix = secrets.token_hex(8)
+        self._next = itertools.count(1)
+
+    def stamp(self, header: dict) -> dict:
+        """``header`` with a fresh ``rid`` when its op changes state (unchanged otherwise)."""
+        if header.get("op") in MUTATING_OPS and "rid" not in header:
+            return {**header, "rid": f"{self._prefix}.{next(self._next)}"}
+        return header
 
 
 def ok_reply(req_id: int, **fields) -> dict:

@@ -16,15 +16,18 @@ import numpy as np
 
 from .errors import (
     BadRequestError,
+    StalePutError,
     StorageUnitError,
     TransferQueueError,
     UnknownPartitionError,
 )
+from .fencing import COPY_GRACE_S
 from .partition import Partition
 from .schema import FieldSpec
 from .transport import DEFERRED, Request
 from .validation import check_float, check_int, int_array
 
+_CLOSED_PUTS_KEPT = 1 << 16  # outcomes remembered for retries; a retry comes within seconds
 _SPLIT_MIN_BYTES = 1 << 20  # puts smaller than this go to one unit: splitting costs more than it saves
 
 
@@ -56,8 +59,6 @@ class PutHandlers:
         """Validate and reserve; None means 'valid but no capacity yet' (the caller parks it)."""
         h = req.header
         part = self._partition(h.get("partition"))
-        if part.lost_rows:
-            raise self._lost_error(part)
         count = check_int(h, "count", 1)
         specs = self._check_put_fields(part, h.get("fields"), count)
         indexes = h.get("indexes")
@@ -74,6 +75,8 @@ class PutHandlers:
         else:
             rows = int_array(indexes, count, "indexes")
             part.check_rows(rows)
+            if part.lost[rows].any():
+                raise self._lost_error(part)
             for name in specs:
                 f = part.fields.get(name)
                 if f is not None:
@@ -82,13 +85,13 @@ class PutHandlers:
                         raise BadRequestError(f"field {name!r} was already written to rows "
                                               f"{dup[:8].tolist()} of partition {part.name!r}; fields are "
                                               "write-once")
-        placement = self._allocate(specs, count)
+        put_id = next(self._ids)
+        placement = self._allocate(specs, count, put_id)
         if placement is None:
             return None
         if rows is None:
             rows = part.add_rows(count)
             self.live_rows += count
-        put_id = next(self._ids)
         chunks = []
         blocks = []
         for unit_id, start, stop, offsets in placement:
@@ -108,9 +111,12 @@ class PutHandlers:
                 blocks.append(block_id)
                 chunk_offsets[name] = offset
             chunks.append([unit_id, start, stop, chunk_offsets])
-        deadline = time.monotonic() + 2 * self.config.rpc_timeout_s + check_float(h, "timeout", 0.0)
+        deadline = time.monotonic() + self.config.put_lease_s
         self.puts[put_id] = PendingPut(part.name, rows, indexes is None, specs, blocks, meta, deadline)
-        return {"put": put_id, "indexes": rows.tolist(), "chunks": chunks}
+        self._epoch_high = put_id
+        # The put id is the epoch of its ranges: writes carry it, and units refuse it once it is closed.
+        return {"put": put_id, "indexes": rows.tolist(), "chunks": chunks, "lease": self.config.put_lease_s,
+                "units": self._incarnations(c[0] for c in chunks)}
 
     def _check_put_fields(self, part: Partition, fields, count: int) -> dict[str, tuple]:
         if not isinstance(fields, dict) or not fields:
@@ -149,7 +155,7 @@ class PutHandlers:
             specs[name] = (spec, nbytes, len0)
         return specs
 
-    def _allocate(self, specs: dict[str, tuple], count: int):
+    def _allocate(self, specs: dict[str, tuple], count: int, epoch: int):
         """Place rows on units: [(unit, start, stop, {field: (block, offset)})], or None if full."""
         # Least used first; ties by id, so placement does not depend on the order units registered in.
         units = sorted((u for u in self.units.values() if u.alive), key=lambda u: (u.alloc.used, u.id))
@@ -171,36 +177,52 @@ class PutHandlers:
             for name, (_, nbytes, _) in specs.items():
                 size = int(nbytes[start:stop].sum())
                 if size > unit.size:
-                    self._free_blocks(done)
+                    self._free_blocks(done, unused=True)
                     raise BadRequestError(f"field {name!r}: {size} bytes can never fit in a storage unit "
                                           f"of {unit.size} bytes; raise storage_unit_capacity_bytes")
                 offset = unit.alloc.alloc(size)
                 if offset is None:
-                    self._free_blocks(done)
+                    self._free_blocks(done, unused=True)
                     return None
                 block_id = next(self._ids)
-                self.blocks[block_id] = [unit.id, offset, size, stop - start]
+                self.blocks[block_id] = [unit.id, offset, size, stop - start, epoch]
                 done.append(block_id)
                 offsets[name] = (block_id, offset)
             placement.append((unit.id, start, stop, offsets))
         return placement
 
-    def _free_blocks(self, block_ids) -> None:
+    def _free_blocks(self, block_ids, unused: bool = False, not_before: float = 0.0) -> None:
+        """Free blocks: at once when no writer ever saw them (``unused``), else through a fence."""
         for block_id in block_ids:
             block = self.blocks.pop(block_id, None)
-            if block is not None:
-                unit = self.units.get(block[0])
-                if unit is not None and unit.alive:
-                    unit.alloc.free(block[1], block[2])
+            if block is None:
+                continue
+            unit = self.units.get(block[0])
+            if unit is None or not unit.alive:
+                continue
+            if unused:
+                unit.alloc.free(block[1], block[2])
+            else:
+                self._retire(block, not_before)
 
     def _op_commit_put(self, req: Request):
         put_id = req.header.get("put")
         put = self.puts.get(put_id)
         if put is None:
-            raise BadRequestError(f"unknown or expired put {put_id!r}")
+            closed = self.closed_puts.get(put_id) if isinstance(put_id, int) else None
+            if closed is None:
+                raise BadRequestError(f"unknown put {put_id!r}")
+            if closed[0] == "committed":
+                return closed[1]  # a retry after a lost reply: the first answer, nothing twice
+            raise StalePutError(f"put {put_id} was rolled back before its commit ({closed[1]}); none of "
+                                "its rows or fields are visible and its ranges are fenced; put the data again")
+        if time.monotonic() > put.deadline:
+            self._abort(put_id, f"its lease of {self.config.put_lease_s:g} s expired before the commit",
+                        by_writer=False)
+            return self._op_commit_put(req)
         part = self.partitions.get(put.partition)
-        if part is None or part.lost_rows:
-            self._abort(put_id)
+        if part is None or part.lost[put.rows].any():
+            self._abort(put_id, "its partition was cleared, or its rows were lost with a storage unit")
             raise self._lost_error(part) if part is not None else UnknownPartitionError(
                 f"partition {put.partition!r} was cleared during the put")
         del self.puts[put_id]
@@ -220,16 +242,26 @@ class PutHandlers:
                 part.lengths[rows[unset]] = ragged[0][2][unset]
         part.on_produced(rows, list(put.fields))
         self._wake_gets(part.name)
-        return {"indexes": rows.tolist()}
+        reply = {"indexes": rows.tolist()}
+        self._close_put(put_id, ("committed", reply))
+        return reply
+
+    def _close_put(self, put_id: int, outcome: tuple) -> None:
+        self.closed_puts[put_id] = outcome
+        while len(self.closed_puts) > _CLOSED_PUTS_KEPT:
+            self.closed_puts.popitem(last=False)
 
     def _op_abort_put(self, req: Request):
-        self._abort(req.header.get("put"))
+        self._abort(req.header.get("put"), "its writer aborted it")
         return {}
 
-    def _abort(self, put_id) -> None:
+    def _abort(self, put_id, reason: str, by_writer: bool = True) -> None:
+        """Roll back a pending put. ``by_writer``: its own client asked, so no copy of it can still be
+        running on this host; otherwise its ranges wait out the lease before they are reused."""
         put = self.puts.pop(put_id, None)
         if put is None:
             return
+        self._close_put(put_id, ("aborted", reason))
         part = self.partitions.get(put.partition)
         if part is not None:
             for name in put.fields:
@@ -237,9 +269,11 @@ class PutHandlers:
                 f.pending[put.rows] = False
                 f.block[put.rows] = -1
             if put.new_rows:
-                part.drop_rows(put.rows)
+                part.roll_back_rows(put.rows)
                 self.live_rows -= len(put.rows)
-        self._free_blocks(put.blocks)
+                if part.sealed:  # the rows a sealed partition's consumers waited for are gone
+                    self._wake_gets(part.name)
+        self._free_blocks(put.blocks, not_before=0.0 if by_writer else put.deadline + COPY_GRACE_S)
         self._wake_puts()
 
     def _wake_puts(self) -> None:

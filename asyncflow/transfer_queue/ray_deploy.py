@@ -17,8 +17,6 @@ from .config import TransferQueueConfig
 from .deploy import _PACKAGE_ROOT, Deployment, _wait_ready
 from .shm import new_shm_prefix, remove_leftovers, remove_stale
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
 
 class _ServerActor:
     """Runs a controller or a storage unit on a background thread of a Ray actor."""
@@ -55,9 +53,7 @@ class RayDeployment(Deployment):
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if config.host not in _LOOPBACK and not config.secret:
-            raise ValueError("a TransferQueue reachable from other hosts needs a shared secret "
-                             "(set transfer_queue.secret)")
+        config.validate()  # refuses a non-loopback binding without a secret
         if not ray.is_initialized():
             ray.init()
         self.config = config

@@ -16,10 +16,19 @@ from __future__ import annotations
 import bisect
 import mmap
 import os
+import re
 import secrets
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # cache-line alignment keeps vectorised copies fast
+
+
+_ARENA_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def valid_arena_name(name) -> bool:
+    """A plain file name inside SHM_DIR: no separators, no leading dot (so no "..")."""
+    return isinstance(name, str) and _ARENA_NAME.fullmatch(name) is not None
 
 
 def new_shm_prefix() -> str:
@@ -53,8 +62,10 @@ class Arena:
 
     @classmethod
     def attach(cls, name: str, size: int) -> Arena:
-        """Map an existing arena of a storage unit on this host."""
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        """Map an existing arena of a storage unit on this host (a plain name, never a symlink)."""
+        if not valid_arena_name(name):
+            raise ValueError(f"invalid arena name {name!r}")
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR | os.O_NOFOLLOW)
         try:
             if os.fstat(fd).st_size != size:
                 raise OSError(f"shared memory {name} has size {os.fstat(fd).st_size}, expected {size}")
@@ -121,7 +132,7 @@ def remove_stale() -> int:
 
 def can_open(name: str) -> bool:
     """True when this process sees the same /dev/shm as the process that created ``name``."""
-    return bool(name) and os.path.exists(os.path.join(SHM_DIR, name))
+    return valid_arena_name(name) and os.path.exists(os.path.join(SHM_DIR, name))
 
 
 class RangeAllocator:

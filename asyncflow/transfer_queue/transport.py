@@ -14,12 +14,14 @@ import logging
 import socket
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .config import is_loopback
 from .errors import (
     BadRequestError,
     ServerUnavailableError,
@@ -35,6 +37,9 @@ DEFERRED = object()
 
 # Frames below this size are cheaper to copy than to hand to ZMQ zero-copy (which needs a callback).
 ZERO_COPY_MIN_BYTES = 64 << 10
+_RECONNECT_GRACE_S = 2.0  # ZMQ redials every 100 ms: a peer still gone after this is down, not blipping
+_ANSWERS_KEPT = 1 << 17  # first answers kept for retries (a few hundred bytes each)
+_MAX_FRAMES = 1 << 16  # a write of many rows sends one frame per coalesced range; far below this
 
 
 @dataclass
@@ -60,9 +65,13 @@ class RpcServer:
     """A single-threaded ROUTER loop that dispatches requests to handlers by ``op``."""
 
     def __init__(self, name: str, host: str, port: int, signer: Signer, max_message_bytes: int,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, receive_queue_messages: int = 10000):
+        if not is_loopback(host) and not signer.enabled:
+            raise ValueError(f"{name}: refusing to bind {host!r} (reachable from other machines) "
+                             "without a shared secret")
         self.name = name
         self.signer = signer
+        self.max_message_bytes = max_message_bytes
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -70,8 +79,9 @@ class RpcServer:
         # Replies to a client that went away must not block or raise; ROUTER drops them.
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        bind_host = "*" if host in ("0.0.0.0", "") else host
+        # Bounded: a flooding peer is held back by TCP flow control, not buffered without limit.
+        self.sock.setsockopt(zmq.RCVHWM, receive_queue_messages)
+        self.bind_host = bind_host = "*" if host in ("0.0.0.0", "") else host
         if port:
             self.sock.bind(f"tcp://{bind_host}:{port}")
             self.port = port
@@ -79,16 +89,32 @@ class RpcServer:
             self.port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{resolve_advertise_host(host, advertise_host)}:{self.port}"
         self.handlers: dict[str, Callable[[Request], object]] = {}
+        self._poller = zmq.Poller()
+        self._poller.register(self.sock, zmq.POLLIN)
+        self._extra: dict[zmq.Socket, Callable[[], None]] = {}
         self._timers: list[list] = []  # [interval_s, callback, next_due]
         self._stop = threading.Event()
         self.on_close: list[Callable[[], None]] = []  # e.g. closing extra sockets of self.ctx
         self.messages_received = 0
         self.dropped_messages = 0
         self.requests_served = 0
+        self.duplicate_requests = 0
+        # rid -> ["pending", Request] or ["done", reply header]: the first answer to every request that
+        # carried a request id, so that a retry or a duplicated message takes no effect twice.
+        self._answers: OrderedDict[str, list] = OrderedDict()
 
     def add_timer(self, interval_s: float, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the server thread about every ``interval_s`` seconds."""
         self._timers.append([interval_s, callback, time.monotonic() + interval_s])
+
+    def add_socket(self, sock: zmq.Socket, on_readable: Callable[[], None]) -> None:
+        """Also poll ``sock`` (of ``self.ctx``) and call ``on_readable`` on the server thread."""
+        self._extra[sock] = on_readable
+        self._poller.register(sock, zmq.POLLIN)
+
+    def remove_socket(self, sock: zmq.Socket) -> None:
+        if self._extra.pop(sock, None) is not None:
+            self._poller.unregister(sock)
 
     def reply(self, identity: bytes, header: dict, buffers: list | tuple = ()) -> None:
         """Send a reply header (built with ok_reply / error_reply) to one client."""
@@ -99,10 +125,40 @@ class RpcServer:
             logger.debug("%s: reply dropped: %s", self.name, exc)
 
     def reply_ok(self, req: Request, buffers: list | tuple = (), **fields) -> None:
-        self.reply(req.identity, ok_reply(req.id, **fields), buffers)
+        header = ok_reply(req.id, **fields)
+        self._remember(req, header)
+        self.reply(req.identity, header, buffers)
 
     def reply_error(self, req: Request, exc: TransferQueueError) -> None:
-        self.reply(req.identity, error_reply(req.id, exc.code, str(exc)))
+        header = error_reply(req.id, exc.code, str(exc))
+        self._remember(req, header)
+        self.reply(req.identity, header)
+
+    def _remember(self, req: Request, header: dict | None) -> None:
+        rid = _rid(req.header)
+        if rid is None:
+            return
+        self._answers[rid] = ["done", header]
+        self._answers.move_to_end(rid)
+        while len(self._answers) > _ANSWERS_KEPT:
+            self._answers.popitem(last=False)
+
+    def _answer_again(self, req: Request) -> bool:
+        """True when ``req`` repeats a request id already seen (answered now, or redirected if parked)."""
+        if req.header.get("rid") is not None and _rid(req.header) is None:
+            raise BadRequestError("rid must be a string of at most 64 characters")
+        rid = _rid(req.header)
+        if rid is None:
+            return False
+        seen = self._answers.get(rid)
+        if seen is None:
+            return False
+        self.duplicate_requests += 1
+        if seen[0] == "pending":  # still parked: its eventual answer goes to this, the latest, copy
+            seen[1].identity, seen[1].id = req.identity, req.id
+        elif seen[1] is not None and not req.header.get("noreply"):
+            self.reply(req.identity, {**seen[1], "id": req.id})
+        return True
 
     def stop(self) -> None:
         """Ask the loop to exit; it does within about 50 ms."""
@@ -110,19 +166,27 @@ class RpcServer:
 
     def serve_forever(self) -> None:
         """Run until ``stop``; closes the socket on exit."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 wait_s = 0.05
                 if self._timers:
                     wait_s = max(0.0, min(wait_s, min(t[2] for t in self._timers) - time.monotonic()))
-                if poller.poll(int(wait_s * 1000)):
-                    self._drain()
+                for sock, _ in self._poller.poll(int(wait_s * 1000)):
+                    if sock is self.sock:
+                        self._drain()
+                    else:
+                        callback = self._extra.get(sock)
+                        try:
+                            if callback is not None:
+                                callback()
+                        except Exception:  # a bug there must not take the server down
+                            logger.exception("%s: socket handler failed", self.name)
                 self._run_timers()
         finally:
             for callback in self.on_close:
                 callback()
+            for sock in list(self._extra):
+                sock.close(linger=0)
             self.sock.close(linger=0)
             self.ctx.term()
 
@@ -148,6 +212,11 @@ class RpcServer:
     def _handle(self, frames: list) -> None:
         self.messages_received += 1
         identity = frames[0].bytes
+        # ZMQ's MAXMSGSIZE caps each frame; cap the whole message (and its frame count) here, before
+        # decode hashes a byte of it.
+        if len(frames) > _MAX_FRAMES or sum(len(f) for f in frames) > self.max_message_bytes:
+            self.dropped_messages += 1
+            return
         msg = decode(self.signer, frames[1:])
         if msg is None:
             # Unauthenticated or malformed: drop silently, an attacker learns nothing.
@@ -163,6 +232,8 @@ class RpcServer:
             return
         self.requests_served += 1
         try:
+            if self._answer_again(req):
+                return
             result = handler(req)
         except TransferQueueError as exc:
             self.reply_error(req, exc)
@@ -173,9 +244,19 @@ class RpcServer:
                                                   f"{type(exc).__name__}: {exc}"))
             return
         if result is DEFERRED or header.get("noreply"):
+            rid = _rid(header)
+            if rid is not None and rid not in self._answers:
+                self._answers[rid] = ["pending", req] if result is DEFERRED and not header.get("noreply") \
+                    else ["done", None]
             return
         fields, buffers = result if isinstance(result, tuple) else (result or {}, ())
         self.reply_ok(req, buffers, **fields)
+
+
+def _rid(header: dict) -> str | None:
+    """The request id of a header when it is a valid one (untrusted input: anything else is None)."""
+    rid = header.get("rid")
+    return rid if isinstance(rid, str) and len(rid) <= 64 else None
 
 
 def _copy_frames(frames: list) -> bool:
@@ -208,7 +289,10 @@ class Connection:
         self.signer = signer
         self.sock, self.monitor = dealer_socket(ctx, address, max_message_bytes)
         self.connected = False
-        self.lost = False
+        self.lost = False  # the peer went away and has not come back (yet)
+        self.disconnects = 0
+        self.lost_since = 0.0
+        self._sent_at: dict[int, int] = {}  # request id -> disconnects when it was sent
         self._ids = itertools.count(1)
         self._poller = zmq.Poller()
         self._poller.register(self.sock, zmq.POLLIN)
@@ -219,11 +303,15 @@ class Connection:
         """Send one request and return its id."""
         req_id = next(self._ids)
         frames = encode(self.signer, {**header, "id": req_id}, buffers)
+        if not header.get("noreply"):
+            self._read_monitor()  # connection state as of this send
+            self._sent_at[req_id] = self.disconnects
         self.sock.send_multipart(frames, copy=_copy_frames(frames))
         return req_id
 
     def recv(self, req_id: int, timeout_s: float, what: str = "") -> tuple[dict, list]:
         """Wait for the reply to ``req_id``; raise the server's error or ServerUnavailableError."""
+        sent_at = self._sent_at.pop(req_id, self.disconnects)
         if req_id in self._early:
             return _check(self._early.pop(req_id))
         deadline = time.monotonic() + timeout_s
@@ -250,7 +338,11 @@ class Connection:
                         return _check(msg)
                     if isinstance(rid, int) and rid > req_id:
                         self._early[rid] = msg  # in-flight request answered out of order
-            if self.lost:
+            # A disconnect after this request was sent fails it, and so does a peer that has been gone
+            # for a while; a connection that dropped and came back (a restarted server, a network blip)
+            # serves new requests normally.
+            if self.disconnects != sent_at or (
+                    self.lost and time.monotonic() - self.lost_since > _RECONNECT_GRACE_S):
                 raise ServerUnavailableError(
                     f"{self.name} at {self.address} closed the connection while {what or 'a request'} "
                     "was pending (the process died or exited)")
@@ -268,8 +360,11 @@ class Connection:
                 return
             if event["event"] == zmq.EVENT_CONNECTED:
                 self.connected = True
+                self.lost = False
             elif event["event"] == zmq.EVENT_DISCONNECTED and self.connected:
                 self.lost = True
+                self.lost_since = time.monotonic()
+                self.disconnects += 1
 
     def close(self) -> None:
         try:

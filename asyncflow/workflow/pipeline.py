@@ -202,7 +202,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
 
     threads = wf.sync_worker_threads if colocated else wf.worker_threads
     board = ray.remote(VersionBoard).options(num_cpus=0).remote()
-    common = dict(tq_address=tq.address, tq_cfg=cfg.transfer_queue, board=board, timeout_s=wf.step_timeout_s,
+    common = dict(tq_address=tq.address, tq_cfg=tq.config, board=board, timeout_s=wf.step_timeout_s,
                   partial_batches=algo.dynamic_sampling)
     seq_len = max_prompt_len + cfg.rollout.max_new_tokens
     persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,

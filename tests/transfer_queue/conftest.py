@@ -14,7 +14,7 @@ from asyncflow.transfer_queue.shm import SHM_DIR
 def small_config(**overrides) -> TransferQueueConfig:
     """Small arenas and short timeouts so that failures show up in seconds."""
     values = dict(deployment="threads", storage_unit_capacity_bytes=64 << 20, rpc_timeout_s=10.0,
-                  heartbeat_interval_s=0.2, heartbeat_timeout_s=1.5, get_timeout_s=30.0,
+                  heartbeat_interval_s=0.2, heartbeat_timeout_s=5.0, get_timeout_s=30.0,
                   put_timeout_s=30.0)
     values.update(overrides)
     return TransferQueueConfig(**values)

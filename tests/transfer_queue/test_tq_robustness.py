@@ -10,14 +10,17 @@ import pytest
 import torch
 import zmq
 
-from asyncflow.transfer_queue import ServerUnavailableError, TransferQueueClient, TransferQueueConfig
+from asyncflow.transfer_queue import ServerUnavailableError, StalePutError, TransferQueueClient, TransferQueueConfig
 from asyncflow.transfer_queue.protocol import Signer, encode
+from asyncflow.transfer_queue.transport import Connection
 
 OPS = ["hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put", "abort_put",
-       "get_meta", "ack", "release", "seal", "clear", "status", "read", "ping", "nonsense"]
+       "get_meta", "renew", "ack", "release", "seal", "clear", "status", "read", "write", "fence", "ping",
+       "nonsense"]
 KEYS = ["partition", "task", "fields", "batch_size", "indexes", "count", "put", "unit", "address", "size",
         "sampler", "sampler_args", "dp_rank", "dp_size", "mp_rank", "mp_size", "timeout", "ranges",
-        "versions", "group_ids", "lengths", "expected_rows", "consumers", "force", "exist_ok", "arena"]
+        "versions", "group_ids", "lengths", "expected_rows", "consumers", "force", "exist_ok", "arena",
+        "epoch", "epochs", "floor", "handout", "lease", "rid", "inc"]
 
 
 def random_value(rng: random.Random, depth: int = 0):
@@ -54,7 +57,7 @@ def malformed_message(rng: random.Random, signer: Signer, real: list[bytes]) -> 
     if choice < 0.65:
         header = {k: random_value(rng) for k in rng.sample(KEYS, rng.randint(0, 8))}
         header["op"] = rng.choice(OPS)
-        if header["op"] in ("read", "ping") or header.get("partition") == "keep":
+        if header["op"] in ("read", "write", "ping") or header.get("partition") == "keep":
             header["partition"] = "fuzz"
         header["id"] = rng.choice([rng.randint(0, 1 << 30), -5, "x", None])
         try:
@@ -119,8 +122,20 @@ def test_fuzz_controller_and_storage_units(make_tq, secret):
                                    "fields": {"x": [["dense", "float32", [2]], [8], None]}})
         fuzz_socket(tq.address, signer, real_put, 2000, seed=1)
         real_read = encode(signer, {"op": "read", "id": 3, "ranges": [[0, 16]]})
+        # A well-formed write of a put that never existed (epoch 0 is below every unit's floor).
+        real_write = encode(signer, {"op": "write", "id": 4, "epoch": 0, "ranges": [[0, 8]]}, [b"\xff" * 8])
         for i, unit in enumerate(tq.units):
-            fuzz_socket(unit.address, signer, real_read, 600, seed=10 + i)
+            fuzz_socket(unit.address, signer, real_read, 400, seed=10 + i)
+            fuzz_socket(unit.address, signer, real_write, 400, seed=20 + i)
+            # The well-formed one itself is refused: a write of an epoch the unit never opened is stale.
+            ctx = zmq.Context()
+            conn = Connection(ctx, unit.address, signer, "unit", 1 << 20)
+            try:
+                with pytest.raises(StalePutError):
+                    conn.request({"op": "write", "epoch": 0, "ranges": [[0, 8]]}, [b"\xff" * 8], timeout_s=20)
+            finally:
+                conn.close()
+                ctx.term()
         assert tq.controller.server.messages_received > 2000  # every fuzz message reached the server
         # Everything still works and the data is intact.
         batch = client.get("keep", "after-fuzz", ["x", "tok"], 64)
@@ -178,3 +193,80 @@ def test_client_never_hangs_on_a_garbage_server():
         thread.join()
         server.close(linger=0)
         ctx.term()
+
+
+def test_connection_recovers_after_the_server_comes_back():
+    """A dropped and re-established connection serves new requests (the client's 'lost' state once
+    stuck, so every later call failed within half a second); a request pending across the drop fails."""
+    from asyncflow.transfer_queue.protocol import decode
+    from asyncflow.transfer_queue.transport import Connection
+
+    signer = Signer("s")
+    ctx = zmq.Context()
+
+    def echo_server(port=0):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if port:
+            sock.bind(f"tcp://127.0.0.1:{port}")
+            return sock, port
+        return sock, sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer(sock):
+        assert sock.poll(20000)
+        identity, *frames = sock.recv_multipart()
+        header, _ = decode(signer, frames)
+        sock.send_multipart([identity, *encode(signer, {"id": header["id"], "ok": True, "n": header["n"]})])
+
+    server, port = echo_server()
+    conn = Connection(ctx, f"tcp://127.0.0.1:{port}", signer, "echo", 1 << 20)
+    try:
+        first = conn.send({"op": "x", "n": 1})
+        answer(server)
+        assert conn.recv(first, 20)[0]["n"] == 1
+        pending = conn.send({"op": "x", "n": 2})
+        server.close(linger=0)  # the server goes away with a request pending
+        with pytest.raises(ServerUnavailableError, match="closed the connection"):
+            conn.recv(pending, 20)
+        server, _ = echo_server(port)  # ... and comes back on the same port
+        for n in (3, 4):
+            req = conn.send({"op": "x", "n": n})
+            answer(server)
+            assert conn.recv(req, 20)[0]["n"] == n
+        assert not conn.lost
+    finally:
+        conn.close()
+        server.close(linger=0)
+        ctx.term()
+
+
+def test_busy_controller_does_not_declare_healthy_units_dead(make_tq):
+    """Heartbeats are read on their own thread: a request thread stuck for twice the heartbeat timeout
+    behind a long request and a queue of 300 more (it handles 256 between timer runs) once declared
+    both healthy units dead, for good."""
+    import time
+
+    tq = make_tq(heartbeat_timeout_s=1.5)
+    with tq.client() as client:
+        incarnations = {k: u["incarnation"] for k, u in client.status()["units"].items()}
+    # A stand-in for an expensive request: it holds the controller's request thread for 3 s.
+    tq.controller.server.handlers["busy"] = lambda req: time.sleep(3.0) or {}
+    signer = Signer(tq.config.secret)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(tq.address)
+    try:
+        sock.send_multipart(encode(signer, {"op": "busy", "id": 1}))
+        for i in range(300):
+            sock.send_multipart(encode(signer, {"op": "status", "id": 2 + i}))
+        for _ in range(301):
+            assert sock.poll(60000)
+            sock.recv_multipart()
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    with tq.client() as client:
+        units = client.status()["units"]
+        assert all(u["alive"] for u in units.values())
+        assert {k: u["incarnation"] for k, u in units.items()} == incarnations  # never re-registered

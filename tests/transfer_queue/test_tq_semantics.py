@@ -310,8 +310,13 @@ def test_auto_clear_waits_for_every_model_parallel_rank(client):
 
 def test_rows_spread_over_storage_units(client):
     client.create_partition("p")
-    client.put("p", {"x": torch.zeros(64, 8192)})  # 2 MiB: split over both units
+    data = torch.randn(64, 8192)
+    client.put("p", {"x": data, "tok": [torch.arange(i * 100) for i in range(64)]})  # 2 MiB+: split
     assert all(u["used_bytes"] > 0 for u in client.status()["units"].values())
+    batch = client.get("p", "t", ["x", "tok"], 64)
+    assert set(batch.meta.locations["x"][1]) == {0, 1}  # really read from both units
+    assert torch.equal(batch["x"], data)
+    assert all(torch.equal(t, torch.arange(i * 100)) for i, t in enumerate(batch["tok"]))
 
 
 # ----------------------------------------------------------------------------- back-pressure
