@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from asyncflow.agents import AGENT_LOOPS, AgentLoop, Trajectory
+from asyncflow.data.sources import SyntheticPrompts
 
 
 class CalcTask:
@@ -80,22 +81,10 @@ def make_calculator(tokenizer) -> CalculatorLoop:
     return CalculatorLoop(tokenizer)
 
 
-class CalcPrompts:
+class CalcPrompts(SyntheticPrompts):
     """Endless random prompts of the ``calc`` task (the prompt-source interface of ``asyncflow.data``)."""
 
     def __init__(self, tokenizer, seed: int = 0, data_cfg=None):
+        super().__init__(seed)
         self.task = CalcTask(tokenizer)
-        self.generator = torch.Generator().manual_seed(seed)
         self.max_prompt_len = self.task.max_prompt_len
-
-    def next_prompts(self, count: int) -> list[list[int]]:
-        """The next ``count`` prompts of the stream."""
-        return self.task.prompts(count, self.generator)
-
-    def state_dict(self) -> dict:
-        """The stream's position, as plain JSON data for checkpoints."""
-        return {"generator": self.generator.get_state().tolist()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Continue the stream from a position saved by :meth:`state_dict`."""
-        self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))

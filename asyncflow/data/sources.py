@@ -10,14 +10,12 @@ from asyncflow.registry import Registry
 PROMPT_SOURCES = Registry("prompt source")
 
 
-@PROMPT_SOURCES.register("add1")
-class Add1Prompts:
-    """Endless random prompts of the add-one task (``<bos> d1 d2 d3 d4 >``)."""
+class SyntheticPrompts:
+    """Endless random prompts of a synthetic task (``task.prompts(count, generator)``); subclasses set
+    ``self.task`` and ``self.max_prompt_len``. Its position is its random generator's state."""
 
-    def __init__(self, tokenizer, seed: int = 0, data_cfg=None):
-        self.task = Add1Task(tokenizer)
+    def __init__(self, seed: int = 0):
         self.generator = torch.Generator().manual_seed(seed)
-        self.max_prompt_len = self.task.num_digits + 2
 
     def next_prompts(self, count: int) -> list[list[int]]:
         """The next ``count`` prompts of the stream."""
@@ -30,6 +28,16 @@ class Add1Prompts:
     def load_state_dict(self, state: dict) -> None:
         """Continue the stream from a position saved by :meth:`state_dict`."""
         self.generator.set_state(torch.tensor(state["generator"], dtype=torch.uint8))
+
+
+@PROMPT_SOURCES.register("add1")
+class Add1Prompts(SyntheticPrompts):
+    """Endless random prompts of the add-one task (``<bos> d1 d2 d3 d4 >``)."""
+
+    def __init__(self, tokenizer, seed: int = 0, data_cfg=None):
+        super().__init__(seed)
+        self.task = Add1Task(tokenizer)
+        self.max_prompt_len = self.task.num_digits + 2
 
 
 @PROMPT_SOURCES.register("add1_longtail")
