@@ -160,8 +160,8 @@ def phase_stream(tq, args, workdir) -> dict:
     rss_before = rss_mib(ctrl_pid)
     ready = ctx.Queue()
     procs, outputs = [], []
-    per_task = max(1, args.consumers // len(TASKS))
-    for t, task in enumerate(TASKS):
+    for t, task in enumerate(TASKS):  # the consumers spread over the tasks, the first tasks take the rest
+        per_task = max(1, args.consumers // len(TASKS) + (t < args.consumers % len(TASKS)))
         dp_size = per_task if TASKS[task][2] else 1
         for i in range(per_task):
             path = os.path.join(workdir, f"{task}-{i}.json")

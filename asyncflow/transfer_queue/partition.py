@@ -18,7 +18,7 @@ from .errors import BadRequestError
 from .schema import FieldSpec
 
 FREE, IN_FLIGHT, READ = 0, 1, 2  # per-task consumption state of a row
-MAX_TASKS = 256  # consumer tasks per partition (each costs 19 bytes per row)
+MAX_TASKS = 256  # consumer tasks per partition (each costs 19 bytes per row once it has rows handed out)
 MAX_VIEWS_PER_TASK = 16  # field sets per task kept as ready views (each costs O(ready rows))
 
 
@@ -97,7 +97,11 @@ class ReadyView:
 
 
 class TaskState:
-    """Consumption record of one task in one partition."""
+    """Consumption record of one task in one partition.
+
+    The per-row arrays are allocated at the task's first hand-out, not when it is first named: a get
+    that finds nothing ready (a consumer parked on a partition it has not read yet, or a task that
+    never reads this partition) costs a ready view and nothing per row. Until then every row is FREE."""
 
     ARRAYS = (("consumed", np.int8, FREE), ("readers", np.int16, 0), ("handout", np.int64, -1),
               ("lease_end", np.float64, 0.0))
@@ -108,15 +112,33 @@ class TaskState:
         # auto-cleared, only after the last of them). handout: id of the hand-out a row in flight belongs
         # to, so that an ack or renewal of an older hand-out of the same row is recognised as stale.
         # lease_end: when a row in flight returns to the task unless acked or renewed.
-        for attr, dtype, fill in self.ARRAYS:
-            setattr(self, attr, np.full(capacity, fill, dtype=dtype))
+        self.capacity = capacity
+        self.consumed = self.readers = self.handout = self.lease_end = None
         self.views: dict[tuple[str, ...], ReadyView] = {}
         self.lease_expired = 0
         self.stale_acks = 0
 
+    @property
+    def allocated(self) -> bool:
+        """Whether the task ever had rows handed out (and so holds per-row arrays)."""
+        return self.consumed is not None
+
+    def allocate(self) -> None:
+        if self.consumed is None:
+            for attr, dtype, fill in self.ARRAYS:
+                setattr(self, attr, np.full(self.capacity, fill, dtype=dtype))
+
+    def state_of(self, rows) -> np.ndarray:
+        """``consumed`` of ``rows`` (an index array or a slice); all FREE before the first hand-out."""
+        if self.consumed is not None:
+            return self.consumed[rows]
+        return np.full(len(range(self.capacity)[rows]) if isinstance(rows, slice) else len(rows), FREE, np.int8)
+
     def grow(self, capacity: int) -> None:
-        for attr, _, fill in self.ARRAYS:
-            setattr(self, attr, _grow(getattr(self, attr), capacity, fill))
+        self.capacity = capacity
+        if self.consumed is not None:
+            for attr, _, fill in self.ARRAYS:
+                setattr(self, attr, _grow(getattr(self, attr), capacity, fill))
 
 
 class Partition:
@@ -245,7 +267,7 @@ class Partition:
 
     def _ready_mask(self, state: TaskState, fields: tuple[str, ...]) -> np.ndarray:
         n = self.n
-        mask = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
+        mask = self.alive[:n] & ~self.lost[:n] & (state.state_of(slice(0, n)) == FREE)
         for name in fields:
             mask &= self._produced(name, slice(0, n))
         return mask
@@ -257,7 +279,7 @@ class Partition:
             for fields, view in state.views.items():
                 if touched.isdisjoint(fields):
                     continue
-                ok = self.alive[rows] & ~self.lost[rows] & (state.consumed[rows] == FREE)
+                ok = self.alive[rows] & ~self.lost[rows] & (state.state_of(rows) == FREE)
                 for name in fields:
                     ok &= self._produced(name, rows)
                 view.add(rows[ok])
@@ -266,6 +288,7 @@ class Partition:
         """Mark ``rows`` in flight for ``task`` under hand-out id ``handout``, leased until ``lease_end``;
         they become read once ``readers`` clients acked them."""
         state = self.task(task)
+        state.allocate()
         state.consumed[rows] = IN_FLIGHT
         state.readers[rows] = readers
         state.handout[rows] = handout
@@ -276,7 +299,7 @@ class Partition:
     def renew(self, task: str, rows: np.ndarray, handout: int, lease_end: float) -> np.ndarray:
         """Extend the lease of the rows of ``handout`` still in flight; returns those rows."""
         state = self.tasks.get(task)
-        if state is None:
+        if state is None or not state.allocated:
             return rows[:0]
         rows = rows[(state.consumed[rows] == IN_FLIGHT) & (state.handout[rows] == handout)]
         state.lease_end[rows] = np.maximum(state.lease_end[rows], lease_end)
@@ -285,7 +308,7 @@ class Partition:
     def expire_leases(self, task: str, rows: np.ndarray, handout: int, now: float) -> int:
         """Rows of ``handout`` still in flight whose lease has ended go back to the task."""
         state = self.tasks.get(task)
-        if state is None:
+        if state is None or not state.allocated:
             return 0
         rows = rows[(rows < self.n)]
         rows = rows[(state.consumed[rows] == IN_FLIGHT) & (state.handout[rows] == handout)
@@ -298,6 +321,8 @@ class Partition:
     def release(self, task: str, rows: np.ndarray | None) -> int:
         """Give rows handed out but never read back to ``task`` again; returns how many."""
         state = self.task(task)
+        if not state.allocated:
+            return 0
         consumed = state.consumed[: self.n]
         if rows is None:
             rows = np.flatnonzero(consumed == IN_FLIGHT)
@@ -318,7 +343,7 @@ class Partition:
         readers have now read. Acks of an older hand-out (the rows were released or their lease ran out,
         and they went out again) are ignored and counted: the new holder has not read them yet."""
         state = self.tasks.get(task)
-        if state is None or not len(rows):
+        if state is None or not state.allocated or not len(rows):
             return rows[:0]
         rows = np.unique(rows[(rows >= 0) & (rows < self.n)])
         rows = rows[state.consumed[rows] == IN_FLIGHT]
@@ -335,20 +360,22 @@ class Partition:
     def in_flight_count(self, task: str) -> int:
         """Rows of ``task`` handed out and not yet read by all their readers."""
         state = self.tasks.get(task)
-        return 0 if state is None else int(np.count_nonzero(state.consumed[: self.n] == IN_FLIGHT))
+        if state is None or not state.allocated:
+            return 0
+        return int(np.count_nonzero(state.consumed[: self.n] == IN_FLIGHT))
 
     def remaining_unready(self, task: str, fields: tuple[str, ...]) -> int:
         """Unconsumed live rows that may still become ready for (task, fields)."""
         state = self.task(task)
         n = self.n
-        candidates = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
+        candidates = self.alive[:n] & ~self.lost[:n] & (state.state_of(slice(0, n)) == FREE)
         return int(np.count_nonzero(candidates)) - len(self.view(task, fields).ready)
 
     def missing_summary(self, task: str, fields: tuple[str, ...]) -> dict[str, int]:
         """For the unconsumed live rows of ``task``: how many still lack each field."""
         state = self.task(task)
         n = self.n
-        candidates = self.alive[:n] & ~self.lost[:n] & (state.consumed[:n] == FREE)
+        candidates = self.alive[:n] & ~self.lost[:n] & (state.state_of(slice(0, n)) == FREE)
         return {name: int(np.count_nonzero(candidates & ~self._produced(name, slice(0, n)))) for name in fields}
 
     # ----------------------------------------------------------------- lifecycle
@@ -357,7 +384,7 @@ class Partition:
         out = {}
         for task in tasks:
             state = self.tasks.get(task)
-            pending = len(rows) if state is None else int(np.count_nonzero(state.consumed[rows] != READ))
+            pending = len(rows) if state is None else int(np.count_nonzero(state.state_of(rows) != READ))
             if pending:
                 out[task] = pending
         return out
@@ -365,7 +392,7 @@ class Partition:
     def in_flight(self, rows: np.ndarray) -> dict[str, int]:
         out = {}
         for task, state in self.tasks.items():
-            count = int(np.count_nonzero(state.consumed[rows] == IN_FLIGHT))
+            count = int(np.count_nonzero(state.state_of(rows) == IN_FLIGHT))
             if count:
                 out[task] = count
         return out
@@ -381,6 +408,14 @@ class Partition:
         for state in self.tasks.values():
             for view in state.views.values():
                 view.remove(rows)
+
+    def close(self) -> None:
+        """Drop every per-row structure now. The ready views point back at their partition, so without this
+        a cleared partition would wait for Python's cyclic garbage collector to be freed."""
+        for state in self.tasks.values():
+            state.views.clear()
+        self.tasks.clear()
+        self.fields.clear()
 
     def mark_lost(self, rows: np.ndarray) -> None:
         rows = rows[self.alive[rows] & ~self.lost[rows]]
@@ -402,8 +437,8 @@ class Partition:
             "fields": {name: {"spec": f.spec.describe() if f.spec else None,
                               "produced": int(np.count_nonzero(f.produced[:n] & alive))}
                        for name, f in self.fields.items()},
-            "tasks": {name: {"in_flight": int(np.count_nonzero((t.consumed[:n] == IN_FLIGHT) & alive)),
-                             "read": int(np.count_nonzero((t.consumed[:n] == READ) & alive)),
+            "tasks": {name: {"in_flight": int(np.count_nonzero((t.state_of(slice(0, n)) == IN_FLIGHT) & alive)),
+                             "read": int(np.count_nonzero((t.state_of(slice(0, n)) == READ) & alive)),
                              "lease_expired": t.lease_expired, "stale_acks": t.stale_acks,
                              "ready": {",".join(k): len(v.ready) for k, v in t.views.items()}}
                       for name, t in self.tasks.items()},

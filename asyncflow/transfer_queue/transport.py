@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -38,7 +39,8 @@ DEFERRED = object()
 # Frames below this size are cheaper to copy than to hand to ZMQ zero-copy (which needs a callback).
 ZERO_COPY_MIN_BYTES = 64 << 10
 _RECONNECT_GRACE_S = 2.0  # ZMQ redials every 100 ms: a peer still gone after this is down, not blipping
-_ANSWERS_KEPT = 1 << 17  # first answers kept for retries (a few hundred bytes each)
+_ANSWERS_KEPT = 1 << 17  # first answers kept for retries, at most this many ...
+_ANSWER_BYTES = 32 << 20  # ... and this many bytes of packed headers (a get_meta answer is a few hundred)
 _MAX_FRAMES = 1 << 16  # a write of many rows sends one frame per coalesced range; far below this
 
 
@@ -99,9 +101,12 @@ class RpcServer:
         self.dropped_messages = 0
         self.requests_served = 0
         self.duplicate_requests = 0
-        # rid -> ["pending", Request] or ["done", reply header]: the first answer to every request that
-        # carried a request id, so that a retry or a duplicated message takes no effect twice.
+        # rid -> ["pending", Request] or ["done", packed reply header or None]: the first answer to every
+        # request that carried a request id, so that a retry or a duplicated message takes no effect twice.
+        # Headers are kept packed (msgpack bytes, as sent): as dicts of Python ints a get_meta answer took
+        # about 30 kB, and 2,560 of them grew the controller by 77 MiB.
         self._answers: OrderedDict[str, list] = OrderedDict()
+        self._answer_bytes = 0
 
     def add_timer(self, interval_s: float, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the server thread about every ``interval_s`` seconds."""
@@ -116,32 +121,34 @@ class RpcServer:
         if self._extra.pop(sock, None) is not None:
             self._poller.unregister(sock)
 
-    def reply(self, identity: bytes, header: dict, buffers: list | tuple = ()) -> None:
-        """Send a reply header (built with ok_reply / error_reply) to one client."""
+    def reply(self, identity: bytes, header: dict, buffers: list | tuple = ()) -> bytes:
+        """Send a reply header (built with ok_reply / error_reply) to one client; returns the packed header."""
         frames = encode(self.signer, header, buffers)
         try:
             self.sock.send_multipart([identity, *frames], copy=_copy_frames(frames))
         except zmq.ZMQError as exc:  # peer gone; nothing to do
             logger.debug("%s: reply dropped: %s", self.name, exc)
+        return frames[1]
 
     def reply_ok(self, req: Request, buffers: list | tuple = (), **fields) -> None:
-        header = ok_reply(req.id, **fields)
-        self._remember(req, header)
-        self.reply(req.identity, header, buffers)
+        self._remember(req, self.reply(req.identity, ok_reply(req.id, **fields), buffers))
 
     def reply_error(self, req: Request, exc: TransferQueueError) -> None:
-        header = error_reply(req.id, exc.code, str(exc))
-        self._remember(req, header)
-        self.reply(req.identity, header)
+        self._remember(req, self.reply(req.identity, error_reply(req.id, exc.code, str(exc))))
 
-    def _remember(self, req: Request, header: dict | None) -> None:
+    def _remember(self, req: Request, packed: bytes | None) -> None:
         rid = _rid(req.header)
         if rid is None:
             return
-        self._answers[rid] = ["done", header]
-        self._answers.move_to_end(rid)
-        while len(self._answers) > _ANSWERS_KEPT:
-            self._answers.popitem(last=False)
+        old = self._answers.pop(rid, None)
+        if old is not None and old[0] == "done" and old[1] is not None:
+            self._answer_bytes -= len(old[1])
+        self._answers[rid] = ["done", packed]
+        self._answer_bytes += 0 if packed is None else len(packed)
+        while len(self._answers) > _ANSWERS_KEPT or self._answer_bytes > _ANSWER_BYTES:
+            _, (state, value) = self._answers.popitem(last=False)
+            if state == "done" and value is not None:
+                self._answer_bytes -= len(value)
 
     def _answer_again(self, req: Request) -> bool:
         """True when ``req`` repeats a request id already seen (answered now, or redirected if parked)."""
@@ -157,7 +164,8 @@ class RpcServer:
         if seen[0] == "pending":  # still parked: its eventual answer goes to this, the latest, copy
             seen[1].identity, seen[1].id = req.identity, req.id
         elif seen[1] is not None and not req.header.get("noreply"):
-            self.reply(req.identity, {**seen[1], "id": req.id})
+            header = msgpack.unpackb(seen[1], raw=False)
+            self.reply(req.identity, {**header, "id": req.id})
         return True
 
     def stop(self) -> None:
@@ -246,8 +254,10 @@ class RpcServer:
         if result is DEFERRED or header.get("noreply"):
             rid = _rid(header)
             if rid is not None and rid not in self._answers:
-                self._answers[rid] = ["pending", req] if result is DEFERRED and not header.get("noreply") \
-                    else ["done", None]
+                if result is DEFERRED and not header.get("noreply"):
+                    self._answers[rid] = ["pending", req]
+                else:
+                    self._remember(req, None)
             return
         fields, buffers = result if isinstance(result, tuple) else (result or {}, ())
         self.reply_ok(req, buffers, **fields)

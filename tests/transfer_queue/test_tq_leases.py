@@ -125,3 +125,30 @@ def test_rolled_back_append_gives_back_its_row_budget(tq, client):
     assert client.status("p")["partitions"]["p"]["sealed"]
     batches = list(client.iter_batches("p", "t", ["x"], 3))
     assert [len(b) for b in batches] == [3, 1]
+
+
+def test_a_put_whose_commit_reply_is_lost_is_committed_once(tq, client, monkeypatch):
+    """The commit reaches the controller and takes effect, but its reply is lost (the client sees the
+    controller as unavailable). The client asks again with the same request id and gets the first answer;
+    it neither aborts the committed put nor leaves a retry to duplicate its rows."""
+    from asyncflow.transfer_queue.errors import ServerUnavailableError
+
+    client.create_partition("p", expected_rows=4)
+    real_call, commits = client._call, []
+
+    def lossy_call(header, *args, **kwargs):
+        reply = real_call(header, *args, **kwargs)  # the request took effect on the controller
+        if header.get("op") == "commit_put":
+            commits.append(header["rid"])
+            if len(commits) == 1:
+                raise ServerUnavailableError("the reply was lost")
+        return reply
+
+    monkeypatch.setattr(client, "_call", lossy_call)
+    data = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    assert client.put("p", {"x": data}) == [0, 1, 2, 3]
+    assert len(commits) == 2 and commits[0] == commits[1]  # one request, sent twice
+    status = client.status("p")["partitions"]["p"]
+    assert status["rows"] == 4 and status["live_rows"] == 4 and status["rolled_back_rows"] == 0
+    assert status["sealed"] and client.status()["pending_puts"] == 0
+    assert torch.equal(client.get("p", "t", ["x"], 4)["x"], data)
