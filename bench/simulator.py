@@ -27,9 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.e2e import BASE  # noqa: E402  the long-tailed workload of bench/e2e.py
+from bench.e2e import BASE, WARMUP, steady_throughput  # noqa: E402  the long-tailed workload of bench/e2e.py
 
-WARMUP = 2
 CASES = {
     # name: (overrides on top of recipes/tiny_cpu/grpo_async.yaml, response-length spec for the simulator)
     "longtail sync": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0"], None),
@@ -55,13 +54,6 @@ ONE_CORE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 """Environment of the 1-thread sync runs (``RolloutService`` keeps a bind list that is already set)."""
 RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sync"),
           ("longtail async k=1", "longtail sync 1 thread"), ("short async k=1", "short sync 1 thread")]
-
-
-def measured_throughput(metrics: Path, rows: int, warmup: int = WARMUP) -> float:
-    """Rows per second of a real run after ``warmup`` steps, from its ``metrics.jsonl``."""
-    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    elapsed = [r["time/elapsed_s"] for r in sorted(records, key=lambda r: r["step"]) if "time/elapsed_s" in r]
-    return rows * (len(elapsed) - warmup) / (elapsed[-1] - elapsed[warmup - 1])
 
 
 def predict(overrides: list[str], lengths: str | None, costs, steps: int, slowdown: float = 1.0):
@@ -160,7 +152,7 @@ def main(argv=None) -> int:
         _, w = predict(overrides, lengths, costs, args.steps)
         factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
         result, w = predict(overrides, lengths, costs, args.steps, factor)
-        real = measured_throughput(metrics, w.rows_per_step)
+        real = steady_throughput(metrics, WARMUP)
         results[name] = {"predicted": result.samples_per_s, "measured": real, "load": os.getloadavg()[0],
                          "slowdown": factor}
         print(f"{name}: predicted {result.samples_per_s * factor:.1f} samples/s as profiled "

@@ -355,7 +355,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=32768)
     parser.add_argument("--sizes", default="10000,1000000")
     parser.add_argument("--parked", default="1,64,256")
-    parser.add_argument("--reps", type=int, default=150)
+    parser.add_argument("--reps", type=int, default=1000)
     parser.add_argument("--smoke", action="store_true", help="2 producers, 5 consumers, 2k rows, small latency run")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     parser.add_argument("--json", help="also write the results here")

@@ -95,7 +95,7 @@ def test_retry_answers_are_kept_packed_and_within_a_byte_budget(tq, client, monk
     assert kept and all(isinstance(v[1], bytes) for v in kept)
     assert server._answer_bytes == sum(len(v[1]) for v in kept)
     monkeypatch.setattr(transport, "_ANSWER_BYTES", 4096)
-    for i in range(40):
+    for _ in range(40):
         client.status("p")
     assert 0 < server._answer_bytes <= 4096
 
