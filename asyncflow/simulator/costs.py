@@ -95,6 +95,26 @@ class LightCosts:
 
 
 @dataclasses.dataclass
+class ServiceCosts:
+    """What the loop's services cost beyond their engine calls (TransferQueue hand-offs, packing, per-row
+    Python, Ray calls between sync phases), calibrated by ``asyncflow profile`` on a real run of the loop
+    (``simulator.calibrate``): each task's span is ``scale x`` its engine time.
+
+    The engine part of a task occupies its device; the rest is modelled as latency that does not: in the real
+    async runs the reference forward shares rollout's core yet its span did not grow, so its extra time is
+    waiting, not computing. The defaults are the engine-only model of a profile without calibration."""
+
+    generate_scale: float = 1.0
+    """Rollout service span per unit of engine-only prediction."""
+    reference_scale: float = 1.0
+    """Reference service span per unit of engine-only prediction."""
+    train_scale: float = 1.0
+    """Actor service span per unit of engine-only prediction."""
+    sync_handoff_s: float = 0.0
+    """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""
+
+
+@dataclasses.dataclass
 class CostModel:
     """Every cost of one variant of one machine (one ``asyncflow profile`` measurement)."""
 
@@ -108,6 +128,8 @@ class CostModel:
     """The TransferQueue."""
     light: LightCosts = dataclasses.field(default_factory=LightCosts)
     """Reward and advantage."""
+    service: ServiceCosts = dataclasses.field(default_factory=ServiceCosts)
+    """The services' overhead beyond the engine calls (calibrated on a real run; none by default)."""
     weight_bytes: float = 0.0
     """Bytes of one exporting rank's weights as staged (the profiled model; ``Workload`` may override)."""
     speed_probe_s: float = 0.0
@@ -122,7 +144,9 @@ class CostModel:
 
         return dataclasses.replace(self, rollout=scale(self.rollout), train=scale(self.train),
                                    weight_sync=scale(self.weight_sync), queue=scale(self.queue),
-                                   light=scale(self.light), speed_probe_s=self.speed_probe_s * factor)
+                                   light=scale(self.light), speed_probe_s=self.speed_probe_s * factor,
+                                   service=dataclasses.replace(
+                                       self.service, sync_handoff_s=self.service.sync_handoff_s * factor))
 
 
 @dataclasses.dataclass

@@ -9,7 +9,9 @@ Every number comes from the code the loop runs, in Ray actors placed like the lo
 - weights: the actor's ``weight_stager`` (``bridge.staging``) staging a version, and the rollout engine's
   ``apply_staged`` reading it from the trainer's shared-memory segment (another process, as in the loop);
 - TransferQueue: the real client against a started TransferQueue, puts and gets of small and large rows;
-- reward and advantage functions per row.
+- reward and advantage functions per row;
+- the services around those calls: one real sync run of the loop per CPU variant on a calibration workload
+  (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``.
 
 Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
 them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
@@ -297,9 +299,26 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
     )
 
 
+def _calibrate_services(model: CostModel, recipe, out: Path, model_dir: str, threads: int):
+    """One real calibration run and the ``ServiceCosts`` it gives (``simulator.calibrate``)."""
+    import tempfile
+
+    from asyncflow.simulator import calibrate
+
+    recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
+    with tempfile.TemporaryDirectory(prefix="calibration-", dir=out.parent) as tmp:
+        run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, threads)
+        return calibrate.calibrate(model, recipe, run_dir, threads)
+
+
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
-            quick: bool = False) -> CostFile:
-    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``)."""
+            quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None) -> CostFile:
+    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
+
+    ``calibrate`` (default: on unless ``quick``) then runs the loop for real once per CPU variant, in sync mode
+    on the calibration workload of ``simulator.calibrate``, and stores the services' overhead beyond the engine
+    calls as each variant's ``ServiceCosts`` (``recipe``: the YAML those runs start from; default the tiny CPU
+    recipe). Not on a GPU node: that path has not been run."""
     import ray
     from tqdm import tqdm
 
@@ -314,7 +333,8 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
              include_dashboard=False, log_to_driver=False)
     models, samples = {}, {}
     grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
-    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1
+    calibrated = [v for v in variants if v != "device"] if (not quick if calibrate is None else calibrate) else []
+    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + len(calibrated)
     try:
         with tqdm(total=total, desc="asyncflow profile", unit="probe") as bar:
             queue, queue_samples = _queue_costs(cfg, reps=20)
@@ -326,6 +346,11 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                 models[name].queue, models[name].light = queue, light
                 models[name].speed_probe_s = (before + speed_probe()) / 2
             samples["queue"] = queue_samples
+            ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
+            for name in calibrated:
+                bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
+                models[name].service = _calibrate_services(models[name], recipe, Path(out), model_dir, int(name))
+                bar.update()
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

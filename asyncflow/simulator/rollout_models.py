@@ -77,6 +77,6 @@ def chunked(pipe, instance: int, step: int) -> Generator:
             done = [rows[i] for i in finished]
             # The loop puts finished rows a few at a time (16 per put): tokens and logprobs, 12 bytes a token.
             put = pipe.costs.queue.request(sum(pipe.lengths[step][r] for r in done) * 12) * max(len(done) / 16, 1)
-            yield device.run(seconds + put)
+            yield from pipe.work(device, seconds + put, pipe.costs.service.generate_scale)
             pipe.tq.put(step, "response", done, version=pipe.served[instance])
         pipe.span("rollout", "generate", instance, start, rows=len(rows))

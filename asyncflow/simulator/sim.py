@@ -183,6 +183,13 @@ class Pipe:
             self.devices[name] = Device(self.sim, name)
         return self.devices[name]
 
+    def work(self, device: Device, seconds: float, scale: float):
+        """``seconds`` of engine work on ``device``, then the service's overhead on top (``ServiceCosts``): latency
+        of ``(scale - 1) x seconds`` that does not occupy the device."""
+        yield device.run(seconds)
+        if scale > 1.0:
+            yield self.sim.timeout(seconds * (scale - 1.0))
+
     def span(self, group: str, name: str, worker: int, start: float, **args) -> None:
         """Record ``[start, now]`` of ``group``'s ``worker`` on the timeline."""
         self.timeline.add(group, name, start, self.sim.now, worker, args)
@@ -234,8 +241,8 @@ def reference_step(pipe: Pipe, step: int):
         chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
         tokens = max(pipe.padded(step, c) for c in chunks)
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
-        yield pipe.device("reference").run(tc.ref_per_call_s + tc.ref_per_token_s * tokens
-                                           + q.request(tokens * 8) + q.request(resp * 4))
+        yield from pipe.work(pipe.device("reference"), tc.ref_per_call_s + tc.ref_per_token_s * tokens
+                             + q.request(tokens * 8) + q.request(resp * 4), pipe.costs.service.reference_scale)
         pipe.tq.put(step, "ref", rows)
         pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows))
 
@@ -253,7 +260,7 @@ def advantage_step(pipe: Pipe, step: int):
 
 def actor_step(pipe: Pipe, step: int, version: int):
     """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
-    w, tc, q = pipe.w, pipe.costs.train, pipe.costs.queue
+    w, tc, q, service = pipe.w, pipe.costs.train, pipe.costs.queue, pipe.costs.service
     per_pass, lags, start = 0.0, [], pipe.sim.now
     device = pipe.device("actor")
     for _ in range(w.rows_per_step // (w.micro_batch_size * w.data_parallel)):
@@ -264,8 +271,8 @@ def actor_step(pipe: Pipe, step: int, version: int):
         tokens = max(pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
         cost = tc.per_micro_s + tc.per_token_s * tokens
         per_pass += cost
-        yield device.run(cost + q.request(tokens * 24))
-    yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
+        yield from pipe.work(device, cost + q.request(tokens * 24), service.train_scale)
+    yield from pipe.work(device, per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs, service.train_scale)
     pipe.span("actor", "train", 0, start, step=step)
     start, ws = pipe.sim.now, pipe.costs.weight_sync
     yield device.run(ws.stage_fixed_s + ws.stage_per_byte_s * pipe.costs.weight_bytes)
@@ -295,6 +302,8 @@ def _sync_driver(pipe: Pipe):
             yield sim.process(reference_step(pipe, step))
         yield sim.process(advantage_step(pipe, step))
         yield sim.process(actor_step(pipe, step, step))
+        if pipe.costs.service.sync_handoff_s > 0:
+            yield sim.timeout(pipe.costs.service.sync_handoff_s)
 
 
 def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = None) -> SimResult:

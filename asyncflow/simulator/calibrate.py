@@ -1,0 +1,108 @@
+"""Service calibration: what the loop's services cost beyond their engine calls, from one real run.
+
+``asyncflow profile`` times engine calls in isolation (vLLM ``generate``, Megatron ``train_step`` and
+``compute_logprobs``). The loop's services also move rows through the TransferQueue, pack and slice
+tensors, run per-row Python and, in sync mode, wait for the driver's Ray calls between phases. Measured on
+2026-11-30, an engine-only model under-predicted the real spans by 8-29% (generate, train) and 2-2.5x (the
+reference forward), so every prediction was optimistic.
+
+``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
+that task's own time), on a *calibration workload* that none of the benchmark's held-out cases use;
+``calibrate`` divides each task's mean span per step by the simulator's engine-only prediction of the same
+workload. Those ratios and the sync hand-off time become the cost file's ``ServiceCosts``. (A second, shorter
+calibration workload to fit a per-call term beside the ratio was tried: two noisy points made the per-call
+terms swing from 9 to 71 ms per chunk between variants and worsened the short-response predictions.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from asyncflow.simulator.costs import CostModel, ServiceCosts
+
+CALIBRATION_OVERRIDES = [
+    "workflow.task=add1_longtail", "workflow.prompts_per_step=16", "workflow.samples_per_prompt=8",
+    "workflow.rollout_chunk=128", "workflow.score_chunk=32", "trainer.micro_batch_size=32", "workflow.mode=sync",
+    "workflow.max_staleness=0", "rollout.max_new_tokens=48", "rollout.max_model_len=64",
+]
+"""The calibration workload: long-tailed lengths clipped at 48 tokens (the benchmark's held-out cases clip at
+128, or answer the add-one task in 4), sync mode; ``workflow.sync_worker_threads`` is set per variant."""
+CALIBRATION_STEPS = 6
+WARMUP = 2
+TASK_SPANS = {"generate": "generate_scale", "ref_logprobs": "reference_scale", "train": "train_scale"}
+
+
+def real_spans(timeline: Path, warmup: int = WARMUP) -> tuple[dict[str, float], float]:
+    """Mean seconds per step of each span name and the mean step time of a sync run's ``timeline.json``,
+    over the steps after ``warmup`` (a step ends when its weights are staged)."""
+    events = json.loads(Path(timeline).read_text())["traceEvents"]
+    events = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    ends = [e["ts"] + e["dur"] for e in events if e["name"] == "stage_weights"]
+    # The first stage_weights is version 0's, before step 0; step s ends at ends[s + 1].
+    if len(ends) < warmup + 3:
+        raise ValueError(f"{timeline}: {len(ends) - 1} steps, need at least {warmup + 2}")
+    t0, t1, steps = ends[warmup], ends[-1], len(ends) - 1 - warmup
+    sums: dict[str, float] = defaultdict(float)
+    for e in events:
+        if t0 <= e["ts"] < t1:
+            sums[e["name"]] += e["dur"] / 1e6 / steps
+    return dict(sums), (t1 - t0) / 1e6 / steps
+
+
+def predicted_spans(result) -> dict[str, float]:
+    """Mean seconds per step of each span name of a ``SimResult``."""
+    sums: dict[str, float] = defaultdict(float)
+    steps = len(result.step_end_s)
+    for e in result.timeline.to_chrome_trace()["traceEvents"]:
+        if e.get("ph") == "X":
+            sums[e["name"]] += e["dur"] / 1e6 / steps
+    return dict(sums)
+
+
+def service_costs(real: dict[str, float], real_step: float, predicted: dict[str, float]) -> ServiceCosts:
+    """The ratios of real to engine-only spans per step (never below 1: the engine calls are part of the spans),
+    and the time of a sync step outside every span."""
+    scales = {field: max(real.get(name, 0.0) / predicted[name], 1.0) if predicted.get(name) else 1.0
+              for name, field in TASK_SPANS.items()}
+    return ServiceCosts(sync_handoff_s=max(real_step - sum(real.values()), 0.0), **scales)
+
+
+def overrides_for(threads: int) -> list[str]:
+    """The config overrides of the calibration workload at ``threads`` torch threads per worker."""
+    return CALIBRATION_OVERRIDES + [f"workflow.sync_worker_threads={threads}"]
+
+
+def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int = CALIBRATION_STEPS) -> Path:
+    """Run the calibration workload for real (``asyncflow train`` in a fresh process, as a user would) with
+    ``threads`` torch threads per worker; returns the run's output folder."""
+    run_dir = out / f"calibration-{threads}"
+    overrides = overrides_for(threads) + [f"workflow.steps={steps}", f"observability.output_dir={run_dir}",
+                                                    f"model.path={model_dir}", "observability.progress_every_s=60"]
+    env = dict(os.environ)
+    if threads == 1:  # vLLM's OpenMP threads follow this bind list, not torch's thread count
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
+    repo = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "asyncflow.cli", "train", str(recipe), *overrides],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    if proc.returncode:
+        raise RuntimeError(f"the calibration run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return run_dir
+
+
+def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int) -> ServiceCosts:
+    """``ServiceCosts`` of ``model`` from the finished calibration run in ``run_dir``."""
+    from asyncflow.config import load_config
+    from asyncflow.simulator.sim import simulate
+    from asyncflow.simulator.workload import from_config
+
+    engine_only = dataclasses.replace(model, service=ServiceCosts())
+    w = from_config(load_config(recipe, overrides_for(threads) + ["workflow.steps=16"]))
+    real, step = real_spans(run_dir / "timeline.json")
+    return service_costs(real, step, predicted_spans(simulate(w, engine_only)))

@@ -1,0 +1,67 @@
+"""Service calibration (``asyncflow.simulator.calibrate``): the services' overhead beyond their engine calls,
+from a real run's spans against the engine-only prediction, and how the simulator charges it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from asyncflow.simulator.calibrate import predicted_spans, real_spans, service_costs
+from asyncflow.simulator.costs import CostModel, ServiceCosts, load_costs
+from asyncflow.simulator.sim import simulate
+from tests.simulator.test_sim import ROLLOUT, TRAIN, _generation, _training, _workload
+
+
+def test_service_scales_and_sync_hand_off_add_to_the_sync_step_in_closed_form():
+    w = _workload(mode="sync", max_staleness=0)
+    service = ServiceCosts(generate_scale=1.5, train_scale=2.0, sync_handoff_s=0.25)
+    result = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=service))
+    work = 1.5 * _generation(w, 12) + 2.0 * _training(w, 12)
+    # A step ends when its weights are published; the driver's hand-off follows, before the next step.
+    assert result.step_end_s == pytest.approx([work * (i + 1) + 0.25 * i for i in range(w.steps)])
+    assert result.step_time_s == pytest.approx(work + 0.25)
+
+
+def test_service_overhead_is_latency_not_device_time():
+    """Two tasks on one device: the reference's overhead beyond its engine time does not slow generation."""
+    w = _workload(mode="async", max_staleness=1, reference=True, placement="cpu")  # reference on rollout's core
+    train = dataclasses.replace(TRAIN, ref_per_call_s=0.01, ref_per_token_s=1e-4)
+    plain = simulate(w, CostModel(rollout=ROLLOUT, train=train))
+    slow_ref = simulate(w, CostModel(rollout=ROLLOUT, train=train, service=ServiceCosts(reference_scale=3.0)))
+    gen = [predicted_spans(r)["generate"] for r in (plain, slow_ref)]
+    assert gen[1] == pytest.approx(gen[0], rel=1e-9)
+    assert predicted_spans(slow_ref)["ref_logprobs"] > 2.5 * predicted_spans(plain)["ref_logprobs"]
+
+
+def test_service_costs_are_span_ratios_never_below_one_plus_the_time_outside_spans():
+    real = {"generate": 0.6, "ref_logprobs": 0.2, "train": 0.4, "score": 0.05}
+    predicted = {"generate": 0.5, "ref_logprobs": 0.1, "train": 0.5}
+    costs = service_costs(real, 1.5, predicted)
+    assert costs.generate_scale == pytest.approx(1.2) and costs.reference_scale == pytest.approx(2.0)
+    assert costs.train_scale == 1.0  # faster than the engine-only prediction: never credited
+    assert costs.sync_handoff_s == pytest.approx(1.5 - 1.25)
+
+
+def test_real_spans_average_the_steps_after_the_warm_up(tmp_path):
+    events = [{"ph": "X", "name": "stage_weights", "ts": 0, "dur": 1}]  # version 0, before step 0
+    t = 10
+    for step in range(5):
+        gen = 100 if step < 2 else 40  # warm-up steps are slow
+        events += [{"ph": "X", "name": "generate", "ts": t, "dur": gen * 1e3},
+                   {"ph": "X", "name": "train", "ts": t + gen * 1e3, "dur": 50e3},
+                   {"ph": "X", "name": "stage_weights", "ts": t + (gen + 50) * 1e3 + 10e3, "dur": 0}]
+        t += (gen + 60) * 1e3
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    spans, step = real_spans(path, warmup=2)
+    assert spans["generate"] == pytest.approx(0.040) and spans["train"] == pytest.approx(0.050)
+    assert step == pytest.approx(0.100)
+
+
+def test_a_cost_file_without_service_costs_loads_as_engine_only(tmp_path):
+    """Cost files written before the calibration existed still load (every service term at its default)."""
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"variants": {"1": {"rollout": {"step_s": 0.01}}}}))
+    assert load_costs(path).variant("1").service == ServiceCosts()
