@@ -68,7 +68,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     path, overrides = _split_config_and_overrides(args.items)
     variants = args.variants.split(",") if args.variants else None
     costs = profile(load_config(path, overrides), args.out, variants=variants, reps=args.reps, quick=args.quick,
-                    calibrate=False if args.no_calibrate else None, recipe=path)
+                    calibrate=False if args.no_calibrate else (True if args.calibrate else None), recipe=path)
     print(f"wrote {args.out}: variants {', '.join(costs.variants)} in {costs.hardware['seconds']:.0f} s "
           f"(load average before/after {costs.hardware['loadavg_before'][0]:.1f}/"
           f"{costs.hardware['loadavg_after'][0]:.1f})", flush=True)
@@ -113,8 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--reps", type=int, default=2, help="timings per grid point (the median is kept)")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid (about half the time), "
                       "no calibration run")
-    prof.add_argument("--no-calibrate", action="store_true",
-                      help="skip the real sync run per CPU variant that calibrates the services' overhead")
+    calib = prof.add_mutually_exclusive_group()
+    calib.add_argument("--no-calibrate", action="store_true",
+                       help="skip the real sync run per CPU variant that calibrates the services' overhead")
+    calib.add_argument("--calibrate", action="store_true", help="calibrate even with --quick")
     prof.set_defaults(func=_cmd_profile)
 
     simulate = sub.add_parser("simulate", help="discrete-event prediction of a run (step time, samples/s, idle, "

@@ -1,9 +1,10 @@
 """``asyncflow profile`` on the tiny model, and the calibrate-predict-measure loop on one held-out run.
 
 The profile times isolated engine calls (vLLM ``generate``, Megatron ``train_step``, weight staging, the
-TransferQueue client); the held-out run is the loop itself (``asyncflow train``), never seen by the fit.
-The issue's acceptance bound is 15%, not met yet; the test checks a factor of two (see the test's docstring)
-and prints both numbers and the load average.
+TransferQueue client) and calibrates the services around them on one real sync run of a calibration workload;
+the held-out run is another workload of the loop (``asyncflow train``), never seen by the fit. The issue's
+acceptance bound is 15%; this test checks a factor of two (see the test's docstring) and prints both numbers
+and the load average.
 """
 
 import json
@@ -29,7 +30,7 @@ def profiled(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "asyncflow.cli", "profile", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
            f"model.path={tmp / 'model'}", "trainer.micro_batch_size=32", "--out", str(out), "--variants", "1",
-           "--reps", "1", "--quick"]
+           "--reps", "1", "--quick", "--calibrate"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return tmp, out
@@ -53,12 +54,19 @@ def test_profile_writes_a_valid_cost_file(profiled):
 
     assert [len(data["samples"]["1"][k]) for k in ("rollout", "train", "reference")] == [len(g) for g in QUICK_GRIDS]
     assert costs.hardware["grid"] == "quick" and costs.hardware["seconds"] > 0
+    # The calibration run of the loop: its services cost at least their engine calls, and a sync step has
+    # hand-offs between its phases (the driver's Ray calls) on any machine.
+    service = model.service
+    assert min(service.generate_scale, service.reference_scale, service.train_scale) >= 1.0
+    assert service.sync_handoff_s > 0
 
 
 def test_calibrated_prediction_of_a_held_out_run(profiled):
-    """The issue asks for 15%; the model does not meet it yet (on 2026-11-30 it was 6-85% optimistic on held-out
-    runs, this case +18% and +36% on the shared machine; docs/simulator.md). This checks the bound it does meet:
-    within a factor of two either way, which still catches a broken cost fit or event model."""
+    """The issue asks for 15%. With the service calibration, ``bench/simulator.py`` (full grid, quiet machine)
+    predicted this case within a few percent (docs/simulator.md), but this test profiles the quick grid and
+    shares the CI machine with whatever else runs, and a timing bound that tight would fail on noise. It checks
+    a factor of two either way, which still catches a broken cost fit, calibration or event model, and prints
+    the error for the log."""
     from bench.e2e import steady_throughput
     from bench.simulator import CASES, measure, predict
 
