@@ -8,6 +8,10 @@ of the response the trainer sees, but its loss mask is 0 there: only the model's
 
     prompt ─► vLLM turn ─► loop.observe(trajectory) ─► observation tokens ─► vLLM turn ─► ... ─► None: done
 
+Rewards: the reward function scores the whole trajectory at its end. A loop may also reward each model turn
+(``turn_reward``, e.g. a well-formed tool call or an environment's step reward); the turn rewards of a
+trajectory are summed into its reward, since GRPO-style advantages take one scalar per sample.
+
 Register a loop with ``@AGENT_LOOPS.register("name")`` on a factory ``factory(tokenizer) -> AgentLoop``,
 or give a dotted path to such a factory for code outside the repository. A loop that raises ends its
 trajectory; the sample gets ``algorithm.reward_on_error`` and the failure is counted (the run goes on).
@@ -46,6 +50,11 @@ class AgentLoop:
     def observe(self, trajectory: Trajectory) -> list[int] | None:
         """Observation tokens to append after the model's last turn, or None when the trajectory is done."""
         raise NotImplementedError
+
+    def turn_reward(self, trajectory: Trajectory) -> float:
+        """Reward for the model's last turn (called after every model turn, before ``observe``); optional, 0 by
+        default. The trajectory's turn rewards are added to its end-of-trajectory reward."""
+        return 0.0
 
 
 def make_agent_loop(spec: str, tokenizer) -> AgentLoop:

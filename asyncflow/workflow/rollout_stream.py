@@ -38,6 +38,7 @@ class _StepState:
     turns: int = 0  # model turns of the finished rows (multi-turn agent loops)
     observations: int = 0  # observations the agent loop appended (tool calls answered)
     agent_errors: int = 0
+    turn_reward: float = 0.0  # sum of the finished rows' turn rewards (``AgentLoop.turn_reward``)
 
 
 class ContinuousRollout:
@@ -53,7 +54,9 @@ class ContinuousRollout:
                                             turns=self.agent is not None)
         self.stop = tuple(self.agent.stop_token_ids) if self.agent is not None else ()
         self.steps: dict[int, _StepState] = {}
-        self.pending: list[tuple[int, int, object, bool]] = []  # (step, row, sample, agent failed) not yet put
+        # (step, row, sample, agent failed, turn rewards) not yet put
+        self.pending: list[tuple[int, int, object, bool, float]] = []
+        self.turn_rewards: dict = {}  # key -> sum of its turn rewards so far (multi-turn trajectories in flight)
         self.busy_since: float | None = None
         self._checked = 0.0
         self._newest = -1
@@ -119,8 +122,10 @@ class ContinuousRollout:
         from asyncflow.agents import Trajectory
 
         try:
-            observation = self.agent.observe(Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask,
-                                                        sample.turns, sample.finish_reason))
+            trajectory = Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.turns,
+                                    sample.finish_reason)
+            self.turn_rewards[key] = self.turn_rewards.get(key, 0.0) + float(self.agent.turn_reward(trajectory))
+            observation = self.agent.observe(trajectory)
         except Exception as exc:  # noqa: BLE001 - one tool failure must not stop the run
             state.agent_errors += 1
             if state.agent_errors == 1:
@@ -150,7 +155,9 @@ class ContinuousRollout:
             versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
             mask = sample.loss_mask or [1] * len(versions)
             state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
-            self.pending.append((step, index, sample, failed))
+            turn_reward = self.turn_rewards.pop(key, 0.0)
+            state.turn_reward += turn_reward
+            self.pending.append((step, index, sample, failed, turn_reward))
         if len(self.pending) >= 16 or any(self.steps[s].in_flight == 0 for s, *_ in self.pending):
             self._flush()
 
@@ -158,19 +165,20 @@ class ContinuousRollout:
         from asyncflow.workflow.services import partition_name
 
         by_step: dict[int, list] = {}
-        for step, index, sample, failed in self.pending:
-            by_step.setdefault(step, []).append((index, sample, failed))
+        for step, index, sample, failed, turn_reward in self.pending:
+            by_step.setdefault(step, []).append((index, sample, failed, turn_reward))
         self.pending.clear()
         for step, rows in by_step.items():
-            data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s, _ in rows],
-                    "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s, _ in rows]}
+            data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s, _, _ in rows],
+                    "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s, _, _ in rows]}
             if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
-                data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for _, s, _ in rows]
+                data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for _, s, _, _ in rows]
             if self.agent is not None:  # the loss mask travels with the row into the actor's objective
-                data["loss_mask"] = [torch.tensor(s.loss_mask, dtype=torch.float) for _, s, _ in rows]
-                data["agent_error"] = torch.tensor([float(f) for _, _, f in rows])
-            self.svc.tq.put(partition_name(step), data, indexes=[i for i, _, _ in rows],
-                            versions=[s.weight_version for _, s, _ in rows])
+                data["loss_mask"] = [torch.tensor(s.loss_mask, dtype=torch.float) for _, s, _, _ in rows]
+                data["agent_error"] = torch.tensor([float(f) for _, _, f, _ in rows])
+                data["turn_reward"] = torch.tensor([r for *_, r in rows], dtype=torch.float)
+            self.svc.tq.put(partition_name(step), data, indexes=[i for i, *_ in rows],
+                            versions=[s.weight_version for _, s, _, _ in rows])
 
     # ------------------------------------------------------------------ timeline and reports
     def _idle(self) -> None:
@@ -194,7 +202,8 @@ class ContinuousRollout:
             "staleness/token_lag_min": lags.min().item(), "staleness/token_lag_mean": lags.mean().item(),
             "staleness/token_lag_max": lags.max().item(), **self.svc.apply_stats,
             **({"agent/turns_mean": state.turns / max(state.rows, 1), "agent/observations": float(state.observations),
-                "agent/errors": float(state.agent_errors)} if self.agent is not None else {})})
+                "agent/errors": float(state.agent_errors),
+                "agent/turn_reward_mean": state.turn_reward / max(state.rows, 1)} if self.agent is not None else {})})
 
     # ------------------------------------------------------------------ the loop
     def run(self, first: int, last: int, post) -> None:

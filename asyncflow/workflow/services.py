@@ -325,7 +325,9 @@ class RewardService(TaskService):
 
         self.reward_fn = make_reward_fn(reward, AutoTokenizer.from_pretrained(model_dir))
         self.chunk, self.reward_on_error, self.with_answers = chunk, reward_on_error, with_answers
-        self.agent_errors = agent_errors  # rows carry ``agent_error``: the agent loop failed on them
+        # Multi-turn rows carry ``agent_error`` (the agent loop failed on them) and ``turn_reward`` (the sum of
+        # their per-turn rewards, added to the end-of-trajectory reward).
+        self.agent_errors = agent_errors
 
     def _score(self, prompt: list[int], response: list[int], **info) -> tuple[float, str | None]:
         """The reward, or ``(reward_on_error, message)`` when the reward function raises: one bad sample
@@ -338,7 +340,7 @@ class RewardService(TaskService):
     def run_step(self, step: int) -> dict:
         failures, first_error = 0, None
         fields = ["prompt_ids", "response_ids"] + (["ground_truth"] if self.with_answers else []) + \
-            (["agent_error"] if self.agent_errors else [])
+            (["agent_error", "turn_reward"] if self.agent_errors else [])
         for batch in self.stream(step, fields, self.chunk):
             with self.timeline.span(self.name, "score", self.worker, rows=len(batch)):
                 answers = batch["ground_truth"] if self.with_answers else [None] * len(batch)
@@ -346,8 +348,8 @@ class RewardService(TaskService):
                 scored = [self._score(p.tolist(), r.tolist(), **({"ground_truth": a} if self.with_answers else {}))
                           for p, r, a in rows]
                 if self.agent_errors:  # the agent loop failed on these rows (counted by the rollout as agent/errors)
-                    scored = [(self.reward_on_error, None) if float(f) else sc
-                              for sc, f in zip(scored, batch["agent_error"])]
+                    scored = [(self.reward_on_error, None) if float(f) else (sc[0] + float(tr), sc[1])
+                              for sc, f, tr in zip(scored, batch["agent_error"], batch["turn_reward"])]
                 errors = [e for _, e in scored if e]
                 failures += len(errors)
                 first_error = first_error or (errors[0] if errors else None)

@@ -2,6 +2,7 @@
 
 - A tool that raises: the sample gets algorithm.reward_on_error, the failure is counted in agent/errors,
   and the run goes on; every prompt is still trained exactly once.
+- Per-turn rewards of the agent loop are added to the end-of-trajectory reward.
 - The tool recipe (recipes/tiny_cpu/tool_async.yaml) learns: its reward climbs only once the model calls
   the calculator. Measured on a loaded 2-core machine: mean reward of the first 5 steps about 0.02; of
   steps 75-79 0.32-0.38 (one run; 80 s); the threshold below leaves room for seed and scheduling noise.
@@ -34,6 +35,18 @@ def test_tool_errors_are_counted_and_the_run_goes_on(tmp_path):
         assert r["reward/failures"] == 0  # the reward function itself never failed
     counts = Counter(g for groups in s["trained_groups"].values() for g in groups)
     assert set(counts) == set(range(3 * 8)) and set(counts.values()) == {4}
+
+
+def test_turn_rewards_are_added_to_the_trajectory_reward(tmp_path):
+    from tests.agents.turn_reward_loop import TURN_REWARD
+
+    s = _run(tmp_path, "async", 1, "turns", *TOOL, "workflow.steps=2",
+             "agent.loop=tests.agents.turn_reward_loop:make_turn_reward")
+    for r in _records(s):
+        # Every model turn earned TURN_REWARD, reported per row; the calculator task's own reward is in [0, 1].
+        assert r["agent/turn_reward_mean"] == pytest.approx(TURN_REWARD * r["agent/turns_mean"])
+        assert r["agent/turn_reward_mean"] >= TURN_REWARD
+        assert 0.0 <= r["reward/mean"] - r["agent/turn_reward_mean"] <= 1.0, r
 
 
 def test_tool_recipe_learns(tmp_path):
