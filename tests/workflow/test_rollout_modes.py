@@ -25,10 +25,13 @@ def runs(tmp_path_factory):
     return {
         "continuous": _run(tmp, "async", 1, "continuous", *LONGTAIL, "rollout.continuous=true"),
         "partial": _run(tmp, "async", 1, "partial", *LONGTAIL, "rollout.partial=true"),
+        # Two engines pulling from the same steps, weights through the relay (the cross-host transport):
+        "partial_two_engines": _run(tmp, "async", 1, "partial_two_engines", *LONGTAIL, "rollout.partial=true",
+                                    "workflow.rollout_instances=2", "weight_sync.transport=relay"),
     }
 
 
-@pytest.mark.parametrize("name", ["continuous", "partial"])
+@pytest.mark.parametrize("name", ["continuous", "partial", "partial_two_engines"])
 def test_token_staleness_bound_and_exactly_once(runs, name):
     s = runs[name]
     assert s["steps"] == STEPS
