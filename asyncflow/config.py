@@ -172,6 +172,14 @@ class VllmConfig:
     """Partial rollout (implies ``continuous``): apply a newer weight version at a token boundary and carry
     on with the in-flight responses on it (their prefixes are recomputed). Each token records its version and
     behaviour logprob; a row's version is its oldest token's. False: weights change only on an empty engine."""
+    partial_kv: Literal["recompute", "keep"] = "recompute"
+    """What partial rollout does with an in-flight response's KV cache at a weight swap. ``recompute``
+    (default): abort and re-add it with its tokens so far as the prompt; the new version prefills that prefix,
+    so every later token's behaviour logprob is exactly what the trainer computes under that version.
+    ``keep``: leave the requests running; the next tokens are sampled by the new weights while attending to
+    the KV of the versions before (no prefill, no exact per-version logprobs: the recorded behaviour logprob
+    is still the probability the token was sampled with, which decoupled PPO and TIS correct for). Needs
+    ``enable_prefix_caching: false``: a cached prompt block of an old version must not serve a new request."""
 
 
 @dataclass

@@ -13,7 +13,9 @@ and Megatron is excluded from the wall time):
 - ``async``: rollout and training on separate cores, overlapped (max_staleness 1), chunked rollout
   (``workflow.rollout_chunk`` prompts generated to the end before more are taken);
 - ``continuous``: async with continuous batching (``rollout.continuous``);
-- ``partial``: async with continuous batching and partial rollout (``rollout.partial``);
+- ``partial``: async with continuous batching and partial rollout (``rollout.partial``), prefixes recomputed
+  at each weight swap;
+- ``partial_kv``: the same, keeping the in-flight responses' KV cache across the swap (``rollout.partial_kv=keep``);
 - ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
   in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
 
@@ -50,6 +52,8 @@ MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mo
     "async": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1"]),
     "continuous": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"]),
     "partial": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
+    "partial_kv": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true",
+                              "rollout.partial_kv=keep", "rollout.enable_prefix_caching=false"]),
     "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
 }

@@ -155,6 +155,17 @@ def check_algorithm(cfg: AsyncFlowConfig) -> None:
                               "or kl_coef=0")
 
 
+def check_rollout(cfg: AsyncFlowConfig) -> None:
+    """Reject rollout settings that cannot work together, naming the keys (before anything starts)."""
+    from asyncflow.config import ConfigError
+
+    r = cfg.rollout
+    if r.partial_kv == "keep" and r.enable_prefix_caching:
+        raise ConfigError("rollout.partial_kv=keep needs rollout.enable_prefix_caching=false: the prefix cache "
+                          "cannot be dropped while requests run, so a new request could attend to an old "
+                          "version's cached prompt blocks")
+
+
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
                    answers: bool = False, resume_dir: Path | None = None, start_step: int = 0) -> Pipeline:
     """Bring up Ray, the TransferQueue and every service for ``cfg.workflow.mode``.
@@ -172,6 +183,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
 
     wf, algo = cfg.workflow, cfg.algorithm
     check_algorithm(cfg)
+    check_rollout(cfg)
     colocated = wf.mode == "sync"
     critic = estimator_scope(algo.advantage) == "critic"
     reference = algo.kl_coef > 0

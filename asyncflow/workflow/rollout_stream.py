@@ -2,7 +2,8 @@
 
     TQ[step s]   ──poll──► admit while a slot is free ─┐        finished ─► TQ[step s] (a few rows per put)
     TQ[step s+1] ──poll──► (once weights >= s+1-k)   ──┴─► vLLM step loop (≤ max_num_seqs in flight)
-    version board ──► newer weights: partial=true  → swap at a token boundary (prefix recomputed)
+    version board ──► newer weights: partial=true  → swap at a token boundary (prefix recomputed, or
+                                                      its KV kept: rollout.partial_kv)
                                      partial=false → applied once the engine has drained
 
 Prompts of step s+1 are admitted while step s's tail is still generating, as soon as the engine serves a
@@ -82,7 +83,7 @@ class ContinuousRollout:
                 self.svc._admit(step)  # blocks until a version >= need is staged; applies the newest
             return
         if self.partial and max(self._newest_version(), served) >= need and self._newest > served:
-            _, done = self.stream.swap_weights(lambda: self.svc._admit(step))
+            _, done = self.stream.swap_weights(lambda: self.svc._admit(step), keep_kv=self.svc.partial_kv == "keep")
             for state in self.steps.values():
                 if state.in_flight:
                     state.swaps += 1

@@ -151,6 +151,7 @@ class RolloutService(TaskService):
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.continuous, self.partial = vllm_cfg.continuous or vllm_cfg.partial or bool(agent), vllm_cfg.partial
+        self.partial_kv = vllm_cfg.partial_kv
         self.agent, self.max_turns = None, max_turns
         if agent:  # multi-turn rollouts run on the continuous stream (asyncflow.workflow.rollout_stream)
             from transformers import AutoTokenizer

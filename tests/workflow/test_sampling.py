@@ -70,3 +70,14 @@ def test_compatible_settings_pass():
     check_algorithm(load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.kl_coef=0",
                                        "algorithm.clip_high=0.28"]))
     check_algorithm(load_config(None, ["algorithm.advantage=gae", "algorithm.whiten_advantages=true"]))
+
+
+def test_keeping_the_kv_cache_across_a_weight_swap_needs_the_prefix_cache_off():
+    from asyncflow.workflow.pipeline import check_rollout
+
+    keep = ["rollout.partial=true", "rollout.partial_kv=keep"]
+    with pytest.raises(ConfigError, match="enable_prefix_caching=false"):
+        check_rollout(load_config(None, keep))
+    check_rollout(load_config(None, keep + ["rollout.enable_prefix_caching=false"]))
+    with pytest.raises(ConfigError, match="expected one of"):
+        load_config(None, ["rollout.partial_kv=reuse"])

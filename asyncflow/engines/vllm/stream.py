@@ -12,6 +12,10 @@ later token's logprob is exactly what the new version gives for the whole sequen
 trainer computes (the alternative, keeping the KV cache of the old version, would make the next tokens
 attend to keys and values no single version produced). On the tiny CPU models the extra prefill costs
 little; on large models it costs one prefill of each in-flight sequence per weight update.
+
+``rollout.partial_kv=keep`` is the other choice: the requests stay in the engine and the next engine step
+runs on the new weights over the KV cache the old ones wrote (no prefill; a token's logprob is then the
+probability it was sampled with, not what any single version gives for the whole sequence).
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class VllmStream:
 
         params = SamplingParams(n=1, temperature=self.temperature, max_tokens=req.budget - len(req.tokens),
                                 logprobs=0, ignore_eos=self.ignore_eos, stop_token_ids=list(req.stop),
+                                detokenize=False,  # token ids only: no text is read, and decoding costs ~5%
                                 output_kind=RequestOutputKind.DELTA)  # new tokens only: tagged with the version
         request_id = f"s{next(self._ids)}"
         self._live[request_id] = req
@@ -146,14 +151,20 @@ class VllmStream:
                       request_id=request_id, token_versions=list(req.versions), loss_mask=list(req.mask),
                       turns=req.turns)
 
-    def swap_weights(self, apply: Callable[[], object]) -> tuple[object, list[tuple[Hashable, Sample]]]:
+    def swap_weights(self, apply: Callable[[], object], keep_kv: bool = False
+                     ) -> tuple[object, list[tuple[Hashable, Sample]]]:
         """Partial rollout: stop at this token boundary, run ``apply()`` (it changes the engine's weights),
-        and carry on with every in-flight response on the new weights by recomputing its prefix.
+        and carry on with every in-flight response on the new weights, by recomputing its prefix or, with
+        ``keep_kv``, by leaving its request and KV cache in the engine (``rollout.partial_kv``).
 
         Returns ``apply``'s result and the responses that already used their whole budget (nothing left
         to generate). If ``apply`` raises, the responses are resumed on whatever version the engine then
         serves (the caller decides whether to go on) and the error propagates.
         """
+        if keep_kv:  # between two engine steps no forward pass runs: the next step is wholly the new version's
+            self.swaps += 1
+            self.resumed += len(self._live)
+            return apply(), []
         live, self._live = list(self._live.items()), {}
         if live:
             self.engine.abort_request([rid for rid, _ in live])
