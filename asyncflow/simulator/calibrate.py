@@ -9,7 +9,13 @@ reference forward), so every prediction was optimistic.
 ``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
 that task's own time), on a *calibration workload* that none of the benchmark's held-out cases use;
 ``calibrate`` divides each task's mean span per step by the simulator's engine-only prediction of the same
-workload. Those ratios and the sync hand-off time become the cost file's ``ServiceCosts``. (A second, shorter
+workload. Those ratios and the sync hand-off time become the cost file's ``ServiceCosts``.
+
+Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
+the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
+the same workload in async mode (``max_staleness`` 1, one thread per worker) measures what that costs:
+``fit_async_share`` finds the share of each pinned core (``ServiceCosts.async_core_share``) at which the
+simulator reproduces that run's steady step time. (A second, shorter
 calibration workload to fit a per-call term beside the ratio was tried: two noisy points made the per-call
 terms swing from 9 to 71 ms per chunk between variants and worsened the short-response predictions.)
 """
@@ -33,6 +39,8 @@ CALIBRATION_OVERRIDES = [
 ]
 """The calibration workload: long-tailed lengths clipped at 48 tokens (the benchmark's held-out cases clip at
 128, or answer the add-one task in 4), sync mode; ``workflow.sync_worker_threads`` is set per variant."""
+ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
+"""The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
 CALIBRATION_STEPS = 6
 WARMUP = 2
 TASK_SPANS = {"generate": "generate_scale", "ref_logprobs": "reference_scale", "train": "train_scale"}
@@ -73,17 +81,21 @@ def service_costs(real: dict[str, float], real_step: float, predicted: dict[str,
     return ServiceCosts(sync_handoff_s=max(real_step - sum(real.values()), 0.0), **scales)
 
 
-def overrides_for(threads: int) -> list[str]:
-    """The config overrides of the calibration workload at ``threads`` torch threads per worker."""
+def overrides_for(threads: int, mode: str = "sync") -> list[str]:
+    """The config overrides of the calibration workload at ``threads`` torch threads per worker (``mode``
+    ``async``: the async run, whose workers always run one thread on their pinned core)."""
+    if mode == "async":
+        return CALIBRATION_OVERRIDES + ASYNC_OVERRIDES
     return CALIBRATION_OVERRIDES + [f"workflow.sync_worker_threads={threads}"]
 
 
-def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int = CALIBRATION_STEPS) -> Path:
+def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int = CALIBRATION_STEPS,
+                    mode: str = "sync") -> Path:
     """Run the calibration workload for real (``asyncflow train`` in a fresh process, as a user would) with
-    ``threads`` torch threads per worker; returns the run's output folder."""
-    run_dir = out / f"calibration-{threads}"
-    overrides = overrides_for(threads) + [f"workflow.steps={steps}", f"observability.output_dir={run_dir}",
-                                                    f"model.path={model_dir}", "observability.progress_every_s=60"]
+    ``threads`` torch threads per worker, in ``mode``; returns the run's output folder."""
+    run_dir = out / f"calibration-{mode}-{threads}"
+    overrides = overrides_for(threads, mode) + [f"workflow.steps={steps}", f"observability.output_dir={run_dir}",
+                                                f"model.path={model_dir}", "observability.progress_every_s=60"]
     env = dict(os.environ)
     if threads == 1:  # vLLM's OpenMP threads follow this bind list, not torch's thread count
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -106,3 +118,28 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int) -> Se
     w = from_config(load_config(recipe, overrides_for(threads) + ["workflow.steps=16"]))
     real, step = real_spans(run_dir / "timeline.json")
     return service_costs(real, step, predicted_spans(simulate(w, engine_only)))
+
+
+def fit_async_share(model: CostModel, recipe: Path, run_dir: Path, steps: int = CALIBRATION_STEPS) -> float:
+    """The share of each pinned core (``ServiceCosts.async_core_share``) at which the simulator's steady step
+    time of the async calibration workload equals the real run's in ``run_dir`` (bisection; 1 when even whole
+    cores predict slower than measured: the share is never credited above 1)."""
+    from asyncflow.config import load_config
+    from asyncflow.simulator.sim import simulate
+    from asyncflow.simulator.workload import from_config
+
+    _, real_step = real_spans(run_dir / "timeline.json")
+    w = dataclasses.replace(from_config(load_config(recipe, overrides_for(1, "async") + [f"workflow.steps={steps}"])),
+                            warmup_steps=WARMUP)
+
+    def step_at(share: float) -> float:
+        return simulate(w, dataclasses.replace(model, service=dataclasses.replace(
+            model.service, async_core_share=share))).step_time_s
+
+    lo, hi = 0.05, 1.0
+    if step_at(hi) >= real_step:
+        return 1.0
+    for _ in range(30):  # the step time falls as the share grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step_at(mid) > real_step else (lo, mid)
+    return (lo + hi) / 2

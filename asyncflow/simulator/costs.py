@@ -112,6 +112,11 @@ class ServiceCosts:
     """Actor service span per unit of engine-only prediction."""
     sync_handoff_s: float = 0.0
     """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""
+    async_core_share: float = 1.0
+    """Async CPU placement: the share of each pinned core that its task gets. The rest goes to the processes
+    that float over every core: the TransferQueue's controller and storage units, the version board, the
+    driver, the reward and advantage services and Ray's daemons (0.16 of the 2 cores in a per-process sample of
+    a long-tailed async run on 2026-11-30). Fitted on an async calibration run; 1 without one."""
 
 
 @dataclasses.dataclass

@@ -11,7 +11,8 @@ Every number comes from the code the loop runs, in Ray actors placed like the lo
 - TransferQueue: the real client against a started TransferQueue, puts and gets of small and large rows;
 - reward and advantage functions per row;
 - the services around those calls: one real sync run of the loop per CPU variant on a calibration workload
-  (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``.
+  (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``, and one
+  async run, whose step time gives the share of a pinned core left to its task.
 
 Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
 them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
@@ -311,14 +312,27 @@ def _calibrate_services(model: CostModel, recipe, out: Path, model_dir: str, thr
         return calibrate.calibrate(model, recipe, run_dir, threads)
 
 
+def _calibrate_async(model: CostModel, recipe, out: Path, model_dir: str) -> float:
+    """One real async calibration run and the pinned cores' share it gives (``calibrate.fit_async_share``)."""
+    import tempfile
+
+    from asyncflow.simulator import calibrate
+
+    recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
+    with tempfile.TemporaryDirectory(prefix="calibration-", dir=out.parent) as tmp:
+        run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, 1, mode="async")
+        return calibrate.fit_async_share(model, recipe, run_dir)
+
+
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
             quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None) -> CostFile:
     """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
 
     ``calibrate`` (default: on unless ``quick``) then runs the loop for real once per CPU variant, in sync mode
     on the calibration workload of ``simulator.calibrate``, and stores the services' overhead beyond the engine
-    calls as each variant's ``ServiceCosts`` (``recipe``: the YAML those runs start from; default the tiny CPU
-    recipe). Not on a GPU node: that path has not been run."""
+    calls as each variant's ``ServiceCosts``; and once in async mode, for variant ``1``'s share of a pinned core
+    (``recipe``: the YAML those runs start from; default the tiny CPU recipe). Not on a GPU node: that path has
+    not been run."""
     import ray
     from tqdm import tqdm
 
@@ -334,7 +348,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     models, samples = {}, {}
     grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
     calibrated = [v for v in variants if v != "device"] if (not quick if calibrate is None else calibrate) else []
-    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + len(calibrated)
+    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + len(calibrated) + ("1" in calibrated)
     try:
         with tqdm(total=total, desc="asyncflow profile", unit="probe") as bar:
             queue, queue_samples = _queue_costs(cfg, reps=20)
@@ -350,6 +364,10 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             for name in calibrated:
                 bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
                 models[name].service = _calibrate_services(models[name], recipe, Path(out), model_dir, int(name))
+                bar.update()
+            if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
+                bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
+                models["1"].service.async_core_share = _calibrate_async(models["1"], recipe, Path(out), model_dir)
                 bar.update()
     finally:
         ray.shutdown()

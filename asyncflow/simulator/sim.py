@@ -34,8 +34,11 @@ TASK_FIELDS = {"rollout": ("prompt",), "reward": ("response",), "reference": ("r
 class SimQueue:
     """The TransferQueue's readiness rules over simulated rows (ids ``0 .. rows_per_step-1`` per step).
 
-    Each task keeps a queue of the rows (or whole groups) that became ready for it, in the order they did,
-    so a request costs what it takes, not a scan of the step.
+    Each task keeps a queue of the rows (or whole groups) ready for it, in the real partition's order
+    (``ReadyView``): the view is built at the task's first request of the step from the rows ready by then, in
+    index order, and later rows join in the order they become ready. So a sync actor, which asks once every
+    row is in, gets micro-batches of mixed lengths (padded to their longest), and a streaming one gets them
+    roughly by length, as in the real runs.
     """
 
     def __init__(self, sim: Sim, w: Workload, tasks: dict[str, tuple[str, ...]]):
@@ -46,6 +49,7 @@ class SimQueue:
         self.taken: dict[tuple[int, str], int] = defaultdict(int)
         self.group_ready: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.waiters: dict[tuple[int, str], tuple] = {}
+        self.opened: set[tuple[int, str]] = set()  # (step, task) whose ready view exists
 
     def put(self, step: int, field: str, rows: list[int], version: int | None = None) -> None:
         """Rows of ``step`` now hold ``field`` (``version``: the weights that generated them)."""
@@ -58,6 +62,8 @@ class SimQueue:
             if field not in fields:
                 continue
             key, grouped = (step, task), task == "advantage"
+            if key not in self.opened:
+                continue  # built from ``have`` at the task's first request
             for row in rows:
                 if all(f in have[row] for f in fields):
                     if not grouped:
@@ -76,11 +82,29 @@ class SimQueue:
         or the last partial one)."""
         ev = self.sim.event()
         key = (step, task)
+        if key not in self.opened:
+            self._open(key)
         if task == "advantage":
             n = max(n // self.w.samples_per_prompt, 1) * self.w.samples_per_prompt
         if not self._serve(key, n, ev):
             self.waiters[key] = (n, ev)
         return ev
+
+    def _open(self, key) -> None:
+        """The ready view of ``key`` at its first request: every row ready now, by index."""
+        step, task = key
+        self.opened.add(key)
+        fields, have, group = self.tasks[task], self.have[step], self.w.samples_per_prompt
+        ready = [row for row in sorted(have) if all(f in have[row] for f in fields)]
+        if task != "advantage":
+            self.queues[key].extend(ready)
+            return
+        counts = self.group_ready[key]
+        for row in ready:
+            counts[row // group] += 1
+        for g in sorted(counts):
+            if counts[g] == group:
+                self.queues[key].extend(range(g * group, (g + 1) * group))
 
     def _serve(self, key, n: int, ev: Event) -> bool:
         remaining = self.w.rows_per_step - self.taken[key]
@@ -180,7 +204,9 @@ class Pipe:
         else:
             name = f"rollout{instance}" if task == "rollout" else "trainer"
         if name not in self.devices:
-            self.devices[name] = Device(self.sim, name)
+            # Pinned cores also serve the processes that float over them (ServiceCosts.async_core_share).
+            shared = name in ("core0", "core1+")
+            self.devices[name] = Device(self.sim, name, self.costs.service.async_core_share if shared else 1.0)
         return self.devices[name]
 
     def work(self, device: Device, seconds: float, scale: float):
