@@ -65,3 +65,60 @@ def test_a_cost_file_without_service_costs_loads_as_engine_only(tmp_path):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"variants": {"1": {"rollout": {"step_s": 0.01}}}}))
     assert load_costs(path).variant("1").service == ServiceCosts()
+
+
+def test_a_pinned_core_shared_with_floating_processes_slows_the_async_step_in_proportion():
+    """``async_core_share`` is each pinned core's speed: at half, every async CPU step takes twice as long
+    (the light tasks on their own host cores cost nothing here); sync and device placements ignore it."""
+    w = _workload(mode="async", max_staleness=1, placement="cpu", reference=True)
+    train = dataclasses.replace(TRAIN, ref_per_call_s=0.01, ref_per_token_s=1e-4)
+    whole = simulate(w, CostModel(rollout=ROLLOUT, train=train))
+    half = simulate(w, CostModel(rollout=ROLLOUT, train=train, service=ServiceCosts(async_core_share=0.5)))
+    assert half.step_end_s == pytest.approx([2 * t for t in whole.step_end_s])
+    for other in (dict(mode="sync", max_staleness=0, placement="cpu"), dict(mode="async", placement="devices")):
+        w = _workload(**other)
+        assert simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(async_core_share=0.5))
+                        ).step_end_s == pytest.approx(simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN)).step_end_s)
+
+
+def test_the_async_share_is_fitted_back_from_a_run_simulated_with_a_known_share(tmp_path):
+    """``fit_async_share`` on a timeline the simulator made at share 0.7 finds 0.7; a run faster than whole
+    cores predict is never credited above 1."""
+    from pathlib import Path
+
+    from asyncflow.config import load_config
+    from asyncflow.simulator.calibrate import CALIBRATION_STEPS, WARMUP, fit_async_share, overrides_for
+    from asyncflow.simulator.workload import from_config
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
+    model = CostModel(rollout=ROLLOUT, train=dataclasses.replace(TRAIN, ref_per_call_s=0.01, ref_per_token_s=1e-4))
+    w = dataclasses.replace(from_config(load_config(recipe, overrides_for(1, "async")
+                                                    + [f"workflow.steps={CALIBRATION_STEPS}"])), warmup_steps=WARMUP)
+    for share, expected in ((0.7, 0.7), (1.0, 1.0)):
+        run = simulate(w, dataclasses.replace(model, service=ServiceCosts(async_core_share=share)))
+        events = [{"ph": "X", "name": "stage_weights", "ts": 0, "dur": 0}]  # version 0, staged before step 0
+        events += run.timeline.to_chrome_trace()["traceEvents"]
+        (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": events}))
+        faster = ServiceCosts(async_core_share=1.0)
+        fitted = fit_async_share(dataclasses.replace(model, service=faster), recipe, tmp_path)
+        assert fitted == pytest.approx(expected, abs=0.01)
+
+
+def test_the_ready_view_is_built_in_index_order_at_the_first_request_then_in_readiness_order():
+    """As the real partition's ``ReadyView``: rows ready before a task's first request come by index (a sync
+    actor's micro-batches mix lengths); rows that become ready later, in the order they did."""
+    from asyncflow.simulator.events import Sim
+    from asyncflow.simulator.sim import SimQueue
+
+    sim = Sim()
+    w = _workload(prompts_per_step=2, samples_per_prompt=4)
+    q = SimQueue(sim, w, {"actor": ("advantage",), "advantage": ("reward",)})
+    q.put(0, "advantage", [5, 2, 7])
+    first = q.take(0, "actor", 2)
+    q.put(0, "advantage", [6, 0, 3, 1, 4])
+    taken = [first.value] + [q.take(0, "actor", 2).value for _ in range(3)]
+    assert taken == [[2, 5], [7, 6], [0, 3], [1, 4]]
+    # Whole groups for the advantage task, likewise: group 1 (rows 4-7) was complete first but group 0 has the
+    # lower index when the view is built.
+    q.put(0, "reward", [4, 5, 6, 7, 0, 1, 2, 3])
+    assert q.take(0, "advantage", 4).value == [0, 1, 2, 3]
