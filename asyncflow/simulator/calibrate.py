@@ -8,14 +8,15 @@ reference forward), so every prediction was optimistic.
 
 ``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
 that task's own time), on a *calibration workload* that none of the benchmark's held-out cases use;
-``calibrate`` divides each task's mean span per step by the simulator's engine-only prediction of the same
-workload. Those ratios and the sync hand-off time become the cost file's ``ServiceCosts``.
+``calibrate`` subtracts the simulator's engine-only prediction of the same workload from each task's mean
+span per step and divides by the task's calls per step. Those per-call overheads and the sync hand-off time
+become the cost file's ``ServiceCosts``.
 
 Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
 the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
 the same workload in async mode (``max_staleness`` 1, one thread per worker) measures what that costs:
-``fit_async_share`` finds the share of each pinned core (``ServiceCosts.async_core_share``) at which the
-simulator reproduces that run's steady step time. (A second, shorter
+``fit_async_floating`` finds the CPU time of those floating processes per second of pinned work
+(``ServiceCosts.async_floating``) at which the simulator reproduces that run's steady step time. (A second, shorter
 calibration workload to fit a per-call term beside the ratio was tried: two noisy points made the per-call
 terms swing from 9 to 71 ms per chunk between variants and worsened the short-response predictions.)
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -43,7 +45,8 @@ ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
 """The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
 CALIBRATION_STEPS = 6
 WARMUP = 2
-TASK_SPANS = {"generate": "generate_scale", "ref_logprobs": "reference_scale", "train": "train_scale"}
+TASK_SPANS = {"generate": "generate_call_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
+"""Span name -> the ``ServiceCosts`` field of its per-call overhead."""
 
 
 def real_spans(timeline: Path, warmup: int = WARMUP) -> tuple[dict[str, float], float]:
@@ -73,12 +76,22 @@ def predicted_spans(result) -> dict[str, float]:
     return dict(sums)
 
 
-def service_costs(real: dict[str, float], real_step: float, predicted: dict[str, float]) -> ServiceCosts:
-    """The ratios of real to engine-only spans per step (never below 1: the engine calls are part of the spans),
-    and the time of a sync step outside every span."""
-    scales = {field: max(real.get(name, 0.0) / predicted[name], 1.0) if predicted.get(name) else 1.0
-              for name, field in TASK_SPANS.items()}
-    return ServiceCosts(sync_handoff_s=max(real_step - sum(real.values()), 0.0), **scales)
+def service_costs(real: dict[str, float], real_step: float, predicted: dict[str, float],
+                  calls: dict[str, float]) -> ServiceCosts:
+    """Each task's real span per step beyond the engine-only prediction, over its calls per step (``calls``;
+    never below 0: the engine calls are part of the spans), and the time of a sync step outside every span."""
+    per_call = {field: max(real.get(name, 0.0) - predicted.get(name, 0.0), 0.0) / calls[name]
+                for name, field in TASK_SPANS.items() if calls.get(name)}
+    return ServiceCosts(sync_handoff_s=max(real_step - sum(real.values()), 0.0), **per_call)
+
+
+def calls_per_step(w) -> dict[str, float]:
+    """Calls per step of each task of ``w`` (a ``Workload``): rollout chunks, reference chunks, micro-batches
+    of the actor's first pass."""
+    rows = w.rows_per_step
+    return {"generate": math.ceil(rows / (w.rollout_chunk * w.rollout_instances)) * w.rollout_instances,
+            "ref_logprobs": math.ceil(rows / (w.score_chunk * w.data_parallel)),
+            "train": rows / (w.micro_batch_size * w.data_parallel)}
 
 
 def overrides_for(threads: int, mode: str = "sync") -> list[str]:
@@ -117,13 +130,13 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int) -> Se
     engine_only = dataclasses.replace(model, service=ServiceCosts())
     w = from_config(load_config(recipe, overrides_for(threads) + ["workflow.steps=16"]))
     real, step = real_spans(run_dir / "timeline.json")
-    return service_costs(real, step, predicted_spans(simulate(w, engine_only)))
+    return service_costs(real, step, predicted_spans(simulate(w, engine_only)), calls_per_step(w))
 
 
-def fit_async_share(model: CostModel, recipe: Path, run_dir: Path, steps: int = CALIBRATION_STEPS) -> float:
-    """The share of each pinned core (``ServiceCosts.async_core_share``) at which the simulator's steady step
-    time of the async calibration workload equals the real run's in ``run_dir`` (bisection; 1 when even whole
-    cores predict slower than measured: the share is never credited above 1)."""
+def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, steps: int = CALIBRATION_STEPS) -> float:
+    """The floating processes' CPU seconds per second of pinned work (``ServiceCosts.async_floating``) at which
+    the simulator's steady step time of the async calibration workload equals the real run's in ``run_dir``
+    (bisection; 0 when the model without them already predicts a step as slow as measured: never below 0)."""
     from asyncflow.config import load_config
     from asyncflow.simulator.sim import simulate
     from asyncflow.simulator.workload import from_config
@@ -132,14 +145,14 @@ def fit_async_share(model: CostModel, recipe: Path, run_dir: Path, steps: int = 
     w = dataclasses.replace(from_config(load_config(recipe, overrides_for(1, "async") + [f"workflow.steps={steps}"])),
                             warmup_steps=WARMUP)
 
-    def step_at(share: float) -> float:
+    def step_at(factor: float) -> float:
         return simulate(w, dataclasses.replace(model, service=dataclasses.replace(
-            model.service, async_core_share=share))).step_time_s
+            model.service, async_floating=factor))).step_time_s
 
-    lo, hi = 0.05, 1.0
-    if step_at(hi) >= real_step:
-        return 1.0
-    for _ in range(30):  # the step time falls as the share grows
+    lo, hi = 0.0, 4.0
+    if step_at(lo) >= real_step:
+        return 0.0
+    for _ in range(30):  # the step time grows with the floating work
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if step_at(mid) > real_step else (lo, mid)
+        lo, hi = (mid, hi) if step_at(mid) < real_step else (lo, mid)
     return (lo + hi) / 2

@@ -97,26 +97,30 @@ class LightCosts:
 @dataclasses.dataclass
 class ServiceCosts:
     """What the loop's services cost beyond their engine calls (TransferQueue hand-offs, packing, per-row
-    Python, Ray calls between sync phases), calibrated by ``asyncflow profile`` on a real run of the loop
-    (``simulator.calibrate``): each task's span is ``scale x`` its engine time.
+    Python, Ray calls between sync phases), calibrated by ``asyncflow profile`` on real runs of the loop
+    (``simulator.calibrate``). The defaults are the engine-only model of a profile without calibration.
 
-    The engine part of a task occupies its device; the rest is modelled as latency that does not: in the real
-    async runs the reference forward shares rollout's core yet its span did not grow, so its extra time is
-    waiting, not computing. The defaults are the engine-only model of a profile without calibration."""
+    Per call (sync), not per unit of engine time: measured on 2026-11-30, a task's span beyond its engine time was
+    about the same in a step of 4-token answers as in one of 48 or 128 tokens (the actor's 0.02-0.06 s a step,
+    the reference's 0.02-0.05 s), so a ratio fitted on one workload over-charged long steps and under-charged
+    short ones. The per-call part is latency that does not occupy the device: in the real async runs the
+    reference forward shares rollout's core, yet its span did not grow."""
 
-    generate_scale: float = 1.0
-    """Rollout service span per unit of engine-only prediction."""
-    reference_scale: float = 1.0
-    """Reference service span per unit of engine-only prediction."""
-    train_scale: float = 1.0
-    """Actor service span per unit of engine-only prediction."""
+    generate_call_s: float = 0.0
+    """Seconds per rollout call (one ``rollout_chunk`` of prompts) beyond the engine's time."""
+    reference_call_s: float = 0.0
+    """Seconds per reference call (one ``score_chunk``) beyond its forward."""
+    train_micro_s: float = 0.0
+    """Seconds per micro-batch of the actor's streamed first pass beyond its forward and backward."""
     sync_handoff_s: float = 0.0
     """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""
-    async_core_share: float = 1.0
-    """Async CPU placement: the share of each pinned core that its task gets. The rest goes to the processes
-    that float over every core: the TransferQueue's controller and storage units, the version board, the
-    driver, the reward and advantage services and Ray's daemons (0.16 of the 2 cores in a per-process sample of
-    a long-tailed async run on 2026-11-30). Fitted on an async calibration run; 1 without one."""
+    async_floating: float = 0.0
+    """Async CPU placement: CPU seconds taken by the processes that float over every core (the TransferQueue's
+    controller and storage units, the version board, the driver, the reward and advantage services, Ray's
+    daemons: 0.16 of the 2 cores in a per-process sample of a long-tailed async run on 2026-11-30) per second
+    of work on a pinned core. Charged half on each pinned core as jobs sharing it with the task pinned there,
+    so they slow a busy core and cost nothing on an idle one. Fitted on an async calibration run (it also
+    takes up whatever else async adds to the tasks' own time); 0 without one."""
 
 
 @dataclasses.dataclass
@@ -150,8 +154,8 @@ class CostModel:
         return dataclasses.replace(self, rollout=scale(self.rollout), train=scale(self.train),
                                    weight_sync=scale(self.weight_sync), queue=scale(self.queue),
                                    light=scale(self.light), speed_probe_s=self.speed_probe_s * factor,
-                                   service=dataclasses.replace(
-                                       self.service, sync_handoff_s=self.service.sync_handoff_s * factor))
+                                   service=dataclasses.replace(scale(self.service),  # a ratio: unscaled
+                                                               async_floating=self.service.async_floating))
 
 
 @dataclasses.dataclass

@@ -123,11 +123,20 @@ class Device:
         self._last = 0.0
         self._epoch = 0  # invalidates completions scheduled before the job set changed
         self.busy = 0.0
+        self.spill: tuple[float, list[Device]] = (0.0, [])
+        """``(factor, devices)``: every job run here adds ``factor x`` its work, split evenly over ``devices``,
+        as jobs nobody waits for (processes that float over those devices, driven by this one's work)."""
 
     def run(self, work: float) -> Event:
         """An event that triggers once ``work`` seconds of this device's undivided time have been served."""
+        factor, peers = self.spill
+        if work > 0 and factor > 0:
+            for peer in peers:
+                peer._add(factor * work / len(peers), Event(self.sim))
+        return self._add(work, Event(self.sim))
+
+    def _add(self, work: float, ev: Event) -> Event:
         self._advance()
-        ev = Event(self.sim)
         if work <= 0:
             return ev.succeed()
         self._jobs[next(self._ids)] = [work, ev]

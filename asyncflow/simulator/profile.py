@@ -12,7 +12,7 @@ Every number comes from the code the loop runs, in Ray actors placed like the lo
 - reward and advantage functions per row;
 - the services around those calls: one real sync run of the loop per CPU variant on a calibration workload
   (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``, and one
-  async run, whose step time gives the share of a pinned core left to its task.
+  async run, whose step time gives the CPU time of the processes that float over the pinned cores.
 
 Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
 them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
@@ -313,7 +313,8 @@ def _calibrate_services(model: CostModel, recipe, out: Path, model_dir: str, thr
 
 
 def _calibrate_async(model: CostModel, recipe, out: Path, model_dir: str) -> float:
-    """One real async calibration run and the pinned cores' share it gives (``calibrate.fit_async_share``)."""
+    """One real async calibration run and the floating processes' CPU time per second of pinned work it gives
+    (``calibrate.fit_async_floating``)."""
     import tempfile
 
     from asyncflow.simulator import calibrate
@@ -321,7 +322,7 @@ def _calibrate_async(model: CostModel, recipe, out: Path, model_dir: str) -> flo
     recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
     with tempfile.TemporaryDirectory(prefix="calibration-", dir=out.parent) as tmp:
         run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, 1, mode="async")
-        return calibrate.fit_async_share(model, recipe, run_dir)
+        return calibrate.fit_async_floating(model, recipe, run_dir)
 
 
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
@@ -330,7 +331,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
 
     ``calibrate`` (default: on unless ``quick``) then runs the loop for real once per CPU variant, in sync mode
     on the calibration workload of ``simulator.calibrate``, and stores the services' overhead beyond the engine
-    calls as each variant's ``ServiceCosts``; and once in async mode, for variant ``1``'s share of a pinned core
+    calls as each variant's ``ServiceCosts``; and once in async mode, for variant ``1``'s floating CPU time
     (``recipe``: the YAML those runs start from; default the tiny CPU recipe). Not on a GPU node: that path has
     not been run."""
     import ray
@@ -367,7 +368,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                 bar.update()
             if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
                 bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
-                models["1"].service.async_core_share = _calibrate_async(models["1"], recipe, Path(out), model_dir)
+                models["1"].service.async_floating = _calibrate_async(models["1"], recipe, Path(out), model_dir)
                 bar.update()
     finally:
         ray.shutdown()

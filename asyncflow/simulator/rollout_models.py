@@ -72,11 +72,11 @@ def chunked(pipe, instance: int, step: int) -> Generator:
         start = pipe.sim.now
         lengths = [pipe.lengths[step][r] for r in rows]
         get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
-        yield device.run(get)
+        yield from pipe.work(device, get, pipe.costs.service.generate_call_s)
         for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
             done = [rows[i] for i in finished]
             # The loop puts finished rows a few at a time (16 per put): tokens and logprobs, 12 bytes a token.
             put = pipe.costs.queue.request(sum(pipe.lengths[step][r] for r in done) * 12) * max(len(done) / 16, 1)
-            yield from pipe.work(device, seconds + put, pipe.costs.service.generate_scale)
+            yield device.run(seconds + put)
             pipe.tq.put(step, "response", done, version=pipe.served[instance])
         pipe.span("rollout", "generate", instance, start, rows=len(rows))

@@ -204,17 +204,19 @@ class Pipe:
         else:
             name = f"rollout{instance}" if task == "rollout" else "trainer"
         if name not in self.devices:
-            # Pinned cores also serve the processes that float over them (ServiceCosts.async_core_share).
-            shared = name in ("core0", "core1+")
-            self.devices[name] = Device(self.sim, name, self.costs.service.async_core_share if shared else 1.0)
+            self.devices[name] = Device(self.sim, name)
+            if name in ("core0", "core1+"):  # the processes that float over both (ServiceCosts.async_floating)
+                pinned = [self.devices.setdefault(n, Device(self.sim, n)) for n in ("core0", "core1+")]
+                for device in pinned:
+                    device.spill = (self.costs.service.async_floating, pinned)
         return self.devices[name]
 
-    def work(self, device: Device, seconds: float, scale: float):
-        """``seconds`` of engine work on ``device``, then the service's overhead on top (``ServiceCosts``): latency
-        of ``(scale - 1) x seconds`` that does not occupy the device."""
+    def work(self, device: Device, seconds: float, overhead_s: float):
+        """``seconds`` of engine work on ``device``, then the service's overhead of the call (``ServiceCosts``):
+        latency that does not occupy the device."""
         yield device.run(seconds)
-        if scale > 1.0:
-            yield self.sim.timeout(seconds * (scale - 1.0))
+        if overhead_s > 0:
+            yield self.sim.timeout(overhead_s)
 
     def span(self, group: str, name: str, worker: int, start: float, **args) -> None:
         """Record ``[start, now]`` of ``group``'s ``worker`` on the timeline."""
@@ -268,7 +270,7 @@ def reference_step(pipe: Pipe, step: int):
         tokens = max(pipe.padded(step, c) for c in chunks)
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
         yield from pipe.work(pipe.device("reference"), tc.ref_per_call_s + tc.ref_per_token_s * tokens
-                             + q.request(tokens * 8) + q.request(resp * 4), pipe.costs.service.reference_scale)
+                             + q.request(tokens * 8) + q.request(resp * 4), pipe.costs.service.reference_call_s)
         pipe.tq.put(step, "ref", rows)
         pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows))
 
@@ -297,8 +299,8 @@ def actor_step(pipe: Pipe, step: int, version: int):
         tokens = max(pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
         cost = tc.per_micro_s + tc.per_token_s * tokens
         per_pass += cost
-        yield from pipe.work(device, cost + q.request(tokens * 24), service.train_scale)
-    yield from pipe.work(device, per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs, service.train_scale)
+        yield from pipe.work(device, cost + q.request(tokens * 24), service.train_micro_s)
+    yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
     pipe.span("actor", "train", 0, start, step=step)
     start, ws = pipe.sim.now, pipe.costs.weight_sync
     yield device.run(ws.stage_fixed_s + ws.stage_per_byte_s * pipe.costs.weight_bytes)

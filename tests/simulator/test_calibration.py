@@ -54,11 +54,12 @@ def test_profile_writes_a_valid_cost_file(profiled):
 
     assert [len(data["samples"]["1"][k]) for k in ("rollout", "train", "reference")] == [len(g) for g in QUICK_GRIDS]
     assert costs.hardware["grid"] == "quick" and costs.hardware["seconds"] > 0
-    # The calibration run of the loop: its services cost at least their engine calls, and a sync step has
-    # hand-offs between its phases (the driver's Ray calls) on any machine.
+    # The calibration runs of the loop: its services cost at least their engine calls, a sync step has
+    # hand-offs between its phases (the driver's Ray calls) on any machine, and the async run's processes
+    # floating over the pinned cores take some of them.
     service = model.service
-    assert min(service.generate_scale, service.reference_scale, service.train_scale) >= 1.0
-    assert service.sync_handoff_s > 0
+    assert min(service.generate_call_s, service.reference_call_s, service.train_micro_s) >= 0.0
+    assert service.sync_handoff_s > 0 and service.async_floating > 0
 
 
 def test_calibrated_prediction_of_a_held_out_run(profiled):
