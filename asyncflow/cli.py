@@ -68,7 +68,8 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     path, overrides = _split_config_and_overrides(args.items)
     variants = args.variants.split(",") if args.variants else None
     costs = profile(load_config(path, overrides), args.out, variants=variants, reps=args.reps, quick=args.quick,
-                    calibrate=False if args.no_calibrate else (True if args.calibrate else None), recipe=path)
+                    calibrate=False if args.no_calibrate else (True if args.calibrate else None), recipe=path,
+                    calibration_runs=args.calibration_runs)
     print(f"wrote {args.out}: variants {', '.join(costs.variants)} in {costs.hardware['seconds']:.0f} s "
           f"(load average before/after {costs.hardware['loadavg_before'][0]:.1f}/"
           f"{costs.hardware['loadavg_after'][0]:.1f})", flush=True)
@@ -115,8 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                       "no calibration run")
     calib = prof.add_mutually_exclusive_group()
     calib.add_argument("--no-calibrate", action="store_true",
-                       help="skip the real sync run per CPU variant that calibrates the services' overhead")
+                       help="skip the real runs of the loop (sync per CPU variant, async once) that calibrate the "
+                       "services' overhead")
     calib.add_argument("--calibrate", action="store_true", help="calibrate even with --quick")
+    prof.add_argument("--calibration-runs", type=int, default=1,
+                      help="repeat each calibration run and average (a shared machine's noise)")
     prof.set_defaults(func=_cmd_profile)
 
     simulate = sub.add_parser("simulate", help="discrete-event prediction of a run (step time, samples/s, idle, "

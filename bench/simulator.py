@@ -1,6 +1,6 @@
 """Predicted against measured: calibrate the simulator here, then predict real runs it was not fitted on.
 
-    python bench/simulator.py [--costs FILE] [--steps 8] [--out outputs/bench_simulator] [--cases a,b]
+    python bench/simulator.py [--costs FILE] [--steps 8] [--repeats 2] [--out outputs/bench_simulator] [--cases a,b]
 
 1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier profile). The profile
    times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests); it
@@ -12,6 +12,9 @@
    session; the table also shows them rescaled by a CPU probe (``profile.speed_probe``) taken before and
    after each run against its time during the profile. On 2026-11-30 the probe swung 5x while the engines'
    own costs moved by 20%, so the rescaled column is shown, not trusted.
+   Each case runs ``--repeats`` times, the cases interleaved (all once, then all again): on this shared
+   2-core machine one case measured 294 and 356 samples/s in two invocations 20 minutes apart, so the
+   measured figure is the mean of the repeats and the table shows their spread.
 3. Prints predicted against measured for every case, the error, and the async/sync ratios.
 """
 
@@ -76,7 +79,7 @@ def slowdown(costs, probe_s: float, variant: str) -> float:
     return probe_s / base if base > 0 else 1.0
 
 
-def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
+def measure(name: str, overrides: list[str], steps: int, out: Path, repeat: int = 0) -> Path:
     """Run the case for real in a fresh process (as ``asyncflow train``); returns its metrics.jsonl.
 
     Ray gives its workers niceness 15 by default; on a machine shared with other jobs at niceness 0 that starved
@@ -84,7 +87,7 @@ def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
     and the speed probe follow the same variable)."""
     import subprocess
 
-    run_dir = out / name.replace(" ", "_").replace("=", "")
+    run_dir = out / (name.replace(" ", "_").replace("=", "") + (f"-{repeat}" if repeat else ""))
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), *overrides,
            f"workflow.steps={steps}", f"observability.output_dir={run_dir}", f"model.path={out / 'model'}",
            "observability.progress_every_s=30"]
@@ -100,17 +103,19 @@ def measure(name: str, overrides: list[str], steps: int, out: Path) -> Path:
 def render(results: dict) -> str:
     """Predicted against measured: the prediction from the costs as profiled (primary), and rescaled by the
     speed probe (``slowdown``: predicted / slowdown is the as-profiled value, costs scale exactly)."""
-    lines = ["| case | predicted samples/s | measured samples/s | error | probe-rescaled prediction | its error | "
-             "probe slowdown | load avg |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | predicted samples/s | measured samples/s (mean) | runs | error | probe-rescaled prediction | "
+             "its error | probe slowdown | load avg |", "|---|---|---|---|---|---|---|---|---|"]
     raw = {name: r["predicted"] * r["slowdown"] for name, r in results.items()}
     for name, r in results.items():
-        lines.append(f"| {name} | {raw[name]:.1f} | {r['measured']:.1f} | {raw[name] / r['measured'] - 1:+.0%} | "
-                     f"{r['predicted']:.1f} | {r['predicted'] / r['measured'] - 1:+.0%} | {r['slowdown']:.2f}x | "
+        runs = " / ".join(f"{x:.1f}" for x in r.get("runs", [r["measured"]]))
+        lines.append(f"| {name} | {raw[name]:.1f} | {r['measured']:.1f} | {runs} | "
+                     f"{raw[name] / r['measured'] - 1:+.0%} | {r['predicted']:.1f} | "
+                     f"{r['predicted'] / r['measured'] - 1:+.0%} | {r['slowdown']:.2f}x | "
                      f"{r['load']:.1f} |")
     for a, s in RATIOS:
         if a in results and s in results:
             pr, mr = raw[a] / raw[s], results[a]["measured"] / results[s]["measured"]
-            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {pr - mr:+.2f} | | | | |")
+            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | | {pr - mr:+.2f} | | | | |")
     return "\n".join(lines)
 
 
@@ -118,6 +123,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--costs", default=None, help="cost file (default: profile this machine first)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=2, help="real runs per case (interleaved); the mean is used")
     parser.add_argument("--out", default="outputs/bench_simulator")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--no-rescale", action="store_true", help="predict with the costs as profiled")
@@ -135,31 +141,36 @@ def main(argv=None) -> int:
     if args.costs is None:
         args.costs = str(out / "costs.json")
         profile(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", BASE + [f"model.path={out / 'model'}"]),
-                args.costs, variants=args.variants.split(",") if args.variants else None)
+                args.costs, variants=args.variants.split(",") if args.variants else None,
+                calibration_runs=args.repeats)
     costs = load_costs(args.costs)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    results = {}
-    for name in names:
-        overrides, lengths = CASES[name]
-        before = speed_probe()
-        print(f"{name}: running it for real ...", flush=True)
-        try:
-            metrics = measure(name, overrides, args.steps, out)
-        except RuntimeError as exc:  # one failed run (e.g. a missed heartbeat on an overloaded machine) is reported
-            print(f"{name}: FAILED, left out of the table: {str(exc)[-300:]}", flush=True)
-            continue
-        probe = (before + speed_probe()) / 2
-        _, w = predict(overrides, lengths, costs, args.steps)
-        factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
-        result, w = predict(overrides, lengths, costs, args.steps, factor)
-        real = steady_throughput(metrics, WARMUP)
-        results[name] = {"predicted": result.samples_per_s, "measured": real, "load": os.getloadavg()[0],
-                         "slowdown": factor}
-        print(f"{name}: predicted {result.samples_per_s * factor:.1f} samples/s as profiled "
-              f"({result.samples_per_s:.1f} probe-rescaled), measured {real:.1f}", flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=2))  # after every case: a crash keeps them
+    results, runs, probes = {}, {}, {}
+    for repeat in range(args.repeats):
+        for name in names:
+            overrides, lengths = CASES[name]
+            before = speed_probe()
+            print(f"{name}: running it for real (run {repeat + 1} of {args.repeats}) ...", flush=True)
+            try:
+                metrics = measure(name, overrides, args.steps, out, repeat)
+            except RuntimeError as exc:  # one failed run (e.g. a missed heartbeat on an overloaded machine) is reported
+                print(f"{name}: FAILED, left out: {str(exc)[-300:]}", flush=True)
+                continue
+            probes.setdefault(name, []).append((before + speed_probe()) / 2)
+            runs.setdefault(name, []).append(steady_throughput(metrics, WARMUP))
+            _, w = predict(overrides, lengths, costs, args.steps)
+            probe = sum(probes[name]) / len(probes[name])
+            factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
+            result, w = predict(overrides, lengths, costs, args.steps, factor)
+            real = sum(runs[name]) / len(runs[name])
+            results[name] = {"predicted": result.samples_per_s, "measured": real, "runs": runs[name],
+                             "load": os.getloadavg()[0], "slowdown": factor}
+            print(f"{name}: predicted {result.samples_per_s * factor:.1f} samples/s as profiled "
+                  f"({result.samples_per_s:.1f} probe-rescaled), measured {runs[name][-1]:.1f}", flush=True)
+            (out / "results.json").write_text(json.dumps(results, indent=2))  # after every run: a crash keeps them
     table = render(results)
-    print(f"\nPredicted against measured (costs {args.costs}, {args.steps} steps, throughput after {WARMUP})\n")
+    print(f"\nPredicted against measured (costs {args.costs}, {args.steps} steps, throughput after {WARMUP}, "
+          f"{args.repeats} runs a case)\n")
     print(table)
     (out / "table.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps(results, indent=2))

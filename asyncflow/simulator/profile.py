@@ -21,6 +21,7 @@ The tiny CPU model takes a few minutes; a progress bar shows each measurement.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import statistics
@@ -36,6 +37,7 @@ from asyncflow.simulator.costs import (
     LightCosts,
     QueueCosts,
     RolloutCosts,
+    ServiceCosts,
     TrainCosts,
     WeightSyncCosts,
     fit,
@@ -312,6 +314,12 @@ def _calibrate_services(model: CostModel, recipe, out: Path, model_dir: str, thr
         return calibrate.calibrate(model, recipe, run_dir, threads)
 
 
+def _mean(services: list) -> ServiceCosts:
+    """Field by field mean of several calibrations' ``ServiceCosts``."""
+    return ServiceCosts(**{f.name: sum(getattr(s, f.name) for s in services) / len(services)
+                           for f in dataclasses.fields(ServiceCosts)})
+
+
 def _calibrate_async(model: CostModel, recipe, out: Path, model_dir: str) -> float:
     """One real async calibration run and the floating processes' CPU time per second of pinned work it gives
     (``calibrate.fit_async_floating``)."""
@@ -326,14 +334,16 @@ def _calibrate_async(model: CostModel, recipe, out: Path, model_dir: str) -> flo
 
 
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
-            quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None) -> CostFile:
+            quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
+            calibration_runs: int = 1) -> CostFile:
     """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
 
     ``calibrate`` (default: on unless ``quick``) then runs the loop for real once per CPU variant, in sync mode
     on the calibration workload of ``simulator.calibrate``, and stores the services' overhead beyond the engine
     calls as each variant's ``ServiceCosts``; and once in async mode, for variant ``1``'s floating CPU time
-    (``recipe``: the YAML those runs start from; default the tiny CPU recipe). Not on a GPU node: that path has
-    not been run."""
+    (``recipe``: the YAML those runs start from; default the tiny CPU recipe). ``calibration_runs`` repeats each
+    calibration run and averages what they give (on a shared machine two runs 25 minutes apart gave a per-call
+    overhead of 46 and 70 ms). Not on a GPU node: that path has not been run."""
     import ray
     from tqdm import tqdm
 
@@ -349,7 +359,8 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     models, samples = {}, {}
     grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
     calibrated = [v for v in variants if v != "device"] if (not quick if calibrate is None else calibrate) else []
-    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + len(calibrated) + ("1" in calibrated)
+    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + (len(calibrated) + ("1" in calibrated)) * \
+        calibration_runs
     try:
         with tqdm(total=total, desc="asyncflow profile", unit="probe") as bar:
             queue, queue_samples = _queue_costs(cfg, reps=20)
@@ -363,13 +374,19 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             samples["queue"] = queue_samples
             ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
             for name in calibrated:
-                bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
-                models[name].service = _calibrate_services(models[name], recipe, Path(out), model_dir, int(name))
-                bar.update()
+                found = []
+                for _ in range(calibration_runs):
+                    bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
+                    found.append(_calibrate_services(models[name], recipe, Path(out), model_dir, int(name)))
+                    bar.update()
+                models[name].service = _mean(found)
             if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
-                bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
-                models["1"].service.async_floating = _calibrate_async(models["1"], recipe, Path(out), model_dir)
-                bar.update()
+                found = []
+                for _ in range(calibration_runs):
+                    bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
+                    found.append(_calibrate_async(models["1"], recipe, Path(out), model_dir))
+                    bar.update()
+                models["1"].service.async_floating = sum(found) / len(found)
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

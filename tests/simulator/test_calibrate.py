@@ -83,7 +83,7 @@ def test_floating_work_slows_a_busy_pinned_core_more_than_an_idle_one():
             core.spill = (f, cores)
         ends = []
 
-        def job(core):
+        def job(core, sim=sim, ends=ends):
             yield core.run(1.0)
             ends.append(sim.now)
 
