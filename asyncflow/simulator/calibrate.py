@@ -9,8 +9,8 @@ reference forward), so every prediction was optimistic.
 ``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
 that task's own time), on a *calibration workload* that none of the benchmark's held-out cases use;
 ``calibrate`` subtracts the simulator's engine-only prediction of the same workload from each task's mean
-span per step and divides by the task's calls per step. Those per-call overheads and the sync hand-off time
-become the cost file's ``ServiceCosts``.
+span per step and divides by the task's calls (rows, for rollout) per step. Those per-call overheads and the
+sync hand-off time become the cost file's ``ServiceCosts``.
 
 Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
 the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
@@ -45,7 +45,7 @@ ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
 """The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
 CALIBRATION_STEPS = 6
 WARMUP = 2
-TASK_SPANS = {"generate": "generate_call_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
+TASK_SPANS = {"generate": "generate_row_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
 """Span name -> the ``ServiceCosts`` field of its per-call overhead."""
 
 
@@ -86,10 +86,10 @@ def service_costs(real: dict[str, float], real_step: float, predicted: dict[str,
 
 
 def calls_per_step(w) -> dict[str, float]:
-    """Calls per step of each task of ``w`` (a ``Workload``): rollout chunks, reference chunks, micro-batches
-    of the actor's first pass."""
+    """Calls per step of each task of ``w`` (a ``Workload``): rollout rows, reference chunks, micro-batches of
+    the actor's first pass."""
     rows = w.rows_per_step
-    return {"generate": math.ceil(rows / (w.rollout_chunk * w.rollout_instances)) * w.rollout_instances,
+    return {"generate": rows,
             "ref_logprobs": math.ceil(rows / (w.score_chunk * w.data_parallel)),
             "train": rows / (w.micro_batch_size * w.data_parallel)}
 

@@ -100,14 +100,15 @@ class ServiceCosts:
     Python, Ray calls between sync phases), calibrated by ``asyncflow profile`` on real runs of the loop
     (``simulator.calibrate``). The defaults are the engine-only model of a profile without calibration.
 
-    Per call (sync), not per unit of engine time: measured on 2026-11-30, a task's span beyond its engine time was
+    Per call or row, not per unit of engine time: measured on 2026-11-30, a task's span beyond its engine time was
     about the same in a step of 4-token answers as in one of 48 or 128 tokens (the actor's 0.02-0.06 s a step,
     the reference's 0.02-0.05 s), so a ratio fitted on one workload over-charged long steps and under-charged
     short ones. The per-call part is latency that does not occupy the device: in the real async runs the
     reference forward shares rollout's core, yet its span did not grow."""
 
-    generate_call_s: float = 0.0
-    """Seconds per rollout call (one ``rollout_chunk`` of prompts) beyond the engine's time."""
+    generate_row_s: float = 0.0
+    """Seconds per rollout row beyond the engine's time (taking the prompt, creating its vLLM request, putting
+    the response: per row, so it does not depend on ``rollout_chunk``)."""
     reference_call_s: float = 0.0
     """Seconds per reference call (one ``score_chunk``) beyond its forward."""
     train_micro_s: float = 0.0

@@ -15,10 +15,10 @@ from tests.simulator.test_sim import ROLLOUT, TRAIN, _generation, _training, _wo
 
 
 def test_per_call_overheads_and_sync_hand_off_add_to_the_sync_step_in_closed_form():
-    w = _workload(mode="sync", max_staleness=0)  # one rollout chunk and 4 micro-batches a step
-    service = ServiceCosts(generate_call_s=0.1, train_micro_s=0.05, sync_handoff_s=0.25)
+    w = _workload(mode="sync", max_staleness=0)  # 16 rollout rows and 4 micro-batches a step
+    service = ServiceCosts(generate_row_s=0.01, train_micro_s=0.05, sync_handoff_s=0.25)
     result = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=service))
-    work = _generation(w, 12) + 0.1 + _training(w, 12) + 0.05 * 4
+    work = _generation(w, 12) + 0.01 * 16 + _training(w, 12) + 0.05 * 4
     # A step ends when its weights are published; the driver's hand-off follows, before the next step.
     assert result.step_end_s == pytest.approx([work * (i + 1) + 0.25 * i for i in range(w.steps)])
     assert result.step_time_s == pytest.approx(work + 0.25)
@@ -38,12 +38,12 @@ def test_service_overhead_is_latency_not_device_time():
 def test_service_costs_are_span_excesses_per_call_never_below_zero_plus_the_time_outside_spans():
     real = {"generate": 0.6, "ref_logprobs": 0.2, "train": 0.4, "score": 0.05}
     predicted = {"generate": 0.5, "ref_logprobs": 0.1, "train": 0.5}
-    costs = service_costs(real, 1.5, predicted, {"generate": 1, "ref_logprobs": 4, "train": 4})
-    assert costs.generate_call_s == pytest.approx(0.1) and costs.reference_call_s == pytest.approx(0.025)
+    costs = service_costs(real, 1.5, predicted, {"generate": 10, "ref_logprobs": 4, "train": 4})
+    assert costs.generate_row_s == pytest.approx(0.01) and costs.reference_call_s == pytest.approx(0.025)
     assert costs.train_micro_s == 0.0  # faster than the engine-only prediction: never credited
     assert costs.sync_handoff_s == pytest.approx(1.5 - 1.25)
     w = _workload(rollout_chunk=8, score_chunk=4, micro_batch_size=2)  # 16 rows a step
-    assert calls_per_step(w) == {"generate": 2, "ref_logprobs": 4, "train": 8}
+    assert calls_per_step(w) == {"generate": 16, "ref_logprobs": 4, "train": 8}
 
 
 def test_real_spans_average_the_steps_after_the_warm_up(tmp_path):

@@ -58,7 +58,7 @@ def test_profile_writes_a_valid_cost_file(profiled):
     # hand-offs between its phases (the driver's Ray calls) on any machine, and the async run's processes
     # floating over the pinned cores take some of them.
     service = model.service
-    assert min(service.generate_call_s, service.reference_call_s, service.train_micro_s) >= 0.0
+    assert min(service.generate_row_s, service.reference_call_s, service.train_micro_s) >= 0.0
     assert service.sync_handoff_s > 0 and service.async_floating > 0
 
 
