@@ -1,4 +1,4 @@
-"""Service calibration: what the loop's services cost beyond their engine calls, from one real run.
+"""Service calibration: what the loop's services cost beyond their engine calls, from real runs of the loop.
 
 ``asyncflow profile`` times engine calls in isolation (vLLM ``generate``, Megatron ``train_step`` and
 ``compute_logprobs``). The loop's services also move rows through the TransferQueue, pack and slice
@@ -16,9 +16,11 @@ Async runs pin rollout (with the reference) to one core and the actor to the oth
 the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
 the same workload in async mode (``max_staleness`` 1, one thread per worker) measures what that costs:
 ``fit_async_floating`` finds the CPU time of those floating processes per second of pinned work
-(``ServiceCosts.async_floating``) at which the simulator reproduces that run's steady step time. (A second, shorter
-calibration workload to fit a per-call term beside the ratio was tried: two noisy points made the per-call
-terms swing from 9 to 71 ms per chunk between variants and worsened the short-response predictions.)
+(``ServiceCosts.async_floating``) at which the simulator reproduces that run's steady step time.
+
+(Before the per-call form, each task's overhead was a ratio of its engine time; a second, shorter calibration
+workload to fit a per-call term beside the ratio was tried then: two noisy points made the per-call terms
+swing from 9 to 71 ms per chunk between variants.)
 """
 
 from __future__ import annotations

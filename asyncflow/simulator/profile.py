@@ -302,15 +302,18 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
     )
 
 
-def _calibrate_services(model: CostModel, recipe, out: Path, model_dir: str, threads: int):
-    """One real calibration run and the ``ServiceCosts`` it gives (``simulator.calibrate``)."""
+def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: int, mode: str = "sync"):
+    """One real calibration run (``simulator.calibrate``) and what it gives: the ``ServiceCosts`` of a sync run,
+    or the floating processes' CPU time per second of pinned work of an async one."""
     import tempfile
 
     from asyncflow.simulator import calibrate
 
     recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
     with tempfile.TemporaryDirectory(prefix="calibration-", dir=out.parent) as tmp:
-        run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, threads)
+        run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, threads, mode=mode)
+        if mode == "async":
+            return calibrate.fit_async_floating(model, recipe, run_dir)
         return calibrate.calibrate(model, recipe, run_dir, threads)
 
 
@@ -318,19 +321,6 @@ def _mean(services: list) -> ServiceCosts:
     """Field by field mean of several calibrations' ``ServiceCosts``."""
     return ServiceCosts(**{f.name: sum(getattr(s, f.name) for s in services) / len(services)
                            for f in dataclasses.fields(ServiceCosts)})
-
-
-def _calibrate_async(model: CostModel, recipe, out: Path, model_dir: str) -> float:
-    """One real async calibration run and the floating processes' CPU time per second of pinned work it gives
-    (``calibrate.fit_async_floating``)."""
-    import tempfile
-
-    from asyncflow.simulator import calibrate
-
-    recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
-    with tempfile.TemporaryDirectory(prefix="calibration-", dir=out.parent) as tmp:
-        run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, 1, mode="async")
-        return calibrate.fit_async_floating(model, recipe, run_dir)
 
 
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
@@ -377,14 +367,14 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                 found = []
                 for _ in range(calibration_runs):
                     bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
-                    found.append(_calibrate_services(models[name], recipe, Path(out), model_dir, int(name)))
+                    found.append(_calibration(models[name], recipe, Path(out), model_dir, int(name)))
                     bar.update()
                 models[name].service = _mean(found)
             if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
                 found = []
                 for _ in range(calibration_runs):
                     bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
-                    found.append(_calibrate_async(models["1"], recipe, Path(out), model_dir))
+                    found.append(_calibration(models["1"], recipe, Path(out), model_dir, 1, mode="async"))
                     bar.update()
                 models["1"].service.async_floating = sum(found) / len(found)
     finally:
