@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--out", default="outputs/costs.json", help="cost file to write")
     prof.add_argument("--variants", default=None,
                       help="comma-separated: threads per worker on CPU (default 1,2), or 'device' on a GPU node")
-    prof.add_argument("--reps", type=int, default=2, help="timings per grid point (the median is kept)")
+    prof.add_argument("--reps", type=int, default=5,
+                      help="timings per grid point (the median is kept; single timings swing 10-25%% here)")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid (about half the time), "
                       "no calibration run")
     calib = prof.add_mutually_exclusive_group()

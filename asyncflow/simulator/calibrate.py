@@ -9,14 +9,16 @@ reference forward), so every prediction was optimistic.
 ``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
 that task's own time), on a *calibration workload* that none of the benchmark's held-out cases use;
 ``calibrate`` subtracts the simulator's engine-only prediction of the same workload from each task's mean
-span per step and divides by the task's calls (rows, for rollout) per step. Those per-call overheads and the
-sync hand-off time become the cost file's ``ServiceCosts``.
+span per step and divides by the task's calls (generated tokens, for rollout) per step. Those per-call
+overheads and the sync hand-off time become the cost file's ``ServiceCosts``.
 
 Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
 the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
-the same workload in async mode (``max_staleness`` 1, one thread per worker) measures what that costs:
-``fit_async_floating`` finds the CPU time of those floating processes per second of pinned work
-(``ServiceCosts.async_floating``) at which the simulator reproduces that run's steady step time.
+the same workload in async mode (``max_staleness`` 1, one thread per worker) measures what that costs: a
+``CpuSampler`` reads the CPU time of every process of the run from the OS, and ``floating_row_s`` divides the
+floating ones' by the rows trained (``ServiceCosts.async_floating_row_s``); ``fit_async_floating`` then finds
+what else async adds, per second of pinned work (``ServiceCosts.async_floating``), at which the simulator
+reproduces that run's steady step time.
 
 (Before the per-call form, each task's overhead was a ratio of its engine time; a second, shorter calibration
 workload to fit a per-call term beside the ratio was tried then: two noisy points made the per-call terms
@@ -25,12 +27,15 @@ swing from 9 to 71 ms per chunk between variants.)
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -45,27 +50,34 @@ CALIBRATION_OVERRIDES = [
 128, or answer the add-one task in 4), sync mode; ``workflow.sync_worker_threads`` is set per variant."""
 ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
 """The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
-CALIBRATION_STEPS = 6
+CALIBRATION_STEPS = 10
+"""Steps of a calibration run; the first ``WARMUP`` are left out (with 6, four steps a run made the per-call
+overheads swing by half between runs)."""
 WARMUP = 2
-TASK_SPANS = {"generate": "generate_row_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
+TASK_SPANS = {"generate": "generate_token_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
 """Span name -> the ``ServiceCosts`` field of its per-call overhead."""
 
 
-def real_spans(timeline: Path, warmup: int = WARMUP) -> tuple[dict[str, float], float]:
-    """Mean seconds per step of each span name and the mean step time of a sync run's ``timeline.json``,
-    over the steps after ``warmup`` (a step ends when its weights are staged)."""
+def real_spans(timeline: Path, warmup: int = WARMUP, median: bool = False) -> tuple[dict[str, float], float]:
+    """Mean seconds per step of each span name and the mean step time of a run's ``timeline.json``, over the
+    steps after ``warmup`` (a step ends when its weights are staged). ``median``: the median over those steps
+    instead (a sync run's steps are alike, so one slowed by another job on the shared machine is left out)."""
     events = json.loads(Path(timeline).read_text())["traceEvents"]
     events = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
     ends = [e["ts"] + e["dur"] for e in events if e["name"] == "stage_weights"]
     # The first stage_weights is version 0's, before step 0; step s ends at ends[s + 1].
     if len(ends) < warmup + 3:
         raise ValueError(f"{timeline}: {len(ends) - 1} steps, need at least {warmup + 2}")
-    t0, t1, steps = ends[warmup], ends[-1], len(ends) - 1 - warmup
-    sums: dict[str, float] = defaultdict(float)
+    bounds = ends[warmup:]
+    steps = len(bounds) - 1
+    per_step: dict[str, list[float]] = defaultdict(lambda: [0.0] * steps)
     for e in events:
-        if t0 <= e["ts"] < t1:
-            sums[e["name"]] += e["dur"] / 1e6 / steps
-    return dict(sums), (t1 - t0) / 1e6 / steps
+        i = bisect.bisect_right(bounds, e["ts"]) - 1
+        if 0 <= i < steps:
+            per_step[e["name"]][i] += e["dur"] / 1e6
+    durations = [(b - a) / 1e6 for a, b in zip(bounds, bounds[1:])]
+    stat = statistics.median if median else statistics.fmean
+    return {name: stat(values) for name, values in per_step.items()}, stat(durations)
 
 
 def predicted_spans(result) -> dict[str, float]:
@@ -87,11 +99,11 @@ def service_costs(real: dict[str, float], real_step: float, predicted: dict[str,
     return ServiceCosts(sync_handoff_s=max(real_step - sum(real.values()), 0.0), **per_call)
 
 
-def calls_per_step(w) -> dict[str, float]:
-    """Calls per step of each task of ``w`` (a ``Workload``): rollout rows, reference chunks, micro-batches of
-    the actor's first pass."""
+def calls_per_step(w, lengths: list[list[int]]) -> dict[str, float]:
+    """Calls per step of each task of ``w`` (a ``Workload``) whose steps generate ``lengths`` (tokens per row):
+    rollout's generated tokens, reference chunks, micro-batches of the actor's first pass."""
     rows = w.rows_per_step
-    return {"generate": rows,
+    return {"generate": sum(map(sum, lengths)) / len(lengths),
             "ref_logprobs": math.ceil(rows / (w.score_chunk * w.data_parallel)),
             "train": rows / (w.micro_batch_size * w.data_parallel)}
 
@@ -104,10 +116,82 @@ def overrides_for(threads: int, mode: str = "sync") -> list[str]:
     return CALIBRATION_OVERRIDES + [f"workflow.sync_worker_threads={threads}"]
 
 
+class CpuSampler:
+    """The CPU time of a process tree, sampled every ``interval`` seconds by a thread (psutil): per sample, each
+    process's user + system seconds and whether it is pinned to a subset of the cores (the async placement's
+    rollout, reference and actor workers) or floats over all of them."""
+
+    def __init__(self, pid: int, interval: float = 0.2):
+        import threading
+
+        self.pid, self.interval = pid, interval
+        self.samples: list[tuple[float, dict[int, tuple[float, bool]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import psutil
+
+        cores = set(range(psutil.cpu_count() or 1))
+        while not self._stop.is_set():
+            procs: dict[int, tuple[float, bool]] = {}
+            try:
+                root = psutil.Process(self.pid)
+                tree = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            for proc in tree:
+                try:
+                    with proc.oneshot():
+                        times = proc.cpu_times()
+                        procs[proc.pid] = (times.user + times.system, set(proc.cpu_affinity()) < cores)
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
+                    continue
+            self.samples.append((time.time(), procs))
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        """Stop sampling."""
+        self._stop.set()
+        self._thread.join()
+
+    def floating_seconds(self, t0: float, t1: float) -> float:
+        """CPU seconds the floating processes (not pinned when last sampled) used between ``t0`` and ``t1``
+        (wall-clock times; linear between samples)."""
+        if len(self.samples) < 2:
+            raise ValueError("fewer than two CPU samples")
+        pinned = {pid: p for _, procs in self.samples for pid, (_, p) in procs.items()}  # the last status wins
+        floating = [pid for pid, p in pinned.items() if not p]
+        times, totals, seen = [t for t, _ in self.samples], [], {}
+        for _, procs in self.samples:  # a process that has exited keeps its last CPU time
+            seen.update({pid: procs[pid][0] for pid in floating if pid in procs})
+            totals.append(sum(seen.values()))
+
+        def at(t: float) -> float:
+            i = min(max(bisect.bisect_left(times, t), 1), len(times) - 1)
+            (ta, ya), (tb, yb) = (times[i - 1], totals[i - 1]), (times[i], totals[i])
+            return ya + (yb - ya) * (t - ta) / (tb - ta) if tb > ta else yb
+
+        return at(t1) - at(t0)
+
+
+def floating_row_s(sampler: CpuSampler, run_dir: Path, rows_per_step: int, warmup: int = WARMUP) -> float:
+    """The floating processes' CPU seconds per row over a finished run's steps after ``warmup``
+    (``metrics.jsonl`` stamps the end of every step)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    ends = {r["step"]: r["time"] for r in records if "time" in r}
+    first, last = warmup - 1, max(ends)
+    if first not in ends or last - first < 2:
+        raise ValueError(f"{run_dir}: {len(ends)} steps, need at least {warmup + 2}")
+    return sampler.floating_seconds(ends[first], ends[last]) / (rows_per_step * (last - first))
+
+
 def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int = CALIBRATION_STEPS,
-                    mode: str = "sync") -> Path:
+                    mode: str = "sync", sampler: list | None = None) -> Path:
     """Run the calibration workload for real (``asyncflow train`` in a fresh process, as a user would) with
-    ``threads`` torch threads per worker, in ``mode``; returns the run's output folder."""
+    ``threads`` torch threads per worker, in ``mode``; returns the run's output folder (``sampler``: a list that
+    receives the run's ``CpuSampler``)."""
     run_dir = out / f"calibration-{mode}-{threads}"
     overrides = overrides_for(threads, mode) + [f"workflow.steps={steps}", f"observability.output_dir={run_dir}",
                                                 f"model.path={model_dir}", "observability.progress_every_s=60"]
@@ -116,10 +200,20 @@ def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     repo = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "asyncflow.cli", "train", str(recipe), *overrides],
-                          capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(recipe), *overrides],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cpu = CpuSampler(proc.pid) if sampler is not None else None
+    try:
+        stdout, stderr = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+    finally:
+        if cpu is not None:
+            cpu.stop()
+            sampler.append(cpu)
     if proc.returncode:
-        raise RuntimeError(f"the calibration run failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"the calibration run failed:\n{stdout[-2000:]}\n{stderr[-3000:]}")
     return run_dir
 
 
@@ -127,18 +221,21 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int) -> Se
     """``ServiceCosts`` of ``model`` from the finished calibration run in ``run_dir``."""
     from asyncflow.config import load_config
     from asyncflow.simulator.sim import simulate
-    from asyncflow.simulator.workload import from_config
+    from asyncflow.simulator.workload import draw_lengths, from_config
 
     engine_only = dataclasses.replace(model, service=ServiceCosts())
     w = from_config(load_config(recipe, overrides_for(threads) + ["workflow.steps=16"]))
-    real, step = real_spans(run_dir / "timeline.json")
-    return service_costs(real, step, predicted_spans(simulate(w, engine_only)), calls_per_step(w))
+    lengths = draw_lengths(w)
+    real, step = real_spans(run_dir / "timeline.json", median=True)
+    return service_costs(real, step, predicted_spans(simulate(w, engine_only, lengths)), calls_per_step(w, lengths))
 
 
-def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, steps: int = CALIBRATION_STEPS) -> float:
-    """The floating processes' CPU seconds per second of pinned work (``ServiceCosts.async_floating``) at which
-    the simulator's steady step time of the async calibration workload equals the real run's in ``run_dir``
-    (bisection; 0 when the model without them already predicts a step as slow as measured: never below 0)."""
+def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0,
+                       steps: int = CALIBRATION_STEPS) -> float:
+    """With the floating processes' measured ``row_s`` CPU seconds per row, the CPU seconds per second of pinned
+    work of whatever else async adds (``ServiceCosts.async_floating``) at which the simulator's steady step
+    time of the async calibration workload equals the real run's in ``run_dir`` (bisection; 0 when the model
+    already predicts a step as slow as measured: never below 0)."""
     from asyncflow.config import load_config
     from asyncflow.simulator.sim import simulate
     from asyncflow.simulator.workload import from_config
@@ -149,7 +246,7 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, steps: int
 
     def step_at(factor: float) -> float:
         return simulate(w, dataclasses.replace(model, service=dataclasses.replace(
-            model.service, async_floating=factor))).step_time_s
+            model.service, async_floating_row_s=row_s, async_floating=factor))).step_time_s
 
     lo, hi = 0.0, 4.0
     if step_at(lo) >= real_step:

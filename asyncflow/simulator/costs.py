@@ -48,12 +48,26 @@ class TrainCosts:
     """Fixed cost of one micro-batch forward + backward (schedule, launch, loss)."""
     per_token_s: float = 0.0
     """Forward + backward per (padded) token of a micro-batch."""
+    per_token_seq_s: float = 0.0
+    """Forward + backward per (padded) token and per token of its padded row: attention, whose work grows with
+    the square of the row length. Without it, a line through the profile's calls missed its 8- and 136-token
+    micro-batches by 10-15% in opposite directions (2026-11-30); with it, every call within 4%."""
     optimizer_s: float = 0.0
     """Gradient finalisation and one optimizer step."""
     ref_per_call_s: float = 0.0
     """Fixed cost of one reference (forward-only) log-prob call."""
     ref_per_token_s: float = 0.0
     """Reference forward per (padded) token."""
+    ref_per_token_seq_s: float = 0.0
+    """Reference forward per (padded) token and per token of its padded row (attention)."""
+
+    def micro_s(self, tokens: int, seq: float) -> float:
+        """Forward + backward of one micro-batch of ``tokens`` padded tokens in rows of ``seq``."""
+        return self.per_micro_s + self.per_token_s * tokens + self.per_token_seq_s * tokens * seq
+
+    def reference_s(self, tokens: int, seq: float) -> float:
+        """One reference log-prob call over ``tokens`` padded tokens in rows of ``seq``."""
+        return self.ref_per_call_s + self.ref_per_token_s * tokens + self.ref_per_token_seq_s * tokens * seq
 
 
 @dataclasses.dataclass
@@ -106,22 +120,29 @@ class ServiceCosts:
     short ones. The per-call part is latency that does not occupy the device: in the real async runs the
     reference forward shares rollout's core, yet its span did not grow."""
 
-    generate_row_s: float = 0.0
-    """Seconds per rollout row beyond the engine's time (taking the prompt, creating its vLLM request, putting
-    the response: per row, so it does not depend on ``rollout_chunk``)."""
+    generate_token_s: float = 0.0
+    """Seconds per generated token beyond the engine's time (reading each token's logprob out of vLLM's output,
+    packing and putting the response). Per token, not per row: measured on 2026-11-30, rollout's span beyond
+    the engine-only prediction was 8-14 ms a step of 128 four-token answers and 28-84 ms a step of 128
+    long-tailed ones (about 4,300 tokens), so a per-row charge fitted on one of them missed the other by 3-5x."""
     reference_call_s: float = 0.0
     """Seconds per reference call (one ``score_chunk``) beyond its forward."""
     train_micro_s: float = 0.0
     """Seconds per micro-batch of the actor's streamed first pass beyond its forward and backward."""
     sync_handoff_s: float = 0.0
     """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""
+    async_floating_row_s: float = 0.0
+    """Async CPU placement: CPU seconds per trained row of the processes that float over every core (the
+    TransferQueue's controller and storage units, the version board, the driver, the reward and advantage
+    services, Ray's daemons), measured from the OS's per-process CPU time during the async calibration run.
+    Charged half on each pinned core as jobs nobody waits for, as each field of a row is put, so they slow a
+    busy core and cost nothing on an idle one. Per row, not per second of engine work: on 2026-11-30 they took
+    0.75 ms a row both in a step of 4-token answers (0.44 of the 2 cores) and in a long-tailed one (0.16)."""
     async_floating: float = 0.0
-    """Async CPU placement: CPU seconds taken by the processes that float over every core (the TransferQueue's
-    controller and storage units, the version board, the driver, the reward and advantage services, Ray's
-    daemons: 0.16 of the 2 cores in a per-process sample of a long-tailed async run on 2026-11-30) per second
-    of work on a pinned core. Charged half on each pinned core as jobs sharing it with the task pinned there,
-    so they slow a busy core and cost nothing on an idle one. Fitted on an async calibration run (it also
-    takes up whatever else async adds to the tasks' own time); 0 without one."""
+    """Async CPU placement: what else async adds beyond ``async_floating_row_s`` (the pinned workers contending
+    for memory and caches, the rollout worker's polling), as CPU seconds per second of work on a pinned core,
+    charged like the floating rows. Fitted on the async calibration run after the floating rows are measured;
+    0 without one."""
 
 
 @dataclasses.dataclass
@@ -195,12 +216,19 @@ def load_costs(path: str | Path) -> CostFile:
 
 
 def fit(features: list[list[float]], seconds: list[float]) -> list[float]:
-    """Non-negative least squares of ``seconds ~ features @ coef`` (a cost is never negative).
+    """Non-negative least squares of ``seconds ~ features @ coef`` (a cost is never negative), in relative
+    error: each sample's residual is divided by its time.
 
+    Relative, because a profile's calls span 30x in time and the predictions are judged in relative terms:
+    plain least squares fitted the largest calls and left the smallest 17-42% off (Megatron ``train_step``
+    over one micro-batch of 16-token rows, 2026-11-30), which a workload of short answers is made of.
     Plain least squares can give a negative term when two features are nearly collinear on a small grid;
-    the active-set loop drops such terms and refits (Lawson-Hanson in its simplest form, enough for 2-5 terms).
+    the active-set loop drops such terms and refits (Lawson-Hanson in its simplest form, enough for 2-5 terms;
+    written here because scipy is not otherwise a dependency).
     """
-    x, y = np.asarray(features, dtype=float), np.asarray(seconds, dtype=float)
+    y = np.asarray(seconds, dtype=float)
+    weight = 1.0 / np.maximum(y, 1e-12)
+    x, y = np.asarray(features, dtype=float) * weight[:, None], y * weight
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])
     while active:

@@ -132,8 +132,12 @@ class Device:
         factor, peers = self.spill
         if work > 0 and factor > 0:
             for peer in peers:
-                peer._add(factor * work / len(peers), Event(self.sim))
+                peer.background(factor * work / len(peers))
         return self._add(work, Event(self.sim))
+
+    def background(self, work: float) -> None:
+        """``work`` seconds of a job nobody waits for (a process that floats onto this device)."""
+        self._add(work, Event(self.sim))
 
     def _add(self, work: float, ev: Event) -> Event:
         self._advance()

@@ -45,12 +45,13 @@ from asyncflow.simulator.costs import (
 
 ROLLOUT_GRID = [(b, length, p) for b in (1, 8, 32, 128) for length in (16, 64) for p in (6, 30)]
 """(batch, response tokens, prompt tokens) of each timed ``generate`` call."""
-TRAIN_GRID = [(n, s) for n in (1, 4) for s in (16, 64, 136)]
-"""(micro-batches, sequence length) of each timed ``train_step``."""
-REF_GRID = [(rows, s) for rows in (8, 32) for s in (16, 64, 136)]
+TRAIN_GRID = [(n, s) for n in (1, 4) for s in (8, 16, 32, 64, 136)]
+"""(micro-batches, sequence length) of each timed ``train_step``: from a short answer's 8-16 tokens to a long
+one's 136, so no workload's micro-batches fall outside the fitted range."""
+REF_GRID = [(rows, s) for rows in (8, 32) for s in (8, 16, 64, 136)]
 """(rows, sequence length) of each timed ``compute_logprobs``."""
 QUICK_GRIDS = ([(b, length, p) for b in (1, 32) for length in (8, 32) for p in (6, 30)],
-               [(n, s) for n in (1, 2) for s in (16, 64)], [(rows, s) for rows in (8, 32) for s in (16, 64)])
+               [(n, s) for n in (1, 2) for s in (16, 64, 136)], [(rows, s) for rows in (8, 32) for s in (16, 64, 136)])
 """A smaller grid (tests, a first look): fewer points, the same fits."""
 
 
@@ -284,10 +285,12 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
               s["batch"] * s["prompt"], s["batch"]] for s in samples["rollout"]]
     step, per_seq, per_ctx, prefill, per_req = fit(feats, [s["seconds"] for s in samples["rollout"]])
     # engine_batch charges per_seq on the prefill step as well: B x L sequence-steps in all, as fitted.
-    per_micro, per_token, opt = fit([[s["micro"], s["micro"] * mbs * s["seq"], 1.0] for s in samples["train"]],
-                                    [s["seconds"] for s in samples["train"]])
-    ref_call, ref_token = fit([[1.0, s["rows"] * s["seq"]] for s in samples["reference"]],
-                              [s["seconds"] for s in samples["reference"]])
+    per_micro, per_token, per_token_seq, opt = fit(
+        [[s["micro"], s["micro"] * mbs * s["seq"], s["micro"] * mbs * s["seq"] ** 2, 1.0] for s in samples["train"]],
+        [s["seconds"] for s in samples["train"]])
+    ref_call, ref_token, ref_token_seq = fit([[1.0, s["rows"] * s["seq"], s["rows"] * s["seq"] ** 2]
+                                              for s in samples["reference"]],
+                                             [s["seconds"] for s in samples["reference"]])
     stage = statistics.median(s["seconds"] for s in samples["stage"])
     apply = statistics.median(s["seconds"] for s in samples["apply"])
     nbytes = samples["stage"][0]["bytes"]
@@ -295,8 +298,8 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
         rollout=RolloutCosts(step_s=step, per_seq_s=per_seq, per_ctx_token_s=per_ctx, prefill_per_token_s=prefill,
                              per_request_s=per_req),
         # One sample size only: the whole measured time is charged per byte (no fixed term is separable).
-        train=TrainCosts(per_micro_s=per_micro, per_token_s=per_token, optimizer_s=opt, ref_per_call_s=ref_call,
-                         ref_per_token_s=ref_token),
+        train=TrainCosts(per_micro_s=per_micro, per_token_s=per_token, per_token_seq_s=per_token_seq, optimizer_s=opt,
+                         ref_per_call_s=ref_call, ref_per_token_s=ref_token, ref_per_token_seq_s=ref_token_seq),
         weight_sync=WeightSyncCosts(stage_per_byte_s=stage / nbytes, apply_per_byte_s=apply / nbytes),
         weight_bytes=nbytes,
     )
@@ -304,17 +307,26 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
 
 def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: int, mode: str = "sync"):
     """One real calibration run (``simulator.calibrate``) and what it gives: the ``ServiceCosts`` of a sync run,
-    or the floating processes' CPU time per second of pinned work of an async one."""
+    or, of an async one, the floating processes' CPU seconds per row and what else async adds per second of
+    pinned work."""
     import tempfile
 
+    from asyncflow.config import load_config
     from asyncflow.simulator import calibrate
+    from asyncflow.simulator.workload import from_config
 
     recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
-    with tempfile.TemporaryDirectory(prefix="calibration-", dir=out.parent) as tmp:
-        run_dir = calibrate.calibration_run(recipe, Path(tmp), model_dir, threads, mode=mode)
-        if mode == "async":
-            return calibrate.fit_async_floating(model, recipe, run_dir)
-        return calibrate.calibrate(model, recipe, run_dir, threads)
+    # Kept beside the cost file (metrics, timeline), to lay a calibration run beside its prediction.
+    keep = out.parent / f"{out.stem}-calibration"
+    keep.mkdir(parents=True, exist_ok=True)
+    cpu: list = []
+    run_dir = calibrate.calibration_run(recipe, Path(tempfile.mkdtemp(prefix=f"{mode}-{threads}-", dir=keep)),
+                                        model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None)
+    if mode == "async":
+        rows = from_config(load_config(recipe, calibrate.overrides_for(1, mode))).rows_per_step
+        row_s = calibrate.floating_row_s(cpu[0], run_dir, rows)
+        return row_s, calibrate.fit_async_floating(model, recipe, run_dir, row_s)
+    return calibrate.calibrate(model, recipe, run_dir, threads)
 
 
 def _mean(services: list) -> ServiceCosts:
@@ -323,7 +335,7 @@ def _mean(services: list) -> ServiceCosts:
                            for f in dataclasses.fields(ServiceCosts)})
 
 
-def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 2,
+def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
             quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
             calibration_runs: int = 1) -> CostFile:
     """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
@@ -376,7 +388,8 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                     bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
                     found.append(_calibration(models["1"], recipe, Path(out), model_dir, 1, mode="async"))
                     bar.update()
-                models["1"].service.async_floating = sum(found) / len(found)
+                models["1"].service.async_floating_row_s = sum(r for r, _ in found) / len(found)
+                models["1"].service.async_floating = sum(f for _, f in found) / len(found)
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

@@ -72,7 +72,7 @@ def chunked(pipe, instance: int, step: int) -> Generator:
         start = pipe.sim.now
         lengths = [pipe.lengths[step][r] for r in rows]
         get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
-        yield from pipe.work(device, get, pipe.costs.service.generate_row_s * len(rows))
+        yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
         for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
             done = [rows[i] for i in finished]
             # The loop puts finished rows a few at a time (16 per put): tokens and logprobs, 12 bytes a token.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict, deque
+from collections.abc import Callable
 
 from asyncflow.observability.timeline import Timeline
 from asyncflow.simulator.costs import CostModel
@@ -50,10 +51,14 @@ class SimQueue:
         self.group_ready: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.waiters: dict[tuple[int, str], tuple] = {}
         self.opened: set[tuple[int, str]] = set()  # (step, task) whose ready view exists
+        self.on_put: Callable[[str, int], None] | None = None
+        """Called with ``(field, rows)`` after every put (``Pipe`` charges the floating processes' work)."""
 
     def put(self, step: int, field: str, rows: list[int], version: int | None = None) -> None:
         """Rows of ``step`` now hold ``field`` (``version``: the weights that generated them)."""
         have, group = self.have[step], self.w.samples_per_prompt
+        if self.on_put is not None:
+            self.on_put(field, len(rows))
         for row in rows:
             have[row].add(field)
             if version is not None:
@@ -159,6 +164,9 @@ class SimResult:
     """Per step: the version lag (training version - generating version) of every trained row."""
     timeline: Timeline
     """Every simulated span, for ``plot_gantt`` and the Chrome trace."""
+    busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Per device: seconds in which it ran at least one job (all of its work, as a device is never idle with
+    work)."""
 
     @property
     def lag_mean(self) -> float:
@@ -190,6 +198,18 @@ class Pipe:
         self.lags: list[list[int]] = []
         for step in range(w.steps):
             self.tq.put(step, "prompt", list(range(w.rows_per_step)))
+        if w.placement == "cpu" and w.mode != "sync" and costs.service.async_floating_row_s > 0:
+            self.tq.on_put = self._floating_rows
+
+    def _floating_rows(self, field: str, rows: int) -> None:
+        """The floating processes' work for ``rows`` rows that got ``field`` (``ServiceCosts.async_floating_row_s``
+        per row, spread over the fields a row is put with), half on each pinned core."""
+        if field == "prompt":
+            return
+        fields = 4 if self.w.reference else 3  # response, reward, advantage (and ref)
+        work = self.costs.service.async_floating_row_s * rows / fields
+        for device in (self.device("rollout"), self.device("actor")):  # core 0 and core 1+
+            device.background(work / 2)
 
     def device(self, task: str, instance: int = 0) -> Device:
         """The device ``task`` runs on (``Workload.placement``); tasks that share one split its speed."""
@@ -267,9 +287,9 @@ def reference_step(pipe: Pipe, step: int):
     while rows := (yield pipe.tq.take(step, "reference", w.score_chunk * w.data_parallel)):
         start = pipe.sim.now
         chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
-        tokens = max(pipe.padded(step, c) for c in chunks)
+        tokens, seq = max((pipe.padded(step, c), pipe.padded(step, c) / len(c)) for c in chunks)
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
-        yield from pipe.work(pipe.device("reference"), tc.ref_per_call_s + tc.ref_per_token_s * tokens
+        yield from pipe.work(pipe.device("reference"), tc.reference_s(tokens, seq)
                              + q.request(tokens * 8) + q.request(resp * 4), pipe.costs.service.reference_call_s)
         pipe.tq.put(step, "ref", rows)
         pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows))
@@ -297,7 +317,7 @@ def actor_step(pipe: Pipe, step: int, version: int):
         # Replicas run side by side on distinct rows: the slowest (widest) micro-batch sets the pace.
         mbs = w.micro_batch_size
         tokens = max(pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
-        cost = tc.per_micro_s + tc.per_token_s * tokens
+        cost = tc.micro_s(tokens, tokens / mbs)
         per_pass += cost
         yield from pipe.work(device, cost + q.request(tokens * 24), service.train_micro_s)
     yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
@@ -360,4 +380,5 @@ def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = No
     steady = (ends[-1] - t0) / (w.steps - first)
     tl = pipe.timeline
     return SimResult(w, ends, w.rows_per_step / steady if steady > 0 else float("inf"), steady,
-                     tl.idle_fractions() if len(tl) else {}, pipe.lags, tl)
+                     tl.idle_fractions() if len(tl) else {}, pipe.lags, tl,
+                     {name: device.busy for name, device in pipe.devices.items()})

@@ -15,10 +15,10 @@ from tests.simulator.test_sim import ROLLOUT, TRAIN, _generation, _training, _wo
 
 
 def test_per_call_overheads_and_sync_hand_off_add_to_the_sync_step_in_closed_form():
-    w = _workload(mode="sync", max_staleness=0)  # 16 rollout rows and 4 micro-batches a step
-    service = ServiceCosts(generate_row_s=0.01, train_micro_s=0.05, sync_handoff_s=0.25)
+    w = _workload(mode="sync", max_staleness=0)  # 16 rollout rows of 12 tokens and 4 micro-batches a step
+    service = ServiceCosts(generate_token_s=0.001, train_micro_s=0.05, sync_handoff_s=0.25)
     result = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=service))
-    work = _generation(w, 12) + 0.01 * 16 + _training(w, 12) + 0.05 * 4
+    work = _generation(w, 12) + 0.001 * 16 * 12 + _training(w, 12) + 0.05 * 4
     # A step ends when its weights are published; the driver's hand-off follows, before the next step.
     assert result.step_end_s == pytest.approx([work * (i + 1) + 0.25 * i for i in range(w.steps)])
     assert result.step_time_s == pytest.approx(work + 0.25)
@@ -39,11 +39,12 @@ def test_service_costs_are_span_excesses_per_call_never_below_zero_plus_the_time
     real = {"generate": 0.6, "ref_logprobs": 0.2, "train": 0.4, "score": 0.05}
     predicted = {"generate": 0.5, "ref_logprobs": 0.1, "train": 0.5}
     costs = service_costs(real, 1.5, predicted, {"generate": 10, "ref_logprobs": 4, "train": 4})
-    assert costs.generate_row_s == pytest.approx(0.01) and costs.reference_call_s == pytest.approx(0.025)
+    assert costs.generate_token_s == pytest.approx(0.01) and costs.reference_call_s == pytest.approx(0.025)
     assert costs.train_micro_s == 0.0  # faster than the engine-only prediction: never credited
     assert costs.sync_handoff_s == pytest.approx(1.5 - 1.25)
     w = _workload(rollout_chunk=8, score_chunk=4, micro_batch_size=2)  # 16 rows a step
-    assert calls_per_step(w) == {"generate": 16, "ref_logprobs": 4, "train": 8}
+    lengths = [[3] * 16, [5] * 16]  # rollout's calls are its generated tokens: 48 and 80, 64 a step
+    assert calls_per_step(w, lengths) == {"generate": 64, "ref_logprobs": 4, "train": 8}
 
 
 def test_real_spans_average_the_steps_after_the_warm_up(tmp_path):
@@ -60,6 +61,22 @@ def test_real_spans_average_the_steps_after_the_warm_up(tmp_path):
     spans, step = real_spans(path, warmup=2)
     assert spans["generate"] == pytest.approx(0.040) and spans["train"] == pytest.approx(0.050)
     assert step == pytest.approx(0.100)
+
+
+def test_the_median_over_steps_leaves_out_a_step_slowed_by_another_job(tmp_path):
+    events = [{"ph": "X", "name": "stage_weights", "ts": 0, "dur": 1}]
+    t = 10
+    for step in range(7):
+        gen = 300 if step == 4 else 40  # one step of the five after the warm-up is slowed
+        events += [{"ph": "X", "name": "generate", "ts": t, "dur": gen * 1e3},
+                   {"ph": "X", "name": "stage_weights", "ts": t + gen * 1e3 + 10e3, "dur": 0}]
+        t += (gen + 10) * 1e3
+    path = tmp_path / "timeline.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    spans, step = real_spans(path, warmup=2, median=True)
+    assert spans["generate"] == pytest.approx(0.040) and step == pytest.approx(0.050)
+    spans, step = real_spans(path, warmup=2)
+    assert spans["generate"] == pytest.approx((4 * 0.040 + 0.300) / 5) and step == pytest.approx(0.102)
 
 
 def test_a_cost_file_without_service_costs_loads_as_engine_only(tmp_path):
@@ -104,6 +121,60 @@ def test_floating_work_applies_to_the_async_cpu_placement_only():
             pytest.approx(simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN)).step_end_s)
 
 
+def test_floating_rows_add_their_cpu_time_to_the_pinned_cores_in_async_cpu_placement_only():
+    """``async_floating_row_s`` x: every trained row adds x seconds of work nobody waits for, split over the two
+    pinned cores, so their busy time grows by exactly x x rows (a processor-shared device never idles with work),
+    and a busy actor core is slowed by it."""
+    row_s = 0.002
+    w = _workload(mode="async", max_staleness=1, placement="cpu", reference=True)
+    plain = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
+    floating = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(async_floating_row_s=row_s)))
+    added = sum(floating.busy_s[c] - plain.busy_s[c] for c in ("core0", "core1+"))
+    assert added == pytest.approx(row_s * w.rows_per_step * w.steps, rel=1e-6)
+    assert floating.step_time_s > plain.step_time_s
+    for other in (dict(mode="sync", max_staleness=0, placement="cpu"), dict(mode="async", placement="devices")):
+        w = _workload(**other)
+        assert simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(async_floating_row_s=row_s))
+                        ).step_end_s == pytest.approx(simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN)).step_end_s)
+
+
+def test_the_cpu_sampler_counts_floating_processes_and_leaves_pinned_ones_out():
+    """A parent that burns 0.6 s of CPU on any core and a child pinned to core 0 that burns 0.6 s: the sampler
+    finds the parent's CPU time as floating, not the child's."""
+    import subprocess
+    import sys
+    import time
+
+    from asyncflow.simulator.calibrate import CpuSampler
+
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    child = f"import os\nos.sched_setaffinity(0, [0])\n{burn}"
+    parent = (f"import subprocess, sys, time\nc = subprocess.Popen([sys.executable, '-c', {child!r}])\n"
+              f"{burn}c.wait()\ntime.sleep(0.5)\n")
+    start = time.time()
+    proc = subprocess.Popen([sys.executable, "-c", parent])
+    sampler = CpuSampler(proc.pid, interval=0.05)
+    proc.wait()
+    sampler.stop()
+    floating = sampler.floating_seconds(start, time.time())
+    assert 0.5 < floating < 0.85, floating  # the parent's 0.6 s and its interpreter start; not the child's 0.6 s
+
+
+def test_floating_cpu_per_row_is_taken_over_the_steps_after_the_warm_up(tmp_path):
+    from asyncflow.simulator.calibrate import CpuSampler, floating_row_s
+
+    sampler = CpuSampler.__new__(CpuSampler)  # its samples, without sampling a process
+    # One floating process at 0.5 CPU s per wall s, a pinned one at 1; the steps end every 2 s from t = 10.
+    # Both have exited by the last samples, as at the end of a run: the floating one still counts.
+    sampler.samples = [(float(t), {1: (0.5 * t, False), 2: (1.0 * t, True)} if t < 37 else {})
+                       for t in range(0, 40)]
+    ends = [{"step": s, "time": 10.0 + 2 * s} for s in range(8)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in ends) + "\n")
+    # Steps 2..7 (after 2 warm-up steps): 12 s, 6 CPU s of floating work, 6 x 10 rows.
+    assert floating_row_s(sampler, tmp_path, rows_per_step=10, warmup=2) == pytest.approx(6.0 / 60)
+    assert sampler.floating_seconds(10.5, 11.25) == pytest.approx(0.375)  # linear between samples
+
+
 def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_value(tmp_path):
     """``fit_async_floating`` on a timeline the simulator made at 0.4 finds 0.4; a run the model without
     floating work already predicts as slow as measured gets 0 (never credited below)."""
@@ -117,12 +188,13 @@ def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_valu
     model = CostModel(rollout=ROLLOUT, train=dataclasses.replace(TRAIN, ref_per_call_s=0.01, ref_per_token_s=1e-4))
     w = dataclasses.replace(from_config(load_config(recipe, overrides_for(1, "async")
                                                     + [f"workflow.steps={CALIBRATION_STEPS}"])), warmup_steps=WARMUP)
-    for floating in (0.4, 0.0):
-        run = simulate(w, dataclasses.replace(model, service=ServiceCosts(async_floating=floating)))
+    for floating, row_s in ((0.4, 0.0), (0.0, 0.0), (0.3, 0.002)):
+        run = simulate(w, dataclasses.replace(model, service=ServiceCosts(async_floating=floating,
+                                                                          async_floating_row_s=row_s)))
         events = [{"ph": "X", "name": "stage_weights", "ts": 0, "dur": 0}]  # version 0, staged before step 0
         events += run.timeline.to_chrome_trace()["traceEvents"]
         (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": events}))
-        assert fit_async_floating(model, recipe, tmp_path) == pytest.approx(floating, abs=0.01)
+        assert fit_async_floating(model, recipe, tmp_path, row_s) == pytest.approx(floating, abs=0.01)
 
 
 def test_the_ready_view_is_built_in_index_order_at_the_first_request_then_in_readiness_order():

@@ -56,10 +56,12 @@ def test_profile_writes_a_valid_cost_file(profiled):
     assert costs.hardware["grid"] == "quick" and costs.hardware["seconds"] > 0
     # The calibration runs of the loop: its services cost at least their engine calls, a sync step has
     # hand-offs between its phases (the driver's Ray calls) on any machine, and the async run was fitted
-    # (4 is the bisection's ceiling: no share of floating work reproduced the run; measured here 0.33-0.43).
+    # (4 is the bisection's ceiling: no share of floating work reproduced the run).
     service = model.service
-    assert min(service.generate_row_s, service.reference_call_s, service.train_micro_s) >= 0.0
+    assert min(service.generate_token_s, service.reference_call_s, service.train_micro_s) >= 0.0
     assert service.sync_handoff_s > 0 and 0.0 <= service.async_floating < 3.9
+    # The floating processes (TransferQueue, driver, board, light services, Ray) use CPU for every row.
+    assert service.async_floating_row_s > 0
 
 
 def test_calibrated_prediction_of_a_held_out_run(profiled):

@@ -38,12 +38,13 @@ def _generation(w: Workload, length: int, r: RolloutCosts = ROLLOUT) -> float:
     return first + decode
 
 
-def _training(w: Workload, length: int) -> float:
+def _training(w: Workload, length: int, train: TrainCosts = TRAIN) -> float:
     """``ppo_epochs`` passes over the step's micro-batches, each padded like ``batching.fit_seq_len``."""
     width = fit_seq_len([[0] * w.prompt_len], [[0] * length], w.seq_cap)
     micro = w.rows_per_step // w.micro_batch_size
-    per_pass = micro * (TRAIN.per_micro_s + TRAIN.per_token_s * w.micro_batch_size * width)
-    return w.ppo_epochs * (per_pass + TRAIN.optimizer_s)
+    tokens = w.micro_batch_size * width
+    per_pass = micro * (train.per_micro_s + train.per_token_s * tokens + train.per_token_seq_s * tokens * width)
+    return w.ppo_epochs * (per_pass + train.optimizer_s)
 
 
 def test_engine_batch_finishes_rows_by_length_and_admits_waiting_rows():
@@ -77,6 +78,12 @@ def test_sync_step_is_generation_plus_training_with_equal_lengths():
     w = _workload(mode="sync", max_staleness=0)
     result = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
     step = _generation(w, 12) + _training(w, 12)
+    assert result.step_end_s == pytest.approx([step * (i + 1) for i in range(w.steps)])
+    # The attention term: per padded token and per token of its padded row.
+    train = dataclasses.replace(TRAIN, per_token_seq_s=2e-6)
+    result = simulate(w, CostModel(rollout=ROLLOUT, train=train))
+    step = _generation(w, 12) + _training(w, 12, train)
+    assert step > _generation(w, 12) + _training(w, 12) * 1.01
     assert result.step_end_s == pytest.approx([step * (i + 1) for i in range(w.steps)])
     assert result.samples_per_s == pytest.approx(w.rows_per_step / step)
     assert result.lag_max == 0
@@ -152,6 +159,15 @@ def test_fit_recovers_linear_costs_and_never_goes_negative():
     # A noisy grid that plain least squares would fit with a negative intercept: the term is dropped.
     coef = fit([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]], [0.9, 2.1, 3.2])
     assert min(coef) >= 0 and math.isclose(coef[0], 0.0)
+
+
+def test_fit_minimises_relative_error_so_the_smallest_calls_are_fitted_too():
+    # One call 100x shorter than the others: plain least squares misses it by 92% (and, unconstrained, gives a
+    # negative fixed cost); the relative fit keeps every sample within 3%.
+    features, seconds = [[1.0, 1.0], [1.0, 100.0], [1.0, 200.0]], [0.02, 1.0, 2.1]
+    coef = fit(features, seconds)
+    errors = [(f[0] * coef[0] + f[1] * coef[1]) / s - 1 for f, s in zip(features, seconds)]
+    assert max(abs(e) for e in errors) < 0.03
 
 
 def test_replayed_lengths_follow_each_steps_mean(tmp_path):
