@@ -120,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the real runs of the loop (sync per CPU variant, async once) that calibrate the "
                        "services' overhead")
     calib.add_argument("--calibrate", action="store_true", help="calibrate even with --quick")
-    prof.add_argument("--calibration-runs", type=int, default=1,
-                      help="repeat each calibration run and average (a shared machine's noise)")
+    prof.add_argument("--calibration-runs", type=int, default=2,
+                      help="calibration runs per variant and mode; the sync ones alternate two workloads (rows of "
+                      "up to 48 and 12 tokens), which splits each service's overhead into per call and per token "
+                      "(1: one workload, per call only)")
     prof.set_defaults(func=_cmd_profile)
 
     simulate = sub.add_parser("simulate", help="discrete-event prediction of a run (step time, samples/s, idle, "

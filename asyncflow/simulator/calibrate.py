@@ -39,7 +39,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from asyncflow.simulator.costs import CostModel, ServiceCosts
+from asyncflow.simulator.costs import CostModel, ServiceCosts, fit
 
 CALIBRATION_OVERRIDES = [
     "workflow.task=add1_longtail", "workflow.prompts_per_step=16", "workflow.samples_per_prompt=8",
@@ -48,6 +48,10 @@ CALIBRATION_OVERRIDES = [
 ]
 """The calibration workload: long-tailed lengths clipped at 48 tokens (the benchmark's held-out cases clip at
 128, or answer the add-one task in 4), sync mode; ``workflow.sync_worker_threads`` is set per variant."""
+SHORT_OVERRIDES = ["rollout.max_new_tokens=12", "rollout.max_model_len=32"]
+"""The second calibration workload (every other sync calibration run): the same long-tailed budgets clipped at
+12 tokens. Rows about 3x shorter than the first workload's tell a service's overhead per call from its
+overhead per token (``service_costs``)."""
 ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
 """The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
 CALIBRATION_STEPS = 10
@@ -56,6 +60,8 @@ overheads swing by half between runs)."""
 WARMUP = 2
 TASK_SPANS = {"generate": "generate_token_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
 """Span name -> the ``ServiceCosts`` field of its per-call overhead."""
+TOKEN_FIELDS = {"ref_logprobs": "reference_token_s", "train": "train_token_s"}
+"""Span name -> the ``ServiceCosts`` field of its per-token overhead (fitted with two workloads)."""
 
 
 def real_spans(timeline: Path, warmup: int = WARMUP, median: bool = False) -> tuple[dict[str, float], float]:
@@ -90,13 +96,57 @@ def predicted_spans(result) -> dict[str, float]:
     return dict(sums)
 
 
-def service_costs(real: dict[str, float], real_step: float, predicted: dict[str, float],
-                  calls: dict[str, float]) -> ServiceCosts:
-    """Each task's real span per step beyond the engine-only prediction, over its calls per step (``calls``;
-    never below 0: the engine calls are part of the spans), and the time of a sync step outside every span."""
-    per_call = {field: max(real.get(name, 0.0) - predicted.get(name, 0.0), 0.0) / calls[name]
-                for name, field in TASK_SPANS.items() if calls.get(name)}
-    return ServiceCosts(sync_handoff_s=max(real_step - sum(real.values()), 0.0), **per_call)
+@dataclasses.dataclass
+class Overheads:
+    """What one sync calibration run shows beyond the engine-only model, per step."""
+
+    beyond: dict[str, float]
+    """Span name -> seconds per step of the real span beyond the engine-only prediction (never below 0: the
+    engine calls are part of the spans)."""
+    calls: dict[str, float]
+    """Span name -> calls per step (``calls_per_step``)."""
+    tokens: dict[str, float]
+    """Span name -> padded tokens per step of its calls (reference chunks, first-pass micro-batches)."""
+    handoff: float
+    """Seconds of a step outside every span (the sync driver's hand-offs)."""
+
+
+def overheads(real: dict[str, float], real_step: float, predicted: dict[str, float], calls: dict[str, float],
+              tokens: dict[str, float] | None = None) -> Overheads:
+    """The ``Overheads`` of a run whose mean spans per step are ``real`` against the engine-only ``predicted``."""
+    beyond = {name: max(real.get(name, 0.0) - predicted.get(name, 0.0), 0.0) for name in TASK_SPANS}
+    return Overheads(beyond, calls, tokens or {}, max(real_step - sum(real.values()), 0.0))
+
+
+def service_costs(runs: list[Overheads]) -> ServiceCosts:
+    """``ServiceCosts`` from one or more calibration runs: rollout's overhead per generated token; the
+    reference's and the actor's per call and per padded token, by non-negative least squares over the runs
+    when their calls differ in tokens (two workloads), else per call only; the mean sync hand-off."""
+    fields = {"sync_handoff_s": statistics.fmean(r.handoff for r in runs)}
+    gen = [r for r in runs if r.calls.get("generate")]
+    if gen:
+        fields["generate_token_s"] = sum(r.beyond["generate"] for r in gen) / sum(r.calls["generate"] for r in gen)
+    for name, token_field in TOKEN_FIELDS.items():
+        obs = [r for r in runs if r.calls.get(name)]
+        if not obs:
+            continue
+        if len({round(r.tokens.get(name, 0.0) / r.calls[name], 3) for r in obs}) > 1:
+            per_call, per_token = fit([[r.calls[name], r.tokens[name]] for r in obs], [r.beyond[name] for r in obs],
+                                      relative=False)
+        else:
+            per_call, per_token = statistics.fmean(r.beyond[name] / r.calls[name] for r in obs), 0.0
+        fields[TASK_SPANS[name]], fields[token_field] = per_call, per_token
+    return ServiceCosts(**fields)
+
+
+def predicted_tokens(result) -> dict[str, float]:
+    """Padded tokens per step of the reference's and the actor's first-pass calls in a ``SimResult``."""
+    sums: dict[str, float] = defaultdict(float)
+    steps = len(result.step_end_s)
+    for e in result.timeline.to_chrome_trace()["traceEvents"]:
+        if e.get("ph") == "X" and e["name"] in TOKEN_FIELDS:
+            sums[e["name"]] += e.get("args", {}).get("tokens", 0) / steps
+    return dict(sums)
 
 
 def calls_per_step(w, lengths: list[list[int]]) -> dict[str, float]:
@@ -108,12 +158,14 @@ def calls_per_step(w, lengths: list[list[int]]) -> dict[str, float]:
             "train": rows / (w.micro_batch_size * w.data_parallel)}
 
 
-def overrides_for(threads: int, mode: str = "sync") -> list[str]:
-    """The config overrides of the calibration workload at ``threads`` torch threads per worker (``mode``
-    ``async``: the async run, whose workers always run one thread on their pinned core)."""
+def overrides_for(threads: int, mode: str = "sync", workload: int = 0) -> list[str]:
+    """The config overrides of calibration workload ``workload`` (0: the first, 1: ``SHORT_OVERRIDES``) at
+    ``threads`` torch threads per worker (``mode`` ``async``: the async run, whose workers always run one
+    thread on their pinned core)."""
+    base = CALIBRATION_OVERRIDES + (SHORT_OVERRIDES if workload % 2 else [])
     if mode == "async":
-        return CALIBRATION_OVERRIDES + ASYNC_OVERRIDES
-    return CALIBRATION_OVERRIDES + [f"workflow.sync_worker_threads={threads}"]
+        return base + ASYNC_OVERRIDES
+    return base + [f"workflow.sync_worker_threads={threads}"]
 
 
 class CpuSampler:
@@ -188,13 +240,14 @@ def floating_row_s(sampler: CpuSampler, run_dir: Path, rows_per_step: int, warmu
 
 
 def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int = CALIBRATION_STEPS,
-                    mode: str = "sync", sampler: list | None = None) -> Path:
-    """Run the calibration workload for real (``asyncflow train`` in a fresh process, as a user would) with
-    ``threads`` torch threads per worker, in ``mode``; returns the run's output folder (``sampler``: a list that
-    receives the run's ``CpuSampler``)."""
+                    mode: str = "sync", sampler: list | None = None, workload: int = 0) -> Path:
+    """Run calibration workload ``workload`` for real (``asyncflow train`` in a fresh process, as a user would)
+    with ``threads`` torch threads per worker, in ``mode``; returns the run's output folder (``sampler``: a list
+    that receives the run's ``CpuSampler``)."""
     run_dir = out / f"calibration-{mode}-{threads}"
-    overrides = overrides_for(threads, mode) + [f"workflow.steps={steps}", f"observability.output_dir={run_dir}",
-                                                f"model.path={model_dir}", "observability.progress_every_s=60"]
+    overrides = overrides_for(threads, mode, workload) + [
+        f"workflow.steps={steps}", f"observability.output_dir={run_dir}", f"model.path={model_dir}",
+        "observability.progress_every_s=60"]
     env = dict(os.environ)
     if threads == 1:  # vLLM's OpenMP threads follow this bind list, not torch's thread count
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
@@ -217,17 +270,19 @@ def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps
     return run_dir
 
 
-def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int) -> ServiceCosts:
-    """``ServiceCosts`` of ``model`` from the finished calibration run in ``run_dir``."""
+def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int, workload: int = 0) -> Overheads:
+    """The ``Overheads`` of ``model`` shown by the finished sync calibration run of ``workload`` in ``run_dir``
+    (``service_costs`` turns one or more into ``ServiceCosts``)."""
     from asyncflow.config import load_config
     from asyncflow.simulator.sim import simulate
     from asyncflow.simulator.workload import draw_lengths, from_config
 
     engine_only = dataclasses.replace(model, service=ServiceCosts())
-    w = from_config(load_config(recipe, overrides_for(threads) + ["workflow.steps=16"]))
+    w = from_config(load_config(recipe, overrides_for(threads, "sync", workload) + ["workflow.steps=16"]))
     lengths = draw_lengths(w)
     real, step = real_spans(run_dir / "timeline.json", median=True)
-    return service_costs(real, step, predicted_spans(simulate(w, engine_only, lengths)), calls_per_step(w, lengths))
+    result = simulate(w, engine_only, lengths)
+    return overheads(real, step, predicted_spans(result), calls_per_step(w, lengths), predicted_tokens(result))
 
 
 def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0,

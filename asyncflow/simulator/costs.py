@@ -127,8 +127,14 @@ class ServiceCosts:
     long-tailed ones (about 4,300 tokens), so a per-row charge fitted on one of them missed the other by 3-5x."""
     reference_call_s: float = 0.0
     """Seconds per reference call (one ``score_chunk``) beyond its forward."""
+    reference_token_s: float = 0.0
+    """Seconds per padded token of a reference call beyond its forward (moving and packing per-token fields)."""
     train_micro_s: float = 0.0
     """Seconds per micro-batch of the actor's streamed first pass beyond its forward and backward."""
+    train_token_s: float = 0.0
+    """Seconds per padded token of a first-pass micro-batch beyond its forward and backward. Told apart from
+    ``train_micro_s`` by two calibration workloads whose rows differ in length (``calibrate.service_costs``);
+    measured on 2026-11-30, one per-call figure fitted on 56-token rows was 60-70% too high for 10-token rows."""
     sync_handoff_s: float = 0.0
     """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""
     async_floating_row_s: float = 0.0
@@ -215,9 +221,9 @@ def load_costs(path: str | Path) -> CostFile:
     return CostFile(variants, data.get("hardware", {}), data.get("samples", {}))
 
 
-def fit(features: list[list[float]], seconds: list[float]) -> list[float]:
+def fit(features: list[list[float]], seconds: list[float], relative: bool = True) -> list[float]:
     """Non-negative least squares of ``seconds ~ features @ coef`` (a cost is never negative), in relative
-    error: each sample's residual is divided by its time.
+    error (``relative``): each sample's residual is divided by its time.
 
     Relative, because a profile's calls span 30x in time and the predictions are judged in relative terms:
     plain least squares fitted the largest calls and left the smallest 17-42% off (Megatron ``train_step``
@@ -227,7 +233,7 @@ def fit(features: list[list[float]], seconds: list[float]) -> list[float]:
     written here because scipy is not otherwise a dependency).
     """
     y = np.asarray(seconds, dtype=float)
-    weight = 1.0 / np.maximum(y, 1e-12)
+    weight = 1.0 / np.maximum(y, 1e-12) if relative else np.ones_like(y)
     x, y = np.asarray(features, dtype=float) * weight[:, None], y * weight
     active = list(range(x.shape[1]))
     coef = np.zeros(x.shape[1])

@@ -21,7 +21,6 @@ The tiny CPU model takes a few minutes; a progress bar shows each measurement.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import platform
 import statistics
@@ -37,7 +36,6 @@ from asyncflow.simulator.costs import (
     LightCosts,
     QueueCosts,
     RolloutCosts,
-    ServiceCosts,
     TrainCosts,
     WeightSyncCosts,
     fit,
@@ -305,10 +303,11 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
     )
 
 
-def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: int, mode: str = "sync"):
-    """One real calibration run (``simulator.calibrate``) and what it gives: the ``ServiceCosts`` of a sync run,
-    or, of an async one, the floating processes' CPU seconds per row and what else async adds per second of
-    pinned work."""
+def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: int, mode: str = "sync",
+                 workload: int = 0):
+    """One real calibration run (``simulator.calibrate``) and what it gives: the ``Overheads`` of a sync run of
+    ``workload``, or, of an async one, the floating processes' CPU seconds per row and what else async adds per
+    second of pinned work."""
     import tempfile
 
     from asyncflow.config import load_config
@@ -320,35 +319,32 @@ def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: i
     keep = out.parent / f"{out.stem}-calibration"
     keep.mkdir(parents=True, exist_ok=True)
     cpu: list = []
-    run_dir = calibrate.calibration_run(recipe, Path(tempfile.mkdtemp(prefix=f"{mode}-{threads}-", dir=keep)),
-                                        model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None)
+    run_dir = calibrate.calibration_run(recipe, Path(tempfile.mkdtemp(prefix=f"{mode}-{threads}-{workload}-",
+                                                                      dir=keep)),
+                                        model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None,
+                                        workload=workload)
     if mode == "async":
         rows = from_config(load_config(recipe, calibrate.overrides_for(1, mode))).rows_per_step
         row_s = calibrate.floating_row_s(cpu[0], run_dir, rows)
         return row_s, calibrate.fit_async_floating(model, recipe, run_dir, row_s)
-    return calibrate.calibrate(model, recipe, run_dir, threads)
-
-
-def _mean(services: list) -> ServiceCosts:
-    """Field by field mean of several calibrations' ``ServiceCosts``."""
-    return ServiceCosts(**{f.name: sum(getattr(s, f.name) for s in services) / len(services)
-                           for f in dataclasses.fields(ServiceCosts)})
+    return calibrate.calibrate(model, recipe, run_dir, threads, workload)
 
 
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
             quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
-            calibration_runs: int = 1) -> CostFile:
+            calibration_runs: int = 2) -> CostFile:
     """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
 
-    ``calibrate`` (default: on unless ``quick``) then runs the loop for real once per CPU variant, in sync mode
-    on the calibration workload of ``simulator.calibrate``, and stores the services' overhead beyond the engine
-    calls as each variant's ``ServiceCosts``; and once in async mode, for variant ``1``'s floating CPU time
-    (``recipe``: the YAML those runs start from; default the tiny CPU recipe). ``calibration_runs`` repeats each
-    calibration run and averages what they give (on a shared machine two runs 25 minutes apart gave a per-call
-    overhead of 46 and 70 ms). Not on a GPU node: that path has not been run."""
+    ``calibrate`` (default: on unless ``quick``) then runs the loop for real ``calibration_runs`` times per CPU
+    variant in sync mode, alternating the two calibration workloads of ``simulator.calibrate`` (with two or more
+    runs, each service's overhead is split into per call and per token), and stores the services' overhead
+    beyond the engine calls as each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode
+    (averaged), for variant ``1``'s floating CPU time (``recipe``: the YAML those runs start from; default the
+    tiny CPU recipe). Not on a GPU node: that path has not been run."""
     import ray
     from tqdm import tqdm
 
+    from asyncflow.simulator import calibrate as calibrate_module  # ``calibrate`` is a parameter here
     from asyncflow.workflow.loop import _model_dir
 
     model_dir = str(_model_dir(cfg))
@@ -377,11 +373,11 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
             for name in calibrated:
                 found = []
-                for _ in range(calibration_runs):
+                for run in range(calibration_runs):  # alternating the two calibration workloads
                     bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
-                    found.append(_calibration(models[name], recipe, Path(out), model_dir, int(name)))
+                    found.append(_calibration(models[name], recipe, Path(out), model_dir, int(name), workload=run))
                     bar.update()
-                models[name].service = _mean(found)
+                models[name].service = calibrate_module.service_costs(found)
             if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
                 found = []
                 for _ in range(calibration_runs):

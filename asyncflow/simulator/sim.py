@@ -289,10 +289,11 @@ def reference_step(pipe: Pipe, step: int):
         chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
         tokens, seq = max((pipe.padded(step, c), pipe.padded(step, c) / len(c)) for c in chunks)
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
-        yield from pipe.work(pipe.device("reference"), tc.reference_s(tokens, seq)
-                             + q.request(tokens * 8) + q.request(resp * 4), pipe.costs.service.reference_call_s)
+        service = pipe.costs.service
+        yield from pipe.work(pipe.device("reference"), tc.reference_s(tokens, seq) + q.request(tokens * 8)
+                             + q.request(resp * 4), service.reference_call_s + service.reference_token_s * tokens)
         pipe.tq.put(step, "ref", rows)
-        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows))
+        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows), tokens=tokens)
 
 
 def advantage_step(pipe: Pipe, step: int):
@@ -309,7 +310,7 @@ def advantage_step(pipe: Pipe, step: int):
 def actor_step(pipe: Pipe, step: int, version: int):
     """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
     w, tc, q, service = pipe.w, pipe.costs.train, pipe.costs.queue, pipe.costs.service
-    per_pass, lags, start = 0.0, [], pipe.sim.now
+    per_pass, first_tokens, lags, start = 0.0, 0, [], pipe.sim.now
     device = pipe.device("actor")
     for _ in range(w.rows_per_step // (w.micro_batch_size * w.data_parallel)):
         rows = yield pipe.tq.take(step, "actor", w.micro_batch_size * w.data_parallel)
@@ -319,9 +320,11 @@ def actor_step(pipe: Pipe, step: int, version: int):
         tokens = max(pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
         cost = tc.micro_s(tokens, tokens / mbs)
         per_pass += cost
-        yield from pipe.work(device, cost + q.request(tokens * 24), service.train_micro_s)
+        first_tokens += tokens
+        yield from pipe.work(device, cost + q.request(tokens * 24), service.train_micro_s
+                             + service.train_token_s * tokens)
     yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
-    pipe.span("actor", "train", 0, start, step=step)
+    pipe.span("actor", "train", 0, start, step=step, tokens=first_tokens)
     start, ws = pipe.sim.now, pipe.costs.weight_sync
     yield device.run(ws.stage_fixed_s + ws.stage_per_byte_s * pipe.costs.weight_bytes)
     pipe.span("actor", "stage_weights", 0, start, version=version + 1)

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from asyncflow.simulator.calibrate import calls_per_step, predicted_spans, real_spans, service_costs
+from asyncflow.simulator.calibrate import calls_per_step, overheads, predicted_spans, real_spans, service_costs
 from asyncflow.simulator.costs import CostModel, ServiceCosts, load_costs
 from asyncflow.simulator.sim import simulate
+from asyncflow.workflow.batching import fit_seq_len
 from tests.simulator.test_sim import ROLLOUT, TRAIN, _generation, _training, _workload
 
 
@@ -22,6 +23,11 @@ def test_per_call_overheads_and_sync_hand_off_add_to_the_sync_step_in_closed_for
     # A step ends when its weights are published; the driver's hand-off follows, before the next step.
     assert result.step_end_s == pytest.approx([work * (i + 1) + 0.25 * i for i in range(w.steps)])
     assert result.step_time_s == pytest.approx(work + 0.25)
+    # Per padded token of the first pass's micro-batches too (4 of micro_batch_size rows of ``width`` tokens).
+    width = fit_seq_len([[0] * w.prompt_len], [[0] * 12], w.seq_cap)
+    per_token = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=dataclasses.replace(
+        service, train_token_s=1e-4)))
+    assert per_token.step_time_s == pytest.approx(work + 0.25 + 1e-4 * w.rows_per_step * width)
 
 
 def test_service_overhead_is_latency_not_device_time():
@@ -38,13 +44,33 @@ def test_service_overhead_is_latency_not_device_time():
 def test_service_costs_are_span_excesses_per_call_never_below_zero_plus_the_time_outside_spans():
     real = {"generate": 0.6, "ref_logprobs": 0.2, "train": 0.4, "score": 0.05}
     predicted = {"generate": 0.5, "ref_logprobs": 0.1, "train": 0.5}
-    costs = service_costs(real, 1.5, predicted, {"generate": 10, "ref_logprobs": 4, "train": 4})
+    costs = service_costs([overheads(real, 1.5, predicted, {"generate": 10, "ref_logprobs": 4, "train": 4})])
     assert costs.generate_token_s == pytest.approx(0.01) and costs.reference_call_s == pytest.approx(0.025)
     assert costs.train_micro_s == 0.0  # faster than the engine-only prediction: never credited
     assert costs.sync_handoff_s == pytest.approx(1.5 - 1.25)
     w = _workload(rollout_chunk=8, score_chunk=4, micro_batch_size=2)  # 16 rows a step
     lengths = [[3] * 16, [5] * 16]  # rollout's calls are its generated tokens: 48 and 80, 64 a step
     assert calls_per_step(w, lengths) == {"generate": 64, "ref_logprobs": 4, "train": 8}
+
+
+def test_two_workloads_split_a_services_overhead_into_per_call_and_per_token():
+    """Two calibration runs whose calls hold 320 and 1,728 padded tokens: the overheads a service really has,
+    2 ms a call + 4 us a token, are recovered (one run alone can only charge it per call); the per-token term of
+    rollout is the two runs' excess over their tokens."""
+    def run(tokens_per_call, gen_tokens):
+        calls = {"generate": gen_tokens, "ref_logprobs": 4, "train": 4}
+        tokens = {"ref_logprobs": 4 * tokens_per_call, "train": 4 * tokens_per_call}
+        real = {name: 4 * (0.002 + 4e-6 * tokens_per_call) for name in ("ref_logprobs", "train")}
+        real["generate"] = 1e-5 * gen_tokens
+        return overheads(real, sum(real.values()) + 0.05, {}, calls, tokens)
+
+    short, long = run(320, 512), run(1728, 3000)
+    costs = service_costs([short, long])
+    assert costs.train_micro_s == pytest.approx(0.002) and costs.train_token_s == pytest.approx(4e-6)
+    assert costs.reference_call_s == pytest.approx(0.002) and costs.reference_token_s == pytest.approx(4e-6)
+    assert costs.generate_token_s == pytest.approx(1e-5) and costs.sync_handoff_s == pytest.approx(0.05)
+    one = service_costs([long])
+    assert one.train_token_s == 0.0 and one.train_micro_s == pytest.approx(0.002 + 4e-6 * 1728)
 
 
 def test_real_spans_average_the_steps_after_the_warm_up(tmp_path):

@@ -30,7 +30,7 @@ def profiled(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "asyncflow.cli", "profile", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
            f"model.path={tmp / 'model'}", "trainer.micro_batch_size=32", "--out", str(out), "--variants", "1",
-           "--reps", "1", "--quick", "--calibrate"]
+           "--reps", "1", "--quick", "--calibrate", "--calibration-runs", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return tmp, out
