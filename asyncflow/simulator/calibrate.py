@@ -7,10 +7,11 @@ tensors, run per-row Python and, in sync mode, wait for the driver's Ray calls b
 reference forward), so every prediction was optimistic.
 
 ``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
-that task's own time), on a *calibration workload* that none of the benchmark's held-out cases use;
-``calibrate`` subtracts the simulator's engine-only prediction of the same workload from each task's mean
-span per step and divides by the task's calls (generated tokens, for rollout) per step. Those per-call
-overheads and the sync hand-off time become the cost file's ``ServiceCosts``.
+that task's own time), on one of two *calibration workloads* that none of the benchmark's held-out cases use
+(long-tailed lengths clipped at 48 or at 12 tokens); ``calibrate`` subtracts the simulator's engine-only
+prediction of the same workload from each task's median span per step, and ``service_costs`` turns what is
+left into overheads per generated token (rollout), per call and per padded token (the reference, the actor:
+least squares over the two workloads) and the sync hand-off time: the cost file's ``ServiceCosts``.
 
 Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
 the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
@@ -21,8 +22,9 @@ what else async adds, per second of pinned work (``ServiceCosts.async_floating``
 reproduces that run's steady step time.
 
 (Before the per-call form, each task's overhead was a ratio of its engine time; a second, shorter calibration
-workload to fit a per-call term beside the ratio was tried then: two noisy points made the per-call terms
-swing from 9 to 71 ms per chunk between variants.)
+workload to fit a per-call term beside the ratio was tried then, with means over four steps a run: two noisy
+points made the per-call terms swing from 9 to 71 ms per chunk between variants. The runs now last 10 steps
+and take medians over 8.)
 """
 
 from __future__ import annotations
@@ -170,8 +172,8 @@ def overrides_for(threads: int, mode: str = "sync", workload: int = 0) -> list[s
 
 class CpuSampler:
     """The CPU time of a process tree, sampled every ``interval`` seconds by a thread (psutil): per sample, each
-    process's user + system seconds and whether it is pinned to a subset of the cores (the async placement's
-    rollout, reference and actor workers) or floats over all of them."""
+    process's user + system seconds and whether it is pinned to a subset of the cores the tree's root may use
+    (the async placement's rollout, reference and actor workers) or floats over all of them."""
 
     def __init__(self, pid: int, interval: float = 0.2):
         import threading
@@ -185,11 +187,12 @@ class CpuSampler:
     def _loop(self) -> None:
         import psutil
 
-        cores = set(range(psutil.cpu_count() or 1))
+        cores = None  # the cores the run may use (a container may allow fewer than the machine has)
         while not self._stop.is_set():
             procs: dict[int, tuple[float, bool]] = {}
             try:
                 root = psutil.Process(self.pid)
+                cores = cores or set(root.cpu_affinity())
                 tree = [root, *root.children(recursive=True)]
             except psutil.NoSuchProcess:
                 return
