@@ -4,8 +4,8 @@
 
 1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier profile). The profile
    times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests), then
-   runs the loop on its own calibration workload (``simulator.calibrate``, lengths clipped at 48 tokens),
-   which no case below uses, so every run below is held out.
+   runs the loop on its own two calibration workloads (``simulator.calibrate``, lengths clipped at 48 and at
+   12 tokens), which no case below uses, so every run below is held out.
 2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
    is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
    (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose).

@@ -198,6 +198,8 @@ class Pipe:
         self.lags: list[list[int]] = []
         for step in range(w.steps):
             self.tq.put(step, "prompt", list(range(w.rows_per_step)))
+        # The fields a row is put with (response, reward, advantage, ref): what the tasks read, but the prompt.
+        self.row_fields = len({f for fields in tasks.values() for f in fields} - {"prompt"})
         if w.placement == "cpu" and w.mode != "sync" and costs.service.async_floating_row_s > 0:
             self.tq.on_put = self._floating_rows
 
@@ -206,8 +208,7 @@ class Pipe:
         per row, spread over the fields a row is put with), half on each pinned core."""
         if field == "prompt":
             return
-        fields = 4 if self.w.reference else 3  # response, reward, advantage (and ref)
-        work = self.costs.service.async_floating_row_s * rows / fields
+        work = self.costs.service.async_floating_row_s * rows / self.row_fields
         for device in (self.device("rollout"), self.device("actor")):  # core 0 and core 1+
             device.background(work / 2)
 
@@ -287,7 +288,7 @@ def reference_step(pipe: Pipe, step: int):
     while rows := (yield pipe.tq.take(step, "reference", w.score_chunk * w.data_parallel)):
         start = pipe.sim.now
         chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
-        tokens, seq = max((pipe.padded(step, c), pipe.padded(step, c) / len(c)) for c in chunks)
+        tokens, seq = max((padded, padded / len(c)) for c in chunks for padded in [pipe.padded(step, c)])
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
         service = pipe.costs.service
         yield from pipe.work(pipe.device("reference"), tc.reference_s(tokens, seq) + q.request(tokens * 8)
