@@ -1,6 +1,6 @@
 """Predicted against measured: calibrate the simulator here, then predict real runs it was not fitted on.
 
-    python bench/simulator.py [--costs FILE] [--steps 8] [--repeats 2] [--out outputs/bench_simulator] [--cases a,b]
+    python bench/simulator.py [--costs FILE] [--steps 12] [--repeats 2] [--out outputs/bench_simulator] [--cases a,b]
 
 1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier profile). The profile
    times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests), then
@@ -8,7 +8,10 @@
    12 tokens), which no case below uses, so every run below is held out.
 2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
    is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
-   (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose).
+   (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose). A real
+   step ends when its last span ends (its weights staged), as a simulated one does: ``metrics.jsonl`` has
+   stamped steps so since 2026-12-01; before, it stamped them when the driver polled for reports (every
+   0.2 s), which read async runs 2-5% faster than their timelines and left sync runs as they were.
    The machine is shared with other jobs. The primary prediction uses the costs as profiled in the same
    session; the table also shows them rescaled by a CPU probe (``profile.speed_probe``) taken before and
    after each run against its time during the profile. On 2026-11-30 the probe swung 5x while the engines'
@@ -126,7 +129,7 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--costs", default=None, help="cost file (default: profile this machine first)")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="steps of each real run (short cases: STEP_SCALE x)")
     parser.add_argument("--repeats", type=int, default=2, help="real runs per case (interleaved); the mean is used")
     parser.add_argument("--out", default="outputs/bench_simulator")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")

@@ -57,8 +57,12 @@ overhead per token (``service_costs``)."""
 ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
 """The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
 CALIBRATION_STEPS = 10
-"""Steps of a calibration run; the first ``WARMUP`` are left out (with 6, four steps a run made the per-call
-overheads swing by half between runs)."""
+"""Steps of a sync calibration run; the first ``WARMUP`` are left out (with 6, four steps a run made the
+per-call overheads swing by half between runs)."""
+ASYNC_CALIBRATION_STEPS = 20
+"""Steps of the async calibration run. Its steps are about 0.45 s and vary by 15% from one to the next (which
+task waits for which changes), and its mean step time, not a median, is what ``fit_async_floating`` matches: at
+10 steps two runs fitted ``async_floating`` 0.20 and 0.30 (2026-12-01)."""
 WARMUP = 2
 TASK_SPANS = {"generate": "generate_token_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
 """Span name -> the ``ServiceCosts`` field of its per-call overhead."""
@@ -173,9 +177,10 @@ def overrides_for(threads: int, mode: str = "sync", workload: int = 0) -> list[s
 class CpuSampler:
     """The CPU time of a process tree, sampled every ``interval`` seconds by a thread (psutil): per sample, each
     process's user + system seconds and whether it is pinned to a subset of the cores the tree's root may use
-    (the async placement's rollout, reference and actor workers) or floats over all of them."""
+    (the async placement's rollout, reference and actor workers) or floats over all of them. Sampling a run's
+    20-odd processes costs the sampling process about 1.5% of a core at 0.2 s, 0.6% at the default 0.5 s."""
 
-    def __init__(self, pid: int, interval: float = 0.2):
+    def __init__(self, pid: int, interval: float = 0.5):
         import threading
 
         self.pid, self.interval = pid, interval
@@ -232,21 +237,26 @@ class CpuSampler:
 
 
 def floating_row_s(sampler: CpuSampler, run_dir: Path, rows_per_step: int, warmup: int = WARMUP) -> float:
-    """The floating processes' CPU seconds per row over a finished run's steps after ``warmup``
-    (``metrics.jsonl`` stamps the end of every step)."""
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    ends = {r["step"]: r["time"] for r in records if "time" in r}
-    first, last = warmup - 1, max(ends)
-    if first not in ends or last - first < 2:
-        raise ValueError(f"{run_dir}: {len(ends)} steps, need at least {warmup + 2}")
-    return sampler.floating_seconds(ends[first], ends[last]) / (rows_per_step * (last - first))
+    """The floating processes' CPU seconds per row over a finished run's steps after ``warmup``, from the end
+    of step ``warmup - 1`` to the end of the last step (when their weights were staged, in ``timeline.json``)."""
+    trace = json.loads((run_dir / "timeline.json").read_text())
+    t0 = trace["otherData"]["start_unix_time"]
+    ends = sorted(t0 + (e["ts"] + e["dur"]) / 1e6 for e in trace["traceEvents"]
+                  if e.get("ph") == "X" and e["name"] == "stage_weights")
+    # The first stage_weights is version 0's, before step 0; step s ends at ends[s + 1].
+    steps = len(ends) - 1 - warmup
+    if steps < 2:
+        raise ValueError(f"{run_dir}: {len(ends) - 1} steps, need at least {warmup + 2}")
+    return sampler.floating_seconds(ends[warmup], ends[-1]) / (rows_per_step * steps)
 
 
-def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int = CALIBRATION_STEPS,
+def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps: int | None = None,
                     mode: str = "sync", sampler: list | None = None, workload: int = 0) -> Path:
     """Run calibration workload ``workload`` for real (``asyncflow train`` in a fresh process, as a user would)
-    with ``threads`` torch threads per worker, in ``mode``; returns the run's output folder (``sampler``: a list
-    that receives the run's ``CpuSampler``)."""
+    with ``threads`` torch threads per worker, in ``mode``, for ``steps`` (default ``CALIBRATION_STEPS``, or
+    ``ASYNC_CALIBRATION_STEPS`` in async); returns the run's output folder (``sampler``: a list that receives the
+    run's ``CpuSampler``)."""
+    steps = steps or (ASYNC_CALIBRATION_STEPS if mode == "async" else CALIBRATION_STEPS)
     run_dir = out / f"calibration-{mode}-{threads}"
     overrides = overrides_for(threads, mode, workload) + [
         f"workflow.steps={steps}", f"observability.output_dir={run_dir}", f"model.path={model_dir}",
@@ -288,17 +298,18 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int, workl
     return overheads(real, step, predicted_spans(result), calls_per_step(w, lengths), predicted_tokens(result))
 
 
-def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0,
-                       steps: int = CALIBRATION_STEPS) -> float:
+def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0) -> float:
     """With the floating processes' measured ``row_s`` CPU seconds per row, the CPU seconds per second of pinned
     work of whatever else async adds (``ServiceCosts.async_floating``) at which the simulator's steady step
-    time of the async calibration workload equals the real run's in ``run_dir`` (bisection; 0 when the model
-    already predicts a step as slow as measured: never below 0)."""
+    time of the async calibration workload, as many steps as the real run in ``run_dir``, equals that run's
+    (bisection; 0 when the model already predicts a step as slow as measured: never below 0)."""
     from asyncflow.config import load_config
     from asyncflow.simulator.sim import simulate
     from asyncflow.simulator.workload import from_config
 
     _, real_step = real_spans(run_dir / "timeline.json")
+    events = json.loads((run_dir / "timeline.json").read_text())["traceEvents"]
+    steps = sum(1 for e in events if e.get("ph") == "X" and e["name"] == "stage_weights") - 1  # less version 0
     w = dataclasses.replace(from_config(load_config(recipe, overrides_for(1, "async") + [f"workflow.steps={steps}"])),
                             warmup_steps=WARMUP)
 

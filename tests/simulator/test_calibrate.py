@@ -194,8 +194,10 @@ def test_floating_cpu_per_row_is_taken_over_the_steps_after_the_warm_up(tmp_path
     # Both have exited by the last samples, as at the end of a run: the floating one still counts.
     sampler.samples = [(float(t), {1: (0.5 * t, False), 2: (1.0 * t, True)} if t < 37 else {})
                        for t in range(0, 40)]
-    ends = [{"step": s, "time": 10.0 + 2 * s} for s in range(8)]
-    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in ends) + "\n")
+    # timeline.json: version 0 staged at t = 8, step s's weights at t = 10 + 2 s (microseconds from t = 5).
+    stages = [{"ph": "X", "name": "stage_weights", "ts": (t - 5.0) * 1e6, "dur": 0} for t in [8.0] +
+              [10.0 + 2 * s for s in range(8)]]
+    (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": stages, "otherData": {"start_unix_time": 5.0}}))
     # Steps 2..7 (after 2 warm-up steps): 12 s, 6 CPU s of floating work, 6 x 10 rows.
     assert floating_row_s(sampler, tmp_path, rows_per_step=10, warmup=2) == pytest.approx(6.0 / 60)
     assert sampler.floating_seconds(10.5, 11.25) == pytest.approx(0.375)  # linear between samples

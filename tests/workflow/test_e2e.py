@@ -138,3 +138,24 @@ def test_outputs_written(runs, mode):
     names = {e["name"] for e in trace["traceEvents"] if e.get("ph") == "X"}
     assert {"generate", "train", "score", "advantages", "ref_logprobs"} <= names
     assert "finished 5 steps" in runs[mode]["_stdout"]
+
+
+@pytest.mark.parametrize("name", ["async", "sync"])
+def test_step_times_are_when_the_step_was_trained(runs, name):
+    # metrics.jsonl's clock is the end of each step's training (its last span), not the moment the driver
+    # polled for reports (every 0.2 s in async): the time between steps equals the time between their
+    # train spans' ends, so samples/s is the trainer's own rate.
+    trace = json.loads((runs[name]["_out"] / "timeline.json").read_text())["traceEvents"]
+    ends: dict[int, float] = {}
+    for e in trace:  # a step ends with its train span, or with staging the weights it made
+        step = {"train": e.get("args", {}).get("step"), "stage_weights": e.get("args", {}).get("version", 0) - 1}
+        step = step.get(e["name"]) if e.get("ph") == "X" else None
+        if step is not None and step >= 0:
+            ends[step] = max(ends.get(step, 0.0), (e["ts"] + e["dur"]) / 1e6)
+    records = _records(runs[name])
+    logged = [r["time/elapsed_s"] for r in records]
+    assert len(logged) == STEPS and set(range(STEPS)) <= set(ends)
+    for s in range(1, STEPS):
+        assert abs((logged[s] - logged[s - 1]) - (ends[s] - ends[s - 1])) < 0.03, (s, logged, ends)
+        rate = records[s]["actor/rows"] / (logged[s] - logged[s - 1])
+        assert records[s]["perf/samples_per_s"] == pytest.approx(rate, rel=1e-6)

@@ -16,7 +16,7 @@ import pytest
 from tests.workflow.processes import kill_session, session_processes
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS = 12, 16
+STEPS, PROMPTS = 8, 16
 
 
 def _cmd(tmp_path: Path, *extra: str) -> list[str]:
