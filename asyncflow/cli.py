@@ -123,7 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--calibration-runs", type=int, default=2,
                       help="calibration runs per variant and mode; the sync ones alternate two workloads (rows of "
                       "up to 48 and 12 tokens), which splits each service's overhead into per call and per token "
-                      "(1: one workload, per call only)")
+                      "(1: one workload, per call only); of several runs of a workload the fastest is used (4 on a "
+                      "shared machine: two of each)")
     prof.set_defaults(func=_cmd_profile)
 
     simulate = sub.add_parser("simulate", help="discrete-event prediction of a run (step time, samples/s, idle, "

@@ -5,7 +5,8 @@
 1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier profile). The profile
    times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests), then
    runs the loop on its own two calibration workloads (``simulator.calibrate``, lengths clipped at 48 and at
-   12 tokens), which no case below uses, so every run below is held out.
+   12 tokens), which no case below uses, so every run below is held out: ``2 x --repeats`` calibration runs
+   per variant in sync (each workload ``--repeats`` times) and as many in async; the fastest of each is used.
 2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
    is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
    (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose). A real
@@ -48,6 +49,11 @@ CASES = {
     "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
     "longtail async k=0": (BASE + ["workflow.mode=async", "workflow.max_staleness=0"], None),
     "longtail async k=2": (BASE + ["workflow.mode=async", "workflow.max_staleness=2"], None),
+    # The other rollout models (``simulator.rollout_models``): one engine across steps, weights changed on an
+    # empty engine (continuous) or under the running tail (partial, its prefixes recomputed).
+    "longtail continuous k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"],
+                                None),
+    "longtail partial k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"], None),
     # Another length distribution: the add-one task's short answers (at most 4 tokens, as the demo).
     "short sync": (["workflow.mode=sync", "workflow.max_staleness=0", "trainer.micro_batch_size=32",
                     "workflow.prompts_per_step=16", "workflow.score_chunk=32"], "constant:4"),
@@ -149,7 +155,7 @@ def main(argv=None) -> int:
         args.costs = str(out / "costs.json")
         profile(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", BASE + [f"model.path={out / 'model'}"]),
                 args.costs, variants=args.variants.split(",") if args.variants else None,
-                calibration_runs=args.repeats)
+                calibration_runs=2 * args.repeats)
     costs = load_costs(args.costs)
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
     results, runs, probes = {}, {}, {}

@@ -9,7 +9,9 @@ lengths are long-tailed (lognormal, median max_new_tokens / 8, sigma 1). For eve
 tries rollout shares of 3/8 .. 3/4 of the GPUs at the recipe's rollout TP (memory checked by
 ``asyncflow plan``'s estimate), async at the recipe's staleness; sync is shown twice: this loop's sync
 (rollout and trainer on their own GPUs, lock-step, at the async-best split) and the colocated baseline the
-AsyncFlow paper compares against (every GPU generates, then every GPU trains).
+AsyncFlow paper compares against (every GPU generates, then every GPU trains). "async partial" is the async-best
+split with partial rollout (``rollout.partial``: one engine across steps, newer weights applied under the
+running tail, prefixes recomputed), at the same staleness.
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ def scenario(name: str, gpus: int, mfu: float, steps: int) -> dict:
         split.result = simulate(trial, model)
         if best is None or split.result.samples_per_s > best.result.samples_per_s:
             best = split
+    at_best = dataclasses.replace(w, rollout_instances=best.rollout_instances, data_parallel=best.trainer_dp)
+    partial = simulate(dataclasses.replace(at_best, rollout_model="partial"), model)
     sync_split = simulate(dataclasses.replace(w, mode="sync", max_staleness=0, rollout_instances=best.rollout_instances,
                                               data_parallel=best.trainer_dp), model)
     colocated = simulate(dataclasses.replace(w, mode="sync", max_staleness=0, rollout_instances=gpus // rtp,
@@ -67,6 +71,7 @@ def scenario(name: str, gpus: int, mfu: float, steps: int) -> dict:
     return {"recipe": name, "gpus": gpus, "rows_per_step": w.rows_per_step,
             "best": f"{best.rollout_instances}x TP{rtp} rollout + DP{best.trainer_dp} trainer",
             "async": best.result.samples_per_s, "async_step_s": best.result.step_time_s,
+            "async_partial": partial.samples_per_s,
             "sync_split": sync_split.samples_per_s, "sync_colocated": colocated.samples_per_s,
             "idle": {k: round(v, 2) for k, v in best.result.idle_fraction.items()}}
 
@@ -84,15 +89,18 @@ def main(argv=None) -> int:
         for gpus in SCALES:
             rows.append(scenario(name, gpus, args.mfu, args.steps))
             r = rows[-1]
-            print(f"{name} {gpus} GPUs: async {r['async']:.1f} samples/s ({r['best']}), sync {r['sync_split']:.1f}, "
-                  f"colocated sync {r['sync_colocated']:.1f}", flush=True)
-    lines = ["| recipe | GPUs | rows/step | best split (async) | async samples/s | sync (this loop) | "
-             "sync colocated | async / colocated | scaling eff. vs 64 |", "|---|---|---|---|---|---|---|---|---|"]
+            print(f"{name} {gpus} GPUs: async {r['async']:.1f} samples/s ({r['best']}), async partial "
+                  f"{r['async_partial']:.1f}, sync {r['sync_split']:.1f}, colocated sync {r['sync_colocated']:.1f}",
+                  flush=True)
+    lines = ["| recipe | GPUs | rows/step | best split (async) | async samples/s | async partial | sync (this loop) | "
+             "sync colocated | async / colocated | partial / colocated | scaling eff. vs 64 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         first = next(x for x in rows if x["recipe"] == r["recipe"])
         eff = r["async"] / first["async"] / (r["gpus"] / first["gpus"])
         lines.append(f"| {r['recipe']} | {r['gpus']} | {r['rows_per_step']} | {r['best']} | {r['async']:.1f} | "
-                     f"{r['sync_split']:.1f} | {r['sync_colocated']:.1f} | {r['async'] / r['sync_colocated']:.2f}x | "
+                     f"{r['async_partial']:.1f} | {r['sync_split']:.1f} | {r['sync_colocated']:.1f} | "
+                     f"{r['async'] / r['sync_colocated']:.2f}x | {r['async_partial'] / r['sync_colocated']:.2f}x | "
                      f"{eff:.0%} |")
     table = "\n".join(lines)
     print(f"\nPREDICTED (published H100 figures, train MFU {args.mfu:.0%}; not measured)\n\n{table}")

@@ -115,13 +115,34 @@ class Overheads:
     """Span name -> padded tokens per step of its calls (reference chunks, first-pass micro-batches)."""
     handoff: float
     """Seconds of a step outside every span (the sync driver's hand-offs)."""
+    step_s: float = 0.0
+    """The run's median step time."""
+    workload: int = 0
+    """Which calibration workload ran (``overrides_for``)."""
 
 
 def overheads(real: dict[str, float], real_step: float, predicted: dict[str, float], calls: dict[str, float],
-              tokens: dict[str, float] | None = None) -> Overheads:
+              tokens: dict[str, float] | None = None, workload: int = 0) -> Overheads:
     """The ``Overheads`` of a run whose mean spans per step are ``real`` against the engine-only ``predicted``."""
     beyond = {name: max(real.get(name, 0.0) - predicted.get(name, 0.0), 0.0) for name in TASK_SPANS}
-    return Overheads(beyond, calls, tokens or {}, max(real_step - sum(real.values()), 0.0))
+    return Overheads(beyond, calls, tokens or {}, max(real_step - sum(real.values()), 0.0), real_step, workload)
+
+
+def fastest(runs: list, key=lambda run: (run.workload, run.step_s)) -> list:
+    """Of several calibration runs of one workload, the one with the shortest step (``key``: ``(workload, step
+    seconds)`` of a run); one run per workload, in the order the workloads first ran.
+
+    The machine is shared: on 2026-12-01 both sync calibration runs of one variant ran 25-40% slower than that
+    variant's runs of other invocations while the other variant's, minutes later, were 10% slower, which made
+    its held-out sync cases 10-14% slower in prediction than measured. The fastest of two runs is the one least
+    disturbed (what timing tools report as best-of-N); the held-out runs share the machine too, so predictions
+    from it lean a few percent optimistic, in every mode alike."""
+    best: dict = {}
+    for run in runs:
+        workload, seconds = key(run)
+        if workload not in best or seconds < key(best[workload])[1]:
+            best[workload] = run
+    return list(best.values())
 
 
 def service_costs(runs: list[Overheads]) -> ServiceCosts:
@@ -295,7 +316,8 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int, workl
     lengths = draw_lengths(w)
     real, step = real_spans(run_dir / "timeline.json", median=True)
     result = simulate(w, engine_only, lengths)
-    return overheads(real, step, predicted_spans(result), calls_per_step(w, lengths), predicted_tokens(result))
+    return overheads(real, step, predicted_spans(result), calls_per_step(w, lengths), predicted_tokens(result),
+                     workload % 2)
 
 
 def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0) -> float:

@@ -326,7 +326,8 @@ def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: i
     if mode == "async":
         rows = from_config(load_config(recipe, calibrate.overrides_for(1, mode))).rows_per_step
         row_s = calibrate.floating_row_s(cpu[0], run_dir, rows)
-        return row_s, calibrate.fit_async_floating(model, recipe, run_dir, row_s)
+        _, step = calibrate.real_spans(run_dir / "timeline.json", median=True)
+        return step, row_s, calibrate.fit_async_floating(model, recipe, run_dir, row_s)
     return calibrate.calibrate(model, recipe, run_dir, threads, workload)
 
 
@@ -338,9 +339,10 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     ``calibrate`` (default: on unless ``quick``) then runs the loop for real ``calibration_runs`` times per CPU
     variant in sync mode, alternating the two calibration workloads of ``simulator.calibrate`` (with two or more
     runs, each service's overhead is split into per call and per token), and stores the services' overhead
-    beyond the engine calls as each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode
-    (averaged), for variant ``1``'s floating CPU time (``recipe``: the YAML those runs start from; default the
-    tiny CPU recipe). Not on a GPU node: that path has not been run."""
+    beyond the engine calls as each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode,
+    for variant ``1``'s floating CPU time (``recipe``: the YAML those runs start from; default the tiny CPU
+    recipe). Of several runs of one workload and mode, the fastest is used (``calibrate.fastest``: on a shared
+    machine the others were slowed by other jobs). Not on a GPU node: that path has not been run."""
     import ray
     from tqdm import tqdm
 
@@ -377,15 +379,15 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                     bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
                     found.append(_calibration(models[name], recipe, Path(out), model_dir, int(name), workload=run))
                     bar.update()
-                models[name].service = calibrate_module.service_costs(found)
+                models[name].service = calibrate_module.service_costs(calibrate_module.fastest(found))
             if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
                 found = []
                 for _ in range(calibration_runs):
                     bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
                     found.append(_calibration(models["1"], recipe, Path(out), model_dir, 1, mode="async"))
                     bar.update()
-                models["1"].service.async_floating_row_s = sum(r for r, _ in found) / len(found)
-                models["1"].service.async_floating = sum(f for _, f in found) / len(found)
+                (_, row_s, floating), = calibrate_module.fastest(found, key=lambda run: (0, run[0]))
+                models["1"].service.async_floating_row_s, models["1"].service.async_floating = row_s, floating
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

@@ -1,82 +1,223 @@
 """How a rollout engine turns prompts into finished responses over time (a registry of models).
 
-A model is a function ``serve(pipe, instance, step)``: a simulator process that pulls the step's prompt
-rows from the simulated TransferQueue, spends time on the instance's device and puts each response back
-when it finishes. ``chunked`` is today's loop (``RolloutService.run_step``): take ``rollout_chunk`` rows,
-run them as one engine batch (at most ``max_num_seqs`` at once, the rest admitted as slots free), stream
-each response out as it finishes, then take the next chunk. A continuous-batching model (the engine kept
-full across chunks, partial rollout) registers beside it with the same signature.
+A model is a function ``serve(pipe, instance, steps)``: a simulator process that serves ``steps`` (a range: one
+step per call in sync mode, every step in async) on one rollout instance. It waits for weights the staleness
+bound allows (``take_weights``), pulls the steps' prompt rows from the simulated TransferQueue, spends time on
+the instance's device and puts each response back when it finishes.
 
-The engine is simulated step by step from ``RolloutCosts``: a step prefills the sequences admitted in it
-and decodes one token for every running sequence; steps in which nothing finishes are merged into one
+- ``chunked`` is ``RolloutService.run_step``: take ``rollout_chunk`` rows, run them as one engine batch (at most
+  ``max_num_seqs`` at once, the rest admitted as slots free), stream each response out as it finishes, then
+  take the next chunk; weights change between steps.
+- ``continuous`` is ``rollout.continuous`` (``asyncflow.workflow.rollout_stream``): one engine across steps,
+  a prompt admitted as soon as a slot frees, the next step's prompts admitted while this step's tail finishes
+  once the engine serves a version the staleness bound allows; weights change only on an empty engine, so a
+  step that needs a newer version waits for the tail to drain.
+- ``partial`` is ``rollout.partial``: as ``continuous``, but a newer version is applied while responses are in
+  flight; ``rollout.partial_kv`` ``recompute`` re-prefills every in-flight response's prompt and tokens so far
+  (``keep``: no prefill). The real loop looks for a newer version every 0.05 s; the model looks at every finish
+  and every ``CHECK_STEPS`` engine steps.
+
+The engine is simulated step by step from ``RolloutCosts`` (``Engine``): a step prefills the sequences admitted
+in it and decodes one token for every running sequence; steps in which nothing finishes are merged into one
 device job, so a chunk costs a few jobs, not one per token.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Generator
 
 from asyncflow.registry import Registry
 from asyncflow.simulator.costs import RolloutCosts
+from asyncflow.workflow.board import admitted_version
 
 ROLLOUT_MODELS = Registry("rollout model")
+CHECK_STEPS = 16
+"""``partial``: engine steps between two looks at the version board when nothing finishes (the real loop looks
+every 0.05 s, about 16 steps of the tiny CPU model; at scale 16 steps are well under a second)."""
+
+
+class Engine:
+    """One engine's waiting and running sequences, advanced one finish at a time (``segment``)."""
+
+    def __init__(self, costs: RolloutCosts, prompt_len: int, max_seqs: int):
+        self.costs, self.prompt_len, self.max_seqs = costs, prompt_len, max_seqs
+        self.waiting: list = []  # keys in arrival order
+        self.running: dict = {}  # key -> tokens generated so far
+        self.lengths: dict = {}  # key -> tokens it will generate
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def free(self) -> int:
+        """Slots neither running nor promised to a waiting sequence."""
+        return max(self.max_seqs - len(self), 0)
+
+    def add(self, key, length: int) -> None:
+        """Queue a sequence that will generate ``length`` tokens."""
+        self.waiting.append(key)
+        self.lengths[key] = length
+
+    def segment(self, max_steps: int | None = None) -> tuple[float, list]:
+        """``(seconds, finished keys)`` up to the next engine step in which a sequence finishes, or after
+        ``max_steps`` engine steps with no finish (``[]``).
+
+        A sequence admitted at a step gets its first token from that step's prefill and finishes ``length - 1``
+        decode steps later; sequences wait in arrival order for one of ``max_seqs`` slots. Runs of decode steps
+        without an admission are summed in closed form (the attended context grows by one token per running
+        sequence per step), so a batch costs one iteration per finish event, not one per token."""
+        costs, work, taken = self.costs, 0.0, 0
+        while (self.waiting or self.running) and (max_steps is None or taken < max_steps):
+            admitted = self.waiting[: max(self.max_seqs - len(self.running), 0)]
+            self.waiting = self.waiting[len(admitted):]
+            batch = len(self.running) + len(admitted)
+            ctx = sum(self.prompt_len + done for done in self.running.values())
+            if admitted:  # one engine step: prefill the admitted rows (their first token), decode the others
+                steps = 1
+                work += (costs.step_s + costs.per_seq_s * batch + costs.per_ctx_token_s * ctx
+                         + (costs.prefill_per_token_s * self.prompt_len + costs.per_request_s) * len(admitted))
+            else:  # decode steps up to the next finish: context ctx, ctx + B, ctx + 2B, ...
+                steps = min(self.lengths[key] - done for key, done in self.running.items())
+                steps = steps if max_steps is None else min(steps, max_steps - taken)
+                work += (steps * (costs.step_s + costs.per_seq_s * batch)
+                         + costs.per_ctx_token_s * (steps * ctx + batch * steps * (steps - 1) / 2))
+            taken += steps
+            for key in self.running:
+                self.running[key] += steps
+            for key in admitted:
+                self.running[key] = 1
+            finished = [key for key, done in self.running.items() if done >= self.lengths[key]]
+            if finished:
+                for key in finished:
+                    del self.running[key]
+                    del self.lengths[key]
+                return work, finished
+        return work, []
+
+    def recompute_s(self) -> float:
+        """Prefill of every running sequence's prompt and tokens so far (a partial-rollout swap that drops the
+        KV cache: the requests are re-added with their tokens as the prompt)."""
+        costs = self.costs
+        return sum(costs.prefill_per_token_s * (self.prompt_len + done) + costs.per_request_s
+                   for done in self.running.values())
 
 
 def engine_batch(lengths: list[int], prompt_len: int, costs: RolloutCosts, max_seqs: int
                  ) -> list[tuple[float, list[int]]]:
-    """Segments ``(seconds, finished row positions)`` of one engine batch over ``lengths`` (tokens per row).
-
-    A row admitted at a step gets its first token from that step's prefill and finishes ``length - 1`` decode
-    steps later; rows wait in arrival order for one of ``max_seqs`` slots. Runs of decode steps without an
-    admission are summed in closed form (the attended context grows by one token per running row per step),
-    so a batch costs one iteration per finish event, not one per token.
-    """
-    waiting = list(range(len(lengths)))
-    running: dict[int, int] = {}  # row -> tokens generated so far
-    segments: list[tuple[float, list[int]]] = []
-    work = 0.0
-    while waiting or running:
-        admitted = waiting[: max(max_seqs - len(running), 0)]
-        waiting = waiting[len(admitted):]
-        batch, ctx = len(running) + len(admitted), sum(prompt_len + done for done in running.values())
-        if admitted:  # one engine step: prefill the admitted rows (their first token), decode the others
-            steps = 1
-            work += (costs.step_s + costs.per_seq_s * batch + costs.per_ctx_token_s * ctx
-                     + (costs.prefill_per_token_s * prompt_len + costs.per_request_s) * len(admitted))
-        else:  # decode steps up to the next finish: context ctx, ctx + B, ctx + 2B, ...
-            steps = min(lengths[row] - done for row, done in running.items())
-            work += (steps * (costs.step_s + costs.per_seq_s * batch)
-                     + costs.per_ctx_token_s * (steps * ctx + batch * steps * (steps - 1) / 2))
-        for row in running:
-            running[row] += steps
-        for row in admitted:
-            running[row] = 1
-        finished = [row for row, done in running.items() if done >= lengths[row]]
-        if finished:
-            for row in finished:
-                del running[row]
-            segments.append((work, finished))
-            work = 0.0
+    """Segments ``(seconds, finished row positions)`` of one engine batch over ``lengths`` (tokens per row)."""
+    engine = Engine(costs, prompt_len, max_seqs)
+    for row, length in enumerate(lengths):
+        engine.add(row, length)
+    segments = []
+    while len(engine):
+        segments.append(engine.segment())
     return segments
 
 
+def take_weights(pipe, instance: int, step: int) -> Generator:
+    """Wait for a version the staleness bound allows for ``step``, then apply the newest one if it is newer than
+    the instance's (``RolloutService._admit``)."""
+    start = pipe.sim.now
+    yield pipe.board.wait(admitted_version(step, pipe.w.max_staleness))
+    if pipe.sim.now > start:
+        pipe.span("rollout", "wait_weights", instance, start)
+    yield from _apply(pipe, instance)
+
+
+def _apply(pipe, instance: int, extra_s: float = 0.0) -> Generator:
+    newest = pipe.board.version
+    if newest != pipe.served[instance]:
+        start, ws = pipe.sim.now, pipe.costs.weight_sync
+        yield pipe.device("rollout", instance).run(ws.apply_fixed_s + ws.apply_per_byte_s * pipe.costs.weight_bytes
+                                                   + extra_s)
+        pipe.served[instance] = newest
+        pipe.span("rollout", "load_weights", instance, start, version=newest)
+
+
+def _put(pipe, finished: list, version: dict) -> None:
+    """Put finished ``(step, row)`` responses, grouped by step (``version``: each row's oldest token's)."""
+    by_step = defaultdict(list)
+    for step, row in finished:
+        by_step[step].append(row)
+    for step, rows in by_step.items():
+        for v in sorted({version[(step, r)] for r in rows}):
+            pipe.tq.put(step, "response", [r for r in rows if version[(step, r)] == v], version=v)
+
+
+def _put_s(pipe, finished: list) -> float:
+    """The TransferQueue puts of finished rows: the loop puts a few at a time (16 per put), tokens and logprobs,
+    12 bytes a token."""
+    tokens = sum(pipe.lengths[step][row] for step, row in finished)
+    return pipe.costs.queue.request(tokens * 12) * max(len(finished) / 16, 1)
+
+
 @ROLLOUT_MODELS.register("chunked")
-def chunked(pipe, instance: int, step: int) -> Generator:
-    """Today's loop: one engine batch per ``rollout_chunk`` rows; responses stream out as they finish."""
+def chunked(pipe, instance: int, steps: range) -> Generator:
+    """``RolloutService.run_step``: one engine batch per ``rollout_chunk`` rows; responses stream out as they
+    finish; weights change between steps."""
     w = pipe.w
     device = pipe.device("rollout", instance)
-    while True:
-        rows = yield pipe.tq.take(step, "rollout", w.rollout_chunk)
-        if not rows:
-            return
-        start = pipe.sim.now
-        lengths = [pipe.lengths[step][r] for r in rows]
-        get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
-        yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
-        for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
-            done = [rows[i] for i in finished]
-            # The loop puts finished rows a few at a time (16 per put): tokens and logprobs, 12 bytes a token.
-            put = pipe.costs.queue.request(sum(pipe.lengths[step][r] for r in done) * 12) * max(len(done) / 16, 1)
-            yield device.run(seconds + put)
-            pipe.tq.put(step, "response", done, version=pipe.served[instance])
-        pipe.span("rollout", "generate", instance, start, rows=len(rows))
+    for step in steps:
+        yield from take_weights(pipe, instance, step)
+        while rows := (yield pipe.tq.take(step, "rollout", w.rollout_chunk)):
+            start = pipe.sim.now
+            lengths = [pipe.lengths[step][r] for r in rows]
+            get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
+            yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
+            version = {(step, r): pipe.served[instance] for r in rows}
+            for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
+                done = [(step, rows[i]) for i in finished]
+                yield device.run(seconds + _put_s(pipe, done))
+                _put(pipe, done, version)
+            pipe.span("rollout", "generate", instance, start, rows=len(rows))
+
+
+def _stream(pipe, instance: int, steps: range, partial: bool) -> Generator:
+    """``continuous`` and ``partial``: one engine across ``steps`` (``ContinuousRollout.run``)."""
+    w, sim = pipe.w, pipe.sim
+    device = pipe.device("rollout", instance)
+    engine = Engine(pipe.costs.rollout, w.prompt_len, w.max_num_seqs)
+    version: dict = {}  # (step, row) -> the version of its first token
+    admit, busy = steps.start, None
+    while admit < steps.stop or len(engine):
+        if admit < steps.stop:
+            need, served = admitted_version(admit, w.max_staleness), pipe.served[instance]
+            if not len(engine) and (served < need or pipe.board.version > served):
+                if busy is not None:  # the engine waits: close its generate span
+                    pipe.span("rollout", "generate", instance, busy)
+                    busy = None
+                yield from take_weights(pipe, instance, admit)
+            elif partial and len(engine) and pipe.board.version > served and pipe.board.version >= need:
+                recompute = engine.recompute_s() if w.partial_kv == "recompute" else 0.0
+                yield from _apply(pipe, instance, recompute)
+            if pipe.served[instance] >= need and engine.free:
+                rows = yield pipe.tq.take(admit, "rollout", engine.free)
+                if not rows:  # every row of the step is admitted
+                    admit += 1
+                    continue
+                busy = sim.now if busy is None else busy
+                lengths = [pipe.lengths[admit][r] for r in rows]
+                get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
+                yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
+                for r, length in zip(rows, lengths):
+                    engine.add((admit, r), length)
+                    version[(admit, r)] = pipe.served[instance]
+                continue
+        seconds, finished = engine.segment(CHECK_STEPS if partial else None)
+        yield device.run(seconds + (_put_s(pipe, finished) if finished else 0.0))
+        _put(pipe, finished, version)
+    if busy is not None:
+        pipe.span("rollout", "generate", instance, busy)
+
+
+@ROLLOUT_MODELS.register("continuous")
+def continuous(pipe, instance: int, steps: range) -> Generator:
+    """``rollout.continuous``: one engine across steps; weights change only on an empty engine."""
+    yield from _stream(pipe, instance, steps, partial=False)
+
+
+@ROLLOUT_MODELS.register("partial")
+def partial(pipe, instance: int, steps: range) -> Generator:
+    """``rollout.partial``: as ``continuous``, with newer weights applied while responses are in flight."""
+    yield from _stream(pipe, instance, steps, partial=True)

@@ -25,7 +25,6 @@ from asyncflow.simulator.events import Device, Event, Sim
 from asyncflow.simulator.rollout_models import ROLLOUT_MODELS
 from asyncflow.simulator.workload import Workload, draw_lengths
 from asyncflow.workflow.batching import fit_seq_len
-from asyncflow.workflow.board import admitted_version
 
 TASK_FIELDS = {"rollout": ("prompt",), "reward": ("response",), "reference": ("response",),
                "advantage": ("reward",), "actor": ("advantage",), "actor+ref": ("advantage", "ref")}
@@ -255,18 +254,8 @@ class Pipe:
 
 # ------------------------------------------------------------------------------------------ tasks
 def rollout_step(pipe: Pipe, instance: int, step: int):
-    """Admission under the staleness bound, the newest weights applied, then the rollout model."""
-    w, start = pipe.w, pipe.sim.now
-    yield pipe.board.wait(admitted_version(step, w.max_staleness))
-    if pipe.sim.now > start:
-        pipe.span("rollout", "wait_weights", instance, start)
-    newest = pipe.board.version
-    if newest != pipe.served[instance]:
-        start, ws = pipe.sim.now, pipe.costs.weight_sync
-        yield pipe.device("rollout", instance).run(ws.apply_fixed_s + ws.apply_per_byte_s * pipe.costs.weight_bytes)
-        pipe.served[instance] = newest
-        pipe.span("rollout", "load_weights", instance, start, version=newest)
-    yield from ROLLOUT_MODELS.resolve(w.rollout_model)(pipe, instance, step)
+    """One step of rollout on ``instance`` (sync mode): the rollout model over that step alone."""
+    yield from ROLLOUT_MODELS.resolve(pipe.w.rollout_model)(pipe, instance, range(step, step + 1))
 
 
 def reward_step(pipe: Pipe, step: int):
@@ -367,8 +356,9 @@ def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = No
     if w.mode == "sync":
         sim.process(_sync_driver(pipe))
     else:
-        for i in range(w.rollout_instances):
-            sim.process(_loop(rollout_step, w.steps, pipe, i))
+        model = ROLLOUT_MODELS.resolve(w.rollout_model)
+        for i in range(w.rollout_instances):  # every step, admitted under the staleness bound
+            sim.process(model(pipe, i, range(w.steps)))
         sim.process(_loop(reward_step, w.steps, pipe))
         if w.reference:
             sim.process(_loop(reference_step, w.steps, pipe))

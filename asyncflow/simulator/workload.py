@@ -66,7 +66,11 @@ class Workload:
     seed: int = 0
     """Seed of the length draws."""
     rollout_model: str = "chunked"
-    """How an engine turns prompts into responses over time (``rollout_models.ROLLOUT_MODELS``)."""
+    """How an engine turns prompts into responses over time (``rollout_models.ROLLOUT_MODELS``: ``chunked``,
+    ``continuous``, ``partial``; ``from_config`` picks the recipe's ``rollout.continuous`` / ``rollout.partial``)."""
+    partial_kv: Literal["recompute", "keep"] = "recompute"
+    """Partial rollout's KV cache at a weight swap (``rollout.partial_kv``): ``recompute`` prefills every
+    in-flight response again, ``keep`` does not."""
     placement: Literal["cpu", "devices"] = "cpu"
     """``cpu``: the tiny recipes' core layout (``workflow.placement``): async puts rollout and the reference on
     core 0 and the actor on the others, sync puts everything on all cores. ``devices``: each rollout engine
@@ -100,6 +104,13 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
     if prompt_len is None:
         prompt_len = cfg.data.max_prompt_len if wf.task in ("jsonl", "parquet") else 6
     sync = wf.mode == "sync"
+    if cfg.agent.loop is not None:
+        from asyncflow.config_loader import ConfigError
+
+        raise ConfigError(f"agent.loop={cfg.agent.loop!r}: multi-turn rollouts are not simulated (tool calls and "
+                         "observations have no cost model); simulate the single-turn recipe with "
+                         "rollout.continuous=true instead")
+    model = "partial" if cfg.rollout.partial else "continuous" if cfg.rollout.continuous else "chunked"
     return Workload(
         mode=wf.mode, max_staleness=0 if sync else wf.max_staleness, steps=wf.steps,
         prompts_per_step=wf.prompts_per_step, samples_per_prompt=wf.samples_per_prompt,
@@ -107,7 +118,7 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         score_chunk=wf.score_chunk, micro_batch_size=tr.micro_batch_size, data_parallel=tr.data_parallel,
         fixed_shape=tr.pipeline_parallel > 1, ppo_epochs=cfg.algorithm.ppo_epochs, reference=cfg.algorithm.kl_coef > 0,
         prompt_len=prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-        lengths=lengths or default_lengths(cfg), seed=wf.seed,
+        lengths=lengths or default_lengths(cfg), seed=wf.seed, rollout_model=model, partial_kv=cfg.rollout.partial_kv,
         placement="cpu" if cfg.ray.accelerator is None else "devices",
         variant=str(wf.sync_worker_threads if sync else wf.worker_threads) if cfg.ray.accelerator is None else "device",
     )

@@ -243,3 +243,15 @@ def test_the_ready_view_is_built_in_index_order_at_the_first_request_then_in_rea
     # lower index when the view is built.
     q.put(0, "reward", [4, 5, 6, 7, 0, 1, 2, 3])
     assert q.take(0, "advantage", 4).value == [0, 1, 2, 3]
+
+
+def test_of_several_runs_of_a_workload_the_fastest_is_kept():
+    from asyncflow.simulator.calibrate import fastest, overheads
+
+    runs = [overheads({"generate": 0.5}, step, {}, {"generate": 100}, workload=workload)
+            for workload, step in ((0, 1.2), (1, 0.5), (0, 0.9), (1, 0.6))]
+    kept = fastest(runs)
+    assert [(r.workload, r.step_s) for r in kept] == [(0, 0.9), (1, 0.5)]
+    assert kept[0].handoff == pytest.approx(0.4)  # the step outside its spans, of the kept run
+    # Async runs: (step seconds, floating CPU per row, async_floating), one workload.
+    assert fastest([(0.50, 1e-3, 0.3), (0.45, 9e-4, 0.2)], key=lambda run: (0, run[0])) == [(0.45, 9e-4, 0.2)]

@@ -36,6 +36,22 @@ def test_cost_file_round_trips(cost_file):
         load_costs(cost_file)
 
 
+@pytest.mark.parametrize("mode", ["continuous", "partial"])
+def test_simulate_picks_the_recipes_rollout_model(cost_file, tmp_path, capsys, mode):
+    from asyncflow.config import load_config
+    from asyncflow.simulator.workload import from_config
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [f"rollout.{mode}=true", "rollout.partial_kv=keep"])
+    assert from_config(cfg).rollout_model == mode and from_config(cfg).partial_kv == "keep"
+    rc = main(["simulate", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), "workflow.task=add1_longtail",
+               "rollout.max_new_tokens=128", f"rollout.{mode}=true", "--costs", str(cost_file), "--steps", "6",
+               "--out", str(tmp_path / "sim")])
+    assert rc == 0 and "as configured (async, k=1)" in capsys.readouterr().out
+    # Multi-turn agent loops have no cost model: a clear error, not a chunked prediction.
+    rc = main(["simulate", str(REPO / "recipes/tiny_cpu/tool_async.yaml"), "--costs", str(cost_file)])
+    assert rc == 2 and "multi-turn rollouts are not simulated" in capsys.readouterr().err
+
+
 def test_simulate_tiny_recipe_prints_table_and_draws_gantt(cost_file, tmp_path, capsys):
     out = tmp_path / "sim"
     rc = main(["simulate", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), "workflow.task=add1_longtail",

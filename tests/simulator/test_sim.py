@@ -136,13 +136,17 @@ def test_long_tail_costs_more_than_its_mean_in_sync():
     assert simulate(asyn, costs).samples_per_s > simulate(tail, costs).samples_per_s
 
 
-CASES = list(itertools.product(["async", "sync"], [0, 1, 2], [1, 3], ["cpu", "devices"], [5, 16]))
+ROLLOUTS = [("chunked", 5), ("chunked", 16), ("continuous", 16), ("partial", 16)]
+CASES = list(itertools.product(["async", "sync"], [0, 1, 2], [1, 3], ["cpu", "devices"], ROLLOUTS))
 
 
-@pytest.mark.parametrize("mode,k,instances,placement,chunk", CASES)
-def test_staleness_bound_is_never_exceeded(mode, k, instances, placement, chunk):
+@pytest.mark.parametrize("mode,k,instances,placement,rollout", CASES)
+def test_staleness_bound_is_never_exceeded(mode, k, instances, placement, rollout):
+    model, chunk = rollout
+    # Continuous engines with 6 slots for 16 rows a step: a step's tail and the next step's head overlap.
     w = _workload(mode=mode, max_staleness=k, rollout_instances=instances, placement=placement, rollout_chunk=chunk,
-                  score_chunk=8, lengths="lognormal:6:1", steps=7, reference=True, seed=k + instances)
+                  score_chunk=8, lengths="lognormal:6:1", steps=7, reference=True, seed=k + instances,
+                  rollout_model=model, max_num_seqs=6 if model != "chunked" else 256)
     costs = CostModel(rollout=ROLLOUT, train=TRAIN, weight_sync=WeightSyncCosts(apply_fixed_s=0.05),
                       queue=QueueCosts(per_request_s=1e-3))
     result = simulate(w, costs)
@@ -186,3 +190,53 @@ def test_rollout_model_registry_names_the_valid_models():
     w = _workload(rollout_model="continuous-someday")
     with pytest.raises(RegistryError, match="valid: chunked"):
         simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
+
+
+def _one_slot_costs(**rollout) -> CostModel:
+    """Every engine step costs 1 s; training costs ``optimizer_s`` 2 s a step; nothing else costs anything."""
+    return CostModel(rollout=RolloutCosts(step_s=1.0, **rollout), train=TrainCosts(optimizer_s=2.0))
+
+
+def _spans(result, name: str) -> list[dict]:
+    return [e for e in result.timeline.to_chrome_trace()["traceEvents"] if e.get("ph") == "X" and e["name"] == name]
+
+
+def test_continuous_rollout_admits_the_next_steps_prompts_into_slots_the_tail_leaves():
+    """Two rows a step, two slots, staleness 1; step 0 is one 8-token row and one 1-token row, step 1 two 1-token
+    rows. Chunked: step 1 starts once step 0's 8-token row is done (t = 8) and ends at 9. Continuous: step 1's
+    rows take the slot the short row left, at t = 1 and 2, and are done at t = 3, so the engine is never idle
+    and done at 8. Training (2 s a step) sets the step ends either way: 10 and 12."""
+    w = _workload(mode="async", max_staleness=1, steps=2, prompts_per_step=1, samples_per_prompt=2, rollout_chunk=2,
+                  max_num_seqs=2, micro_batch_size=2, ppo_epochs=1, max_new_tokens=8)
+    lengths = [[8, 1], [1, 1]]
+    chunked = simulate(w, _one_slot_costs(), lengths)
+    continuous = simulate(dataclasses.replace(w, rollout_model="continuous"), _one_slot_costs(), lengths)
+    assert chunked.step_end_s == pytest.approx([8 + 2, 8 + 2 + 2])  # step 1's rows are in at 9, before 10
+    assert continuous.step_end_s == pytest.approx([10, 12])
+    # The rollout instance is busy 0-9 chunked (two chunks) and 0-8 continuous (one engine, never drained).
+    assert [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in _spans(chunked, "generate")] == [(0, 8), (8, 9)]
+    assert [(e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6) for e in _spans(continuous, "generate")] == [(0, 8)]
+    assert continuous.lags == [[0, 0], [1, 1]]
+
+
+@pytest.mark.parametrize("kv", ["recompute", "keep"])
+def test_partial_rollout_swaps_weights_under_a_running_tail_and_recomputes_its_prefix(kv):
+    """Staleness 1, four slots; step 1 has a 30-token row. The first engine step admits both steps' rows (1 s
+    and 4 x 6 prompt tokens at 0.1 s: t = 3.4) and finishes the 1-token ones. Step 2 needs version 1, published
+    at 5.4 after step 0's 2 s of training. Continuous: the engine drains the 30-token row first (t = 32.4), then
+    loads version 1. Partial: it swaps at its first look after 5.4, 16 engine steps on (t = 19.4), under the
+    running row; ``recompute`` prefills that row's prompt and 17 tokens again, ``keep`` does not."""
+    w = _workload(mode="async", max_staleness=1, steps=3, prompts_per_step=1, samples_per_prompt=2, rollout_chunk=2,
+                  max_num_seqs=4, micro_batch_size=2, ppo_epochs=1, max_new_tokens=30, prompt_len=6)
+    lengths = [[1, 1], [30, 1], [1, 1]]
+    costs = _one_slot_costs(prefill_per_token_s=0.1)
+    continuous = simulate(dataclasses.replace(w, rollout_model="continuous"), costs, lengths)
+    partial = simulate(dataclasses.replace(w, rollout_model="partial", partial_kv=kv), costs, lengths)
+    loads = {e["args"]["version"]: (e["ts"] / 1e6, e["dur"] / 1e6) for e in _spans(partial, "load_weights")}
+    swap = 0.1 * (6 + 17) if kv == "recompute" else 0.0
+    assert loads[1] == pytest.approx((3.4 + 16, swap))
+    drained = {e["args"]["version"]: e["ts"] / 1e6 for e in _spans(continuous, "load_weights")}
+    assert drained[1] == pytest.approx(3.4 + 29)
+    # Step 2 was generated by version 1 either way (its oldest token's version: lag 1); step 1's long row keeps
+    # the version of its first token (0) although most of its tokens came from version 1.
+    assert partial.lags == continuous.lags == [[0, 0], [1, 1], [1, 1]]
