@@ -270,18 +270,40 @@ def reward_step(pipe: Pipe, step: int):
         pipe.span("reward", "score", 0, start, rows=len(rows))
 
 
+class _Replicas:
+    """The work of ``n`` data-parallel replicas that run side by side and meet only at the end (the actor's
+    gradient all-reduce, or nothing: the reference): each call adds one piece of work per replica, and the
+    device is charged what the slowest replica's running total grew by, so a pass costs the slowest replica's
+    sum, not the sum of each call's slowest piece (which charged every long row as if all replicas waited for
+    it: at DP 32 with one-row micro-batches of long-tailed lengths that doubled the trainer's time)."""
+
+    def __init__(self, n: int):
+        self.totals, self.charged = [0.0] * n, 0.0
+
+    def add(self, work: list[float]) -> float:
+        """Seconds to charge for ``work`` (one piece per replica, in replica order; fewer at a step's end)."""
+        for replica, seconds in enumerate(work):
+            self.totals[replica] += seconds
+        lead = max(self.totals)
+        grown, self.charged = lead - self.charged, lead
+        return grown
+
+
 def reference_step(pipe: Pipe, step: int):
     """Reference log-probs: each data-parallel replica takes its own ``score_chunk`` of responses (a forward
-    pass over the chunk padded to its longest row); replicas run side by side."""
+    pass over the chunk padded to its longest row); replicas run side by side (``_Replicas``)."""
     w, q, tc = pipe.w, pipe.costs.queue, pipe.costs.train
+    replicas = _Replicas(w.data_parallel)
     while rows := (yield pipe.tq.take(step, "reference", w.score_chunk * w.data_parallel)):
         start = pipe.sim.now
         chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
-        tokens, seq = max((padded, padded / len(c)) for c in chunks for padded in [pipe.padded(step, c)])
+        padded = [pipe.padded(step, c) for c in chunks]
+        work = replicas.add([tc.reference_s(p, p / len(c)) for p, c in zip(padded, chunks)])
+        tokens = max(padded)
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
         service = pipe.costs.service
-        yield from pipe.work(pipe.device("reference"), tc.reference_s(tokens, seq) + q.request(tokens * 8)
-                             + q.request(resp * 4), service.reference_call_s + service.reference_token_s * tokens)
+        yield from pipe.work(pipe.device("reference"), work + q.request(tokens * 8) + q.request(resp * 4),
+                             service.reference_call_s + service.reference_token_s * tokens)
         pipe.tq.put(step, "ref", rows)
         pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows), tokens=tokens)
 
@@ -300,19 +322,20 @@ def advantage_step(pipe: Pipe, step: int):
 def actor_step(pipe: Pipe, step: int, version: int):
     """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
     w, tc, q, service = pipe.w, pipe.costs.train, pipe.costs.queue, pipe.costs.service
-    per_pass, first_tokens, lags, start = 0.0, 0, [], pipe.sim.now
-    device = pipe.device("actor")
-    for _ in range(w.rows_per_step // (w.micro_batch_size * w.data_parallel)):
-        rows = yield pipe.tq.take(step, "actor", w.micro_batch_size * w.data_parallel)
+    first_tokens, lags, start = 0, [], pipe.sim.now
+    device, replicas, mbs = pipe.device("actor"), _Replicas(w.data_parallel), w.micro_batch_size
+    for _ in range(w.rows_per_step // (mbs * w.data_parallel)):
+        rows = yield pipe.tq.take(step, "actor", mbs * w.data_parallel)
         lags += [version - pipe.tq.versions[step][r] for r in rows]
-        # Replicas run side by side on distinct rows: the slowest (widest) micro-batch sets the pace.
-        mbs = w.micro_batch_size
-        tokens = max(pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
-        cost = tc.micro_s(tokens, tokens / mbs)
-        per_pass += cost
+        # Replicas run side by side on distinct rows (one micro-batch each here) and meet at the all-reduce.
+        padded = [pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs)]
+        work = replicas.add([tc.micro_s(tokens, tokens / mbs) for tokens in padded])
+        tokens = max(padded)
         first_tokens += tokens
-        yield from pipe.work(device, cost + q.request(tokens * 24), service.train_micro_s
+        yield from pipe.work(device, work + q.request(tokens * 24), service.train_micro_s
                              + service.train_token_s * tokens)
+    # The other epochs re-read each replica's cached micro-batches: the slowest replica's pass again.
+    per_pass = max(replicas.totals)
     yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
     pipe.span("actor", "train", 0, start, step=step, tokens=first_tokens)
     start, ws = pipe.sim.now, pipe.costs.weight_sync
