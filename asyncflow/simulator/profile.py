@@ -27,6 +27,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from asyncflow.config import AsyncFlowConfig, replace
@@ -273,22 +274,40 @@ def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar, gr
             except Exception:  # a probe that died: killing it is all that is left
                 pass
             ray.kill(probe)
-    return _fit_variant(samples, cfg.trainer.micro_batch_size), samples
+    model, misses = _fit_variant(samples, cfg.trainer.micro_batch_size)
+    return model, samples, misses
 
 
-def _fit_variant(samples: dict, mbs: int) -> CostModel:
-    """Least-squares costs of one variant's samples (features as ``rollout_models.engine_batch`` sums them)."""
+FIT_MISS_WARNING = 0.5
+"""A fitted cost that misses one of its own profiled calls by more than this (relative) is reported: on
+2026-12-01 a test run on the other core slowed the 2-thread variant's vLLM calls 15x but one, and the rollout
+fit collapsed to a constant per step that predicted a held-out sync run at 38 samples/s for 87 measured."""
+
+
+def _fit_group(features: list[list[float]], seconds: list[float]) -> tuple[list[float], float]:
+    """``fit`` plus the largest relative miss of the fitted costs on the samples they were fitted to."""
+    coef = fit(features, seconds)
+    predicted = np.asarray(features, dtype=float) @ np.asarray(coef)
+    y = np.asarray(seconds, dtype=float)
+    return coef, float(np.max(np.abs(predicted - y) / np.maximum(y, 1e-12)))
+
+
+def _fit_variant(samples: dict, mbs: int) -> tuple[CostModel, dict[str, float]]:
+    """Least-squares costs of one variant's samples (features as ``rollout_models.Engine`` sums them), and the
+    largest relative miss of each fit on its own samples (``FIT_MISS_WARNING``)."""
     feats = [[s["length"], s["batch"] * s["length"],
               s["batch"] * (s["length"] * s["prompt"] + s["length"] * (s["length"] - 1) / 2),
               s["batch"] * s["prompt"], s["batch"]] for s in samples["rollout"]]
-    step, per_seq, per_ctx, prefill, per_req = fit(feats, [s["seconds"] for s in samples["rollout"]])
-    # engine_batch charges per_seq on the prefill step as well: B x L sequence-steps in all, as fitted.
-    per_micro, per_token, per_token_seq, opt = fit(
+    (step, per_seq, per_ctx, prefill, per_req), rollout_miss = _fit_group(
+        feats, [s["seconds"] for s in samples["rollout"]])
+    # The engine charges per_seq on the prefill step as well: B x L sequence-steps in all, as fitted.
+    (per_micro, per_token, per_token_seq, opt), train_miss = _fit_group(
         [[s["micro"], s["micro"] * mbs * s["seq"], s["micro"] * mbs * s["seq"] ** 2, 1.0] for s in samples["train"]],
         [s["seconds"] for s in samples["train"]])
-    ref_call, ref_token, ref_token_seq = fit([[1.0, s["rows"] * s["seq"], s["rows"] * s["seq"] ** 2]
-                                              for s in samples["reference"]],
-                                             [s["seconds"] for s in samples["reference"]])
+    (ref_call, ref_token, ref_token_seq), ref_miss = _fit_group(
+        [[1.0, s["rows"] * s["seq"], s["rows"] * s["seq"] ** 2] for s in samples["reference"]],
+        [s["seconds"] for s in samples["reference"]])
+    misses = {"rollout": rollout_miss, "train": train_miss, "reference": ref_miss}
     stage = statistics.median(s["seconds"] for s in samples["stage"])
     apply = statistics.median(s["seconds"] for s in samples["apply"])
     nbytes = samples["stage"][0]["bytes"]
@@ -300,7 +319,7 @@ def _fit_variant(samples: dict, mbs: int) -> CostModel:
                          ref_per_call_s=ref_call, ref_per_token_s=ref_token, ref_per_token_seq_s=ref_token_seq),
         weight_sync=WeightSyncCosts(stage_per_byte_s=stage / nbytes, apply_per_byte_s=apply / nbytes),
         weight_bytes=nbytes,
-    )
+    ), misses
 
 
 def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: int, mode: str = "sync",
@@ -356,7 +375,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     t0 = time.time()
     ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
              include_dashboard=False, log_to_driver=False)
-    models, samples = {}, {}
+    models, samples, fit_misses = {}, {}, {}
     grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
     calibrated = [v for v in variants if v != "device"] if (not quick if calibrate is None else calibrate) else []
     total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + (len(calibrated) + ("1" in calibrated)) * \
@@ -368,7 +387,12 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             bar.update()
             for name in variants:
                 before = speed_probe()
-                models[name], samples[name] = _variant(cfg, model_dir, name, reps, bar, grids)
+                models[name], samples[name], fit_misses[name] = _variant(cfg, model_dir, name, reps, bar, grids)
+                for group, miss in fit_misses[name].items():
+                    if miss > FIT_MISS_WARNING:
+                        bar.write(f"asyncflow profile: WARNING variant {name}: the fitted {group} costs miss one of "
+                                  f"its profiled calls by {miss:.0%}; another job on this machine may have slowed "
+                                  "some calls (see samples in the cost file): profile again on a quiet machine")
                 models[name].queue, models[name].light = queue, light
                 models[name].speed_probe_s = (before + speed_probe()) / 2
             samples["queue"] = queue_samples
@@ -398,7 +422,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                 "torch": torch.__version__, "model": model_dir, "hidden": arch.hidden_size, "layers": arch.num_layers,
                 "vocab": arch.vocab_size, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                 "seconds": time.time() - t0, "grid": "quick" if quick else "full",
-                "loadavg_before": load_before, "loadavg_after": os.getloadavg()}
+                "loadavg_before": load_before, "loadavg_after": os.getloadavg(), "worst_fit_miss": fit_misses}
     costs = CostFile(models, hardware, samples)
     costs.save(out)
     return costs

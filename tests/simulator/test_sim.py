@@ -256,3 +256,16 @@ def test_data_parallel_replicas_meet_only_at_the_end_of_the_pass():
     step = (0.01 + 0.001) * (long + short)
     assert step < (0.01 + 0.001) * 2 * long * 0.95
     assert result.step_end_s == pytest.approx([step, 2 * step])
+
+
+def test_a_profile_whose_calls_were_disturbed_reports_how_far_its_fit_misses_them():
+    from asyncflow.simulator.profile import FIT_MISS_WARNING, _fit_group
+
+    features = [[length, batch * length] for batch in (1, 8, 32, 128) for length in (16, 64)]
+    seconds = [0.003 * f[0] + 1e-5 * f[1] for f in features]
+    coef, miss = _fit_group(features, seconds)
+    assert coef == pytest.approx([0.003, 1e-5], rel=1e-6) and miss < 1e-6
+    # All calls but the last slowed 15x by another job (2026-12-01): no line through them fits every call.
+    disturbed = [s * 15 for s in seconds[:-1]] + seconds[-1:]
+    _, miss = _fit_group(features, disturbed)
+    assert miss > FIT_MISS_WARNING
