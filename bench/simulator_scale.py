@@ -9,7 +9,8 @@ lengths are long-tailed (lognormal, median max_new_tokens / 8, sigma 1). For eve
 tries rollout shares of 3/8 .. 3/4 of the GPUs at the recipe's rollout TP (memory checked by
 ``asyncflow plan``'s estimate), async at the recipe's staleness; sync is shown twice: this loop's sync
 (rollout and trainer on their own GPUs, lock-step, at the async-best split) and the colocated baseline the
-AsyncFlow paper compares against (every GPU generates, then every GPU trains). "async partial" is the async-best
+AsyncFlow paper compares against (every GPU generates, with every prompt of the step in the engine at once,
+then every GPU trains). "async partial" is the async-best
 split with partial rollout (``rollout.partial``: one engine across steps, newer weights applied under the
 running tail, prefixes recomputed), at the same staleness.
 """
@@ -66,8 +67,10 @@ def scenario(name: str, gpus: int, mfu: float, steps: int) -> dict:
     partial = simulate(dataclasses.replace(at_best, rollout_model="partial"), model)
     sync_split = simulate(dataclasses.replace(w, mode="sync", max_staleness=0, rollout_instances=best.rollout_instances,
                                               data_parallel=best.trainer_dp), model)
+    # The paper's baseline hands each step's prompts to vLLM at once (continuous batching within the step), not
+    # in the recipe's rollout_chunk pieces.
     colocated = simulate(dataclasses.replace(w, mode="sync", max_staleness=0, rollout_instances=gpus // rtp,
-                                             data_parallel=gpus // mp), model)
+                                             data_parallel=gpus // mp, rollout_model="continuous"), model)
     return {"recipe": name, "gpus": gpus, "rows_per_step": w.rows_per_step,
             "best": f"{best.rollout_instances}x TP{rtp} rollout + DP{best.trainer_dp} trainer",
             "async": best.result.samples_per_s, "async_step_s": best.result.step_time_s,
