@@ -132,7 +132,7 @@ def fastest(runs: list, key=lambda run: (run.workload, run.step_s)) -> list:
     """Of several calibration runs of one workload, the one with the shortest step (``key``: ``(workload, step
     seconds)`` of a run); one run per workload, in the order the workloads first ran.
 
-    The machine is shared: on 2026-12-01 both sync calibration runs of one variant ran 25-40% slower than that
+    The machine is shared: on 2026-12-01 both sync calibration runs of one variant ran 20-40% slower than that
     variant's runs of other invocations while the other variant's, minutes later, were 10% slower, which made
     its held-out sync cases 10-14% slower in prediction than measured. The fastest of two runs is the one least
     disturbed (what timing tools report as best-of-N); the held-out runs share the machine too, so predictions

@@ -1,9 +1,10 @@
 """``bench/weight_sync.py --smoke`` end to end: every method runs, the tables print, the bench's own checks hold.
 
-The smoke preset uses tiny models (dense Qwen2 at Megatron TP2 x PP2 to vLLM TP1 and TP2, Qwen3-MoE at EP2 to
-vLLM TP1), so timings mean nothing here; what is checked is that the loop's path and the baseline both run,
-that vLLM's logprobs after (a) equal those after (b) for the same weights (the bench asserts it and exits 1
-otherwise), that the bytes handed to each vLLM worker are right, and that no shared memory is left behind.
+The smoke preset uses tiny models (dense Qwen2 at Megatron TP2 x PP2 to vLLM TP2 here, and TP1 too when run
+alone; Qwen3-MoE at EP2 to vLLM TP1), so timings mean nothing here; what is checked is that the loop's path
+and the baseline both run, that vLLM's logprobs after (a) equal those after (b) for the same weights (the
+bench asserts it and exits 1 otherwise), that the bytes handed to each vLLM worker are right, and that no
+shared memory is left behind.
 """
 
 from __future__ import annotations
@@ -30,23 +31,23 @@ def _bench_segments() -> set[str]:
 def test_weight_sync_bench_smoke(tmp_path):
     before = _bench_segments()
     result = tmp_path / "result.json"
-    # One measured round per method: timings mean nothing at this size, the checks run on every method.
-    cmd = [sys.executable, "bench/weight_sync.py", "--smoke", "--rounds", "1", "--work-dir", str(tmp_path / "work"),
-           "--json", str(result)]
+    # One measured round per method: timings mean nothing at this size, the checks run on every method. Dense at
+    # vLLM TP2 only (the resharding path; TP1 runs in the MoE table and in tests/bridge), to keep CI short.
+    cmd = [sys.executable, "bench/weight_sync.py", "--smoke", "--rounds", "1", "--vllm-tp", "2",
+           "--work-dir", str(tmp_path / "work"), "--json", str(result)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}\n{proc.stderr[-6000:]}"
 
     # One table per (workload, vLLM TP), each with every method and the ratio line.
-    assert out.count("| method | trainer blocked s |") == 3
+    assert out.count("| method | trainer blocked s |") == 2
     for row in ROWS:
-        assert out.count(f"| {row}") == 3, row
-    assert out.count("ratios are against (b) in the same run") == 3
+        assert out.count(f"| {row}") == 2, row
+    assert out.count("ratios are against (b) in the same run") == 2
     assert "correctness: all checks passed" in out
 
     records = json.loads(result.read_text())
-    assert [(r["workload"], r["vllm_tp"]) for r in records] == [("dense Qwen2", 1), ("dense Qwen2", 2),
-                                                                 ("Qwen3-MoE", 1)]
+    assert [(r["workload"], r["vllm_tp"]) for r in records] == [("dense Qwen2", 2), ("Qwen3-MoE", 1)]
     for rec in records:
         assert all(c["ok"] for c in rec["checks"]), rec["checks"]
         a, b, total = rec["methods"]["a"], rec["methods"]["b"], rec["model_bytes"]
