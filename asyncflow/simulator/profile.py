@@ -224,58 +224,106 @@ def _light_costs(cfg: AsyncFlowConfig, model_dir: str) -> LightCosts:
     return LightCosts(reward_per_row_s=per_reward, advantage_per_row_s=per_adv)
 
 
-def _variant(cfg: AsyncFlowConfig, model_dir: str, name: str, reps: int, bar, grids) -> tuple[CostModel, dict]:
-    """Measure one variant: a rollout probe and a trainer probe placed as the mode places them."""
-    import ray
+class _Probes:
+    """One variant's rollout probe and trainer probe (Ray actors), placed as the mode places the loop's workers."""
 
-    device = name == "device"
-    threads = 1 if device else int(name)
-    cores = os.cpu_count() or 2
-    # async (1 thread): rollout on core 0, the trainer on core 1; sync (2 threads): both on every core.
-    rollout_cpus, trainer_cpus = (None, None) if device else (
-        ([0], [1 % cores]) if threads == 1 else (list(range(threads)), list(range(threads))))
-    rollout_grid, train_grid, ref_grid = grids
-    max_len = max(p + length for _, length, p in rollout_grid) + 8
-    vllm_cfg = replace(cfg.rollout, max_model_len=max(cfg.rollout.max_model_len, max_len),
-                       max_num_seqs=max(cfg.rollout.max_num_seqs, 128), in_process=True, tensor_parallel=1)
-    gpu = {"num_gpus": 1} if device else {}
-    rollout = ray.remote(RolloutProbe).options(num_cpus=0, **gpu).remote(vllm_cfg, model_dir, threads, rollout_cpus)
-    trainer = ray.remote(TrainerProbe).options(num_cpus=0, **gpu).remote(
-        replace(cfg.trainer, tensor_parallel=1, pipeline_parallel=1, data_parallel=1), cfg.algorithm, model_dir,
-        cfg.rollout.max_new_tokens, threads, trainer_cpus)
-    samples: dict[str, list] = {"rollout": [], "train": [], "reference": [], "stage": [], "apply": []}
-    try:
-        ray.get([rollout.generate.remote(8, 8, 6, 1), trainer.train.remote(1, 16, 1)])  # warm-up: first calls compile
-        for b, length, p in rollout_grid:
-            bar.set_postfix_str(f"{name}: vLLM generate {b} x {length} tokens")
-            samples["rollout"].append({"batch": b, "length": length, "prompt": p,
-                                       "seconds": ray.get(rollout.generate.remote(b, length, p, reps))})
-            bar.update()
-        for n, s in train_grid:
-            bar.set_postfix_str(f"{name}: Megatron train_step {n} x {s}")
-            samples["train"].append({"micro": n, "seq": s, "seconds": ray.get(trainer.train.remote(n, s, reps))})
-            bar.update()
-        for rows, s in ref_grid:
-            bar.set_postfix_str(f"{name}: reference logprobs {rows} x {s}")
-            samples["reference"].append({"rows": rows, "seq": s,
-                                         "seconds": ray.get(trainer.reference.remote(rows, s, reps))})
-            bar.update()
+    def __init__(self, cfg: AsyncFlowConfig, model_dir: str, name: str, grids):
+        import ray
+
+        device = name == "device"
+        threads = 1 if device else int(name)
+        cores = os.cpu_count() or 2
+        # async (1 thread): rollout on core 0, the trainer on core 1; sync (2 threads): both on every core.
+        rollout_cpus, trainer_cpus = (None, None) if device else (
+            ([0], [1 % cores]) if threads == 1 else (list(range(threads)), list(range(threads))))
+        max_len = max(p + length for _, length, p in grids[0]) + 8
+        vllm_cfg = replace(cfg.rollout, max_model_len=max(cfg.rollout.max_model_len, max_len),
+                           max_num_seqs=max(cfg.rollout.max_num_seqs, 128), in_process=True, tensor_parallel=1)
+        gpu = {"num_gpus": 1} if device else {}
+        self.rollout = ray.remote(RolloutProbe).options(num_cpus=0, **gpu).remote(vllm_cfg, model_dir, threads,
+                                                                                  rollout_cpus)
+        self.trainer = ray.remote(TrainerProbe).options(num_cpus=0, **gpu).remote(
+            replace(cfg.trainer, tensor_parallel=1, pipeline_parallel=1, data_parallel=1), cfg.algorithm, model_dir,
+            cfg.rollout.max_new_tokens, threads, trainer_cpus)
+        self.samples: dict[str, list] = {"rollout": [], "train": [], "reference": [], "stage": [], "apply": []}
+
+    def warm_up(self) -> list:
+        """Refs of a first call of each engine (first calls compile)."""
+        return [self.rollout.generate.remote(8, 8, 6, 1), self.trainer.train.remote(1, 16, 1)]
+
+    def measure(self, kind: str, point: tuple, reps: int) -> None:
+        """Time one grid point of ``kind`` (``rollout``, ``train``, ``reference``) and keep the sample."""
+        import ray
+
+        if kind == "rollout":
+            b, length, p = point
+            sample = {"batch": b, "length": length, "prompt": p,
+                      "seconds": ray.get(self.rollout.generate.remote(b, length, p, reps))}
+        elif kind == "train":
+            n, seq = point
+            sample = {"micro": n, "seq": seq, "seconds": ray.get(self.trainer.train.remote(n, seq, reps))}
+        else:
+            rows, seq = point
+            sample = {"rows": rows, "seq": seq, "seconds": ray.get(self.trainer.reference.remote(rows, seq, reps))}
+        self.samples[kind].append(sample)
+
+    def weights(self, reps: int) -> None:
+        """Stage versions on the trainer and apply each on the rollout engine (the loop's path), timed."""
+        import ray
+
         for _ in range(max(reps, 3)):
-            bar.set_postfix_str(f"{name}: stage + apply weights")
-            seconds, nbytes, staging, version = ray.get(trainer.stage.remote())
-            samples["stage"].append({"bytes": nbytes, "seconds": seconds})
-            applied, read = ray.get(rollout.apply.remote(staging, version))
-            samples["apply"].append({"bytes": read, "seconds": applied})
-        bar.update()
-    finally:
-        for probe in (trainer, rollout):
+            seconds, nbytes, staging, version = ray.get(self.trainer.stage.remote())
+            self.samples["stage"].append({"bytes": nbytes, "seconds": seconds})
+            applied, read = ray.get(self.rollout.apply.remote(staging, version))
+            self.samples["apply"].append({"bytes": read, "seconds": applied})
+
+    def close(self) -> None:
+        """Stop both engines and their actors."""
+        import ray
+
+        for probe in (self.trainer, self.rollout):
             try:
                 ray.get(probe.close.remote(), timeout=60)
             except Exception:  # a probe that died: killing it is all that is left
                 pass
             ray.kill(probe)
-    model, misses = _fit_variant(samples, cfg.trainer.micro_batch_size)
-    return model, samples, misses
+
+
+REPO = Path(__file__).resolve().parents[2]
+POINT_LABELS = {"rollout": "vLLM generate {0} x {1} tokens", "train": "Megatron train_step {0} x {1}",
+                "reference": "reference logprobs {0} x {1}"}
+
+
+def _variants(cfg: AsyncFlowConfig, model_dir: str, names: list[str], reps: int, bar, grids) -> dict[str, _Probes]:
+    """Measure every variant, interleaved: each grid point is timed on every variant before the next point.
+
+    The variants' probes are all started at once and take turns, so a spell of other load on a shared machine
+    slows every variant alike. Measured one after the other (until 2026-12-01), a spell during one variant's
+    minutes made only that variant slow: the 2-thread ``train_step`` calls came out 20-60% slower in one
+    invocation than in the one before while the 1-thread ones did not, and since sync runs are predicted with
+    the 2-thread variant and async runs with the 1-thread one, that went straight into the async/sync ratio
+    (predicted 2.09, measured 1.88). An idle probe blocks in Ray, not in a spin, while another measures."""
+    import ray
+
+    probes = {}
+    try:
+        for name in names:
+            probes[name] = _Probes(cfg, model_dir, name, grids)
+        ray.get([ref for p in probes.values() for ref in p.warm_up()])
+        for kind, grid in zip(("rollout", "train", "reference"), grids):
+            for point in grid:
+                for name, p in probes.items():
+                    bar.set_postfix_str(f"{name}: " + POINT_LABELS[kind].format(*point))
+                    p.measure(kind, point, reps)
+                    bar.update()
+        for name, p in probes.items():
+            bar.set_postfix_str(f"{name}: stage + apply weights")
+            p.weights(reps)
+            bar.update()
+    finally:
+        for p in probes.values():
+            p.close()
+    return probes
 
 
 FIT_MISS_WARNING = 0.5
@@ -322,18 +370,16 @@ def _fit_variant(samples: dict, mbs: int) -> tuple[CostModel, dict[str, float]]:
     ), misses
 
 
-def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: int, mode: str = "sync",
-                 workload: int = 0):
-    """One real calibration run (``simulator.calibrate``) and what it gives: the ``Overheads`` of a sync run of
-    ``workload``, or, of an async one, the floating processes' CPU seconds per row and what else async adds per
-    second of pinned work."""
+def _calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, mode: str = "sync",
+                     workload: int = 0) -> tuple[Path, float]:
+    """One real calibration run (``simulator.calibrate``) of ``workload`` in ``mode``, kept beside the cost file
+    ``out``: its folder, and of an async run the floating processes' CPU seconds per row (0 for sync)."""
     import tempfile
 
     from asyncflow.config import load_config
     from asyncflow.simulator import calibrate
     from asyncflow.simulator.workload import from_config
 
-    recipe = Path(recipe) if recipe else Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
     # Kept beside the cost file (metrics, timeline), to lay a calibration run beside its prediction.
     keep = out.parent / f"{out.stem}-calibration"
     keep.mkdir(parents=True, exist_ok=True)
@@ -342,12 +388,50 @@ def _calibration(model: CostModel, recipe, out: Path, model_dir: str, threads: i
                                                                       dir=keep)),
                                         model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None,
                                         workload=workload)
-    if mode == "async":
-        rows = from_config(load_config(recipe, calibrate.overrides_for(1, mode))).rows_per_step
-        row_s = calibrate.floating_row_s(cpu[0], run_dir, rows)
-        _, step = calibrate.real_spans(run_dir / "timeline.json", median=True)
-        return step, row_s, calibrate.fit_async_floating(model, recipe, run_dir, row_s)
-    return calibrate.calibrate(model, recipe, run_dir, threads, workload)
+    if mode != "async":
+        return run_dir, 0.0
+    rows = from_config(load_config(recipe, calibrate.overrides_for(1, mode))).rows_per_step
+    return run_dir, calibrate.floating_row_s(cpu[0], run_dir, rows)
+
+
+def calibration_order(names: list[str], runs: int) -> list[tuple[str, str, int]]:
+    """``(variant, mode, workload)`` of each calibration run, in the order they run: ``runs`` rounds of one sync
+    run per variant (workload ``round % 2``: the two calibration workloads alternate) and, if variant ``1`` is
+    calibrated, one async run (async places one thread per pinned worker, so variant 1)."""
+    order = []
+    for run in range(runs):
+        order += [(name, "sync", run % 2) for name in names]
+        if "1" in names:
+            order.append(("1", "async", 0))
+    return order
+
+
+def _calibrate_services(models: dict[str, CostModel], names: list[str], recipe: Path, out: Path, model_dir: str,
+                        runs: int, bar) -> None:
+    """Run the calibration runs and set each variant's ``ServiceCosts`` from them.
+
+    ``runs`` sync runs per variant in ``names``, alternating the two calibration workloads, and ``runs`` async
+    runs if variant ``1`` is calibrated, in rounds (each variant's sync run of the round, then the async run),
+    so that a spell of other load on the machine falls on every variant and mode alike. Of several runs of one
+    workload and mode the fastest is used (``calibrate.fastest``)."""
+    from asyncflow.simulator import calibrate
+
+    found: dict[str, list] = {name: [] for name in names}
+    async_runs = []
+    for name, mode, workload in calibration_order(names, runs):
+        bar.set_postfix_str(f"{name}: a calibration run of the loop ({mode}, {name} thread(s) per worker)")
+        run_dir, row_s = _calibration_run(recipe, out, model_dir, int(name), mode, workload)
+        if mode == "sync":
+            found[name].append(calibrate.calibrate(models[name], recipe, run_dir, int(name), workload))
+        else:
+            async_runs.append((calibrate.real_spans(run_dir / "timeline.json", median=True)[1], run_dir, row_s))
+        bar.update()
+    for name in names:
+        models[name].service = calibrate.service_costs(calibrate.fastest(found[name]))
+    if async_runs:  # fitted once the sync runs have set the services it adds to
+        (_, run_dir, row_s), = calibrate.fastest(async_runs, key=lambda run: (0, run[0]))
+        models["1"].service.async_floating_row_s = row_s
+        models["1"].service.async_floating = calibrate.fit_async_floating(models["1"], recipe, run_dir, row_s)
 
 
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
@@ -355,17 +439,18 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             calibration_runs: int = 2) -> CostFile:
     """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
 
-    ``calibrate`` (default: on unless ``quick``) then runs the loop for real ``calibration_runs`` times per CPU
-    variant in sync mode, alternating the two calibration workloads of ``simulator.calibrate`` (with two or more
-    runs, each service's overhead is split into per call and per token), and stores the services' overhead
-    beyond the engine calls as each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode,
-    for variant ``1``'s floating CPU time (``recipe``: the YAML those runs start from; default the tiny CPU
-    recipe). Of several runs of one workload and mode, the fastest is used (``calibrate.fastest``: on a shared
-    machine the others were slowed by other jobs). Not on a GPU node: that path has not been run."""
+    The variants are measured interleaved, grid point by grid point (``_variants``). ``calibrate`` (default: on
+    unless ``quick``) then runs the loop for real ``calibration_runs`` times per CPU variant in sync mode,
+    alternating the two calibration workloads of ``simulator.calibrate`` (with two or more runs, each service's
+    overhead is split into per call and per token), and stores the services' overhead beyond the engine calls as
+    each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode, for variant ``1``'s floating
+    CPU time (``recipe``: the YAML those runs start from; default the tiny CPU recipe); in rounds across the
+    variants and modes (``calibration_order``). Of several runs of one workload and mode, the fastest is used
+    (``calibrate.fastest``: on a shared machine the others were slowed by other jobs). Not on a GPU node: that
+    path has not been run."""
     import ray
     from tqdm import tqdm
 
-    from asyncflow.simulator import calibrate as calibrate_module  # ``calibrate`` is a parameter here
     from asyncflow.workflow.loop import _model_dir
 
     model_dir = str(_model_dir(cfg))
@@ -385,33 +470,23 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             queue, queue_samples = _queue_costs(cfg, reps=20)
             light = _light_costs(cfg, model_dir)
             bar.update()
+            before = speed_probe()
+            probes = _variants(cfg, model_dir, variants, reps, bar, grids)
+            probe_s = (before + speed_probe()) / 2
             for name in variants:
-                before = speed_probe()
-                models[name], samples[name], fit_misses[name] = _variant(cfg, model_dir, name, reps, bar, grids)
+                samples[name] = probes[name].samples
+                models[name], fit_misses[name] = _fit_variant(samples[name], cfg.trainer.micro_batch_size)
                 for group, miss in fit_misses[name].items():
                     if miss > FIT_MISS_WARNING:
                         bar.write(f"asyncflow profile: WARNING variant {name}: the fitted {group} costs miss one of "
                                   f"its profiled calls by {miss:.0%}; another job on this machine may have slowed "
                                   "some calls (see samples in the cost file): profile again on a quiet machine")
                 models[name].queue, models[name].light = queue, light
-                models[name].speed_probe_s = (before + speed_probe()) / 2
+                models[name].speed_probe_s = probe_s
             samples["queue"] = queue_samples
             ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
-            for name in calibrated:
-                found = []
-                for run in range(calibration_runs):  # alternating the two calibration workloads
-                    bar.set_postfix_str(f"{name}: a calibration run of the loop (sync, {name} thread(s) per worker)")
-                    found.append(_calibration(models[name], recipe, Path(out), model_dir, int(name), workload=run))
-                    bar.update()
-                models[name].service = calibrate_module.service_costs(calibrate_module.fastest(found))
-            if "1" in calibrated:  # async placement: one thread per pinned worker, so variant 1
-                found = []
-                for _ in range(calibration_runs):
-                    bar.set_postfix_str("1: a calibration run of the loop (async, staleness 1)")
-                    found.append(_calibration(models["1"], recipe, Path(out), model_dir, 1, mode="async"))
-                    bar.update()
-                (_, row_s, floating), = calibrate_module.fastest(found, key=lambda run: (0, run[0]))
-                models["1"].service.async_floating_row_s, models["1"].service.async_floating = row_s, floating
+            recipe = Path(recipe) if recipe else REPO / "recipes/tiny_cpu/grpo_async.yaml"
+            _calibrate_services(models, calibrated, recipe, Path(out), model_dir, calibration_runs, bar)
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

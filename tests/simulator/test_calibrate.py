@@ -253,5 +253,17 @@ def test_of_several_runs_of_a_workload_the_fastest_is_kept():
     kept = fastest(runs)
     assert [(r.workload, r.step_s) for r in kept] == [(0, 0.9), (1, 0.5)]
     assert kept[0].handoff == pytest.approx(0.4)  # the step outside its spans, of the kept run
-    # Async runs: (step seconds, floating CPU per row, async_floating), one workload.
+    # Async runs: (step seconds, the run, floating CPU per row), one workload.
     assert fastest([(0.50, 1e-3, 0.3), (0.45, 9e-4, 0.2)], key=lambda run: (0, run[0])) == [(0.45, 9e-4, 0.2)]
+
+
+def test_calibration_runs_take_turns_across_variants_and_modes():
+    from asyncflow.simulator.profile import calibration_order
+
+    # Rounds: each variant's sync run (the two workloads alternating round by round), then the async run, so a
+    # spell of other load on a shared machine falls on the runs of every variant and mode alike.
+    assert calibration_order(["1", "2"], 3) == [
+        ("1", "sync", 0), ("2", "sync", 0), ("1", "async", 0),
+        ("1", "sync", 1), ("2", "sync", 1), ("1", "async", 0),
+        ("1", "sync", 0), ("2", "sync", 0), ("1", "async", 0)]
+    assert calibration_order(["2"], 2) == [("2", "sync", 0), ("2", "sync", 1)]  # no async run without variant 1
