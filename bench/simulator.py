@@ -2,11 +2,16 @@
 
     python bench/simulator.py [--costs FILE] [--steps 12] [--repeats 2] [--out outputs/bench_simulator] [--cases a,b]
 
-1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier profile). The profile
-   times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests), then
-   runs the loop on its own two calibration workloads (``simulator.calibrate``, lengths clipped at 48 and at
-   12 tokens), which no case below uses, so every run below is held out: ``2 x --repeats`` calibration runs
-   per variant in sync (each workload ``--repeats`` times) and as many in async; the fastest of each is used.
+1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier, calibrated profile). The
+   profile times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests);
+   then the loop runs on its own two calibration workloads (``simulator.calibrate``, lengths clipped at 48 and
+   at 12 tokens), which no case below uses, so every run below is held out. The calibration runs are spread
+   over the invocation: before each round of held-out runs, one sync run of each workload per variant and two
+   async runs (``calibration_order``); the cost file is completed from all of them (``Calibration.apply``,
+   ``keep="all"``) once every run is done, and only then is any case predicted. Spread, because the shared
+   machine's speed drifts over the half hour of an invocation: on 2026-12-01 the profile and its calibration
+   runs ran at load average 2.5-3.1 and the held-out runs after them at 0.3-2.4, and every case was predicted
+   8-22% slow (calibration runs before the held-out ones, the fastest of each workload kept).
 2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
    is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
    (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose). A real
@@ -149,17 +154,24 @@ def main(argv=None) -> int:
     out = Path(args.out).resolve()
     from asyncflow.config import load_config
     from asyncflow.simulator.costs import load_costs
-    from asyncflow.simulator.profile import profile, speed_probe
+    from asyncflow.simulator.profile import Calibration, calibration_order, profile, speed_probe
 
-    if args.costs is None:
+    recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
+    calibration = None
+    if args.costs is None:  # the engine grid now; the calibration runs between the held-out rounds (below)
         args.costs = str(out / "costs.json")
-        profile(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", BASE + [f"model.path={out / 'model'}"]),
-                args.costs, variants=args.variants.split(",") if args.variants else None,
-                calibration_runs=2 * args.repeats)
-    costs = load_costs(args.costs)
+        profile(load_config(recipe, BASE + [f"model.path={out / 'model'}"]), args.costs,
+                variants=args.variants.split(",") if args.variants else None, calibrate=False)
+        costs = load_costs(args.costs)
+        calibration = Calibration(costs.variants, recipe, Path(args.costs), str(out / "model"))
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    results, runs, probes = {}, {}, {}
+    runs, probes, loads = {}, {}, {}
     for repeat in range(args.repeats):
+        if calibration is not None:  # one run of each calibration workload per variant, and two async runs
+            for variant, mode, workload in calibration_order([v for v in costs.variants if v != "device"], 2):
+                print(f"calibration: variant {variant}, {mode}, workload {workload} (round {repeat + 1}) ...",
+                      flush=True)
+                calibration.run(variant, mode, workload)
         for name in names:
             overrides, lengths = CASES[name]
             before = speed_probe()
@@ -172,16 +184,24 @@ def main(argv=None) -> int:
                 continue
             probes.setdefault(name, []).append((before + speed_probe()) / 2)
             runs.setdefault(name, []).append(steady_throughput(metrics, WARMUP))
-            _, w = predict(overrides, lengths, costs, steps)
-            probe = sum(probes[name]) / len(probes[name])
-            factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
-            result, w = predict(overrides, lengths, costs, steps, factor)
-            real = sum(runs[name]) / len(runs[name])
-            results[name] = {"predicted": result.samples_per_s, "measured": real, "runs": runs[name],
-                             "load": os.getloadavg()[0], "slowdown": factor}
-            print(f"{name}: predicted {result.samples_per_s * factor:.1f} samples/s as profiled "
-                  f"({result.samples_per_s:.1f} probe-rescaled), measured {runs[name][-1]:.1f}", flush=True)
-            (out / "results.json").write_text(json.dumps(results, indent=2))  # after every run: a crash keeps them
+            loads.setdefault(name, []).append(os.getloadavg()[0])
+            print(f"{name}: measured {runs[name][-1]:.1f} samples/s", flush=True)
+            (out / "runs.json").write_text(json.dumps(runs, indent=2))  # after every run: a crash keeps them
+    if calibration is not None:
+        calibration.apply(keep="all")
+        costs.save(args.costs)
+    costs = load_costs(args.costs)
+    results = {}
+    for name in runs:  # predicted only now: the cost file is complete once every calibration run is in
+        overrides, lengths = CASES[name]
+        steps = args.steps * STEP_SCALE.get(name, 1)
+        _, w = predict(overrides, lengths, costs, steps)
+        probe = sum(probes[name]) / len(probes[name])
+        factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
+        result, w = predict(overrides, lengths, costs, steps, factor)
+        results[name] = {"predicted": result.samples_per_s, "measured": sum(runs[name]) / len(runs[name]),
+                         "runs": runs[name], "load": sum(loads[name]) / len(loads[name]), "slowdown": factor}
+    (out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(results)
     print(f"\nPredicted against measured (costs {args.costs}, {args.steps} steps, throughput after {WARMUP}, "
           f"{args.repeats} runs a case)\n")

@@ -25,6 +25,7 @@ import os
 import platform
 import statistics
 import time
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -406,32 +407,46 @@ def calibration_order(names: list[str], runs: int) -> list[tuple[str, str, int]]
     return order
 
 
-def _calibrate_services(models: dict[str, CostModel], names: list[str], recipe: Path, out: Path, model_dir: str,
-                        runs: int, bar) -> None:
-    """Run the calibration runs and set each variant's ``ServiceCosts`` from them.
+class Calibration:
+    """Real calibration runs of the loop, collected as they run, turned into each variant's ``ServiceCosts`` by
+    ``apply`` (``profile`` runs them in rounds, ``calibration_order``; ``bench/simulator.py`` spreads them
+    between its held-out runs)."""
 
-    ``runs`` sync runs per variant in ``names``, alternating the two calibration workloads, and ``runs`` async
-    runs if variant ``1`` is calibrated, in rounds (each variant's sync run of the round, then the async run),
-    so that a spell of other load on the machine falls on every variant and mode alike. Of several runs of one
-    workload and mode the fastest is used (``calibrate.fastest``)."""
-    from asyncflow.simulator import calibrate
+    def __init__(self, models: dict[str, CostModel], recipe: Path, out: Path, model_dir: str):
+        self.models, self.recipe, self.out, self.model_dir = models, recipe, out, model_dir
+        self.sync: dict[str, list] = defaultdict(list)  # variant -> Overheads of its sync runs
+        self.asynchronous: list[tuple[float, Path, float]] = []  # (step seconds, run folder, floating CPU per row)
 
-    found: dict[str, list] = {name: [] for name in names}
-    async_runs = []
-    for name, mode, workload in calibration_order(names, runs):
-        bar.set_postfix_str(f"{name}: a calibration run of the loop ({mode}, {name} thread(s) per worker)")
-        run_dir, row_s = _calibration_run(recipe, out, model_dir, int(name), mode, workload)
+    def run(self, name: str, mode: str, workload: int) -> None:
+        """One calibration run of variant ``name`` in ``mode`` (``calibration_order``), kept."""
+        from asyncflow.simulator import calibrate
+
+        run_dir, row_s = _calibration_run(self.recipe, self.out, self.model_dir, int(name), mode, workload)
         if mode == "sync":
-            found[name].append(calibrate.calibrate(models[name], recipe, run_dir, int(name), workload))
+            self.sync[name].append(calibrate.calibrate(self.models[name], self.recipe, run_dir, int(name), workload))
         else:
-            async_runs.append((calibrate.real_spans(run_dir / "timeline.json", median=True)[1], run_dir, row_s))
-        bar.update()
-    for name in names:
-        models[name].service = calibrate.service_costs(calibrate.fastest(found[name]))
-    if async_runs:  # fitted once the sync runs have set the services it adds to
-        (_, run_dir, row_s), = calibrate.fastest(async_runs, key=lambda run: (0, run[0]))
-        models["1"].service.async_floating_row_s = row_s
-        models["1"].service.async_floating = calibrate.fit_async_floating(models["1"], recipe, run_dir, row_s)
+            self.asynchronous.append((calibrate.real_spans(run_dir / "timeline.json", median=True)[1], run_dir,
+                                      row_s))
+
+    def apply(self, keep: str = "fastest") -> None:
+        """Set each calibrated variant's ``ServiceCosts`` from its runs: of each workload and mode the fastest run
+        (``keep`` ``fastest``, ``calibrate.fastest``), or every run (``all``: the fits average them; the async
+        terms are the mean of each run's)."""
+        from asyncflow.simulator import calibrate
+
+        if keep not in ("fastest", "all"):
+            raise ValueError(f"keep must be 'fastest' or 'all', not {keep!r}")
+        for name, runs in self.sync.items():
+            self.models[name].service = calibrate.service_costs(calibrate.fastest(runs) if keep == "fastest" else runs)
+        if not self.asynchronous:
+            return
+        runs = calibrate.fastest(self.asynchronous, key=lambda run: (0, run[0])) if keep == "fastest" \
+            else self.asynchronous
+        service = self.models["1"].service  # fitted after the sync runs have set the services it adds to
+        rows = [row_s for _, _, row_s in runs]
+        floating = [calibrate.fit_async_floating(self.models["1"], self.recipe, run_dir, row_s)
+                    for _, run_dir, row_s in runs]
+        service.async_floating_row_s, service.async_floating = statistics.fmean(rows), statistics.fmean(floating)
 
 
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
@@ -486,7 +501,12 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             samples["queue"] = queue_samples
             ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
             recipe = Path(recipe) if recipe else REPO / "recipes/tiny_cpu/grpo_async.yaml"
-            _calibrate_services(models, calibrated, recipe, Path(out), model_dir, calibration_runs, bar)
+            calibration = Calibration(models, recipe, Path(out), model_dir)
+            for name, mode, workload in calibration_order(calibrated, calibration_runs):
+                bar.set_postfix_str(f"{name}: a calibration run of the loop ({mode}, {name} thread(s) per worker)")
+                calibration.run(name, mode, workload)
+                bar.update()
+            calibration.apply()
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

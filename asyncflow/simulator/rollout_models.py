@@ -145,6 +145,15 @@ def _put(pipe, finished: list, version: dict) -> None:
             pipe.tq.put(step, "response", [r for r in rows if version[(step, r)] == v], version=v)
 
 
+def _take_rows(pipe, device, step: int, rows: list[int]) -> Generator:
+    """The service's work on prompt rows it has taken: the TransferQueue get (8 bytes a prompt token) and its
+    overhead per token it will generate (``ServiceCosts.generate_token_s``); returns the rows' lengths."""
+    lengths = [pipe.lengths[step][r] for r in rows]
+    get = pipe.costs.queue.request(len(rows) * pipe.w.prompt_len * 8)
+    yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
+    return lengths
+
+
 def _put_s(pipe, finished: list) -> float:
     """The TransferQueue puts of finished rows: the loop puts a few at a time (16 per put), tokens and logprobs,
     12 bytes a token."""
@@ -162,9 +171,7 @@ def chunked(pipe, instance: int, steps: range) -> Generator:
         yield from take_weights(pipe, instance, step)
         while rows := (yield pipe.tq.take(step, "rollout", w.rollout_chunk)):
             start = pipe.sim.now
-            lengths = [pipe.lengths[step][r] for r in rows]
-            get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
-            yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
+            lengths = yield from _take_rows(pipe, device, step, rows)
             version = {(step, r): pipe.served[instance] for r in rows}
             for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
                 done = [(step, rows[i]) for i in finished]
@@ -197,9 +204,7 @@ def _stream(pipe, instance: int, steps: range, partial: bool) -> Generator:
                     admit += 1
                     continue
                 busy = sim.now if busy is None else busy
-                lengths = [pipe.lengths[admit][r] for r in rows]
-                get = pipe.costs.queue.request(len(rows) * w.prompt_len * 8)
-                yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
+                lengths = yield from _take_rows(pipe, device, admit, rows)
                 for r, length in zip(rows, lengths):
                     engine.add((admit, r), length)
                     version[(admit, r)] = pipe.served[instance]
