@@ -10,13 +10,15 @@ Every number comes from the code the loop runs, in Ray actors placed like the lo
   ``apply_staged`` reading it from the trainer's shared-memory segment (another process, as in the loop);
 - TransferQueue: the real client against a started TransferQueue, puts and gets of small and large rows;
 - reward and advantage functions per row;
-- the services around those calls: one real sync run of the loop per CPU variant on a calibration workload
-  (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``, and one
-  async run, whose step time gives the CPU time of the processes that float over the pinned cores.
+- the services around those calls: real sync runs of the loop per CPU variant on two calibration workloads
+  (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``, and async
+  runs, whose step time gives the CPU time of the processes that float over the pinned cores; in rounds
+  across the variants and modes (``calibration_order``), collected by ``Calibration``.
 
 Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
 them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
-The tiny CPU model takes a few minutes; a progress bar shows each measurement.
+The variants' probes run at once and take turns, grid point by grid point (``_variants``). The tiny CPU model
+takes a few minutes; a progress bar shows each measurement.
 """
 
 from __future__ import annotations
