@@ -45,6 +45,7 @@ from asyncflow.simulator.costs import (
     fit,
 )
 
+REPO = Path(__file__).resolve().parents[2]
 ROLLOUT_GRID = [(b, length, p) for b in (1, 8, 32, 128) for length in (16, 64) for p in (6, 30)]
 """(batch, response tokens, prompt tokens) of each timed ``generate`` call."""
 TRAIN_GRID = [(n, s) for n in (1, 4) for s in (8, 16, 32, 64, 136)]
@@ -292,7 +293,6 @@ class _Probes:
             ray.kill(probe)
 
 
-REPO = Path(__file__).resolve().parents[2]
 POINT_LABELS = {"rollout": "vLLM generate {0} x {1} tokens", "train": "Megatron train_step {0} x {1}",
                 "reference": "reference logprobs {0} x {1}"}
 
