@@ -153,8 +153,9 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out).resolve()
     from asyncflow.config import load_config
+    from asyncflow.simulator.calibrate import Calibration, calibration_order
     from asyncflow.simulator.costs import load_costs
-    from asyncflow.simulator.profile import Calibration, calibration_order, profile, speed_probe
+    from asyncflow.simulator.profile import profile, speed_probe
 
     recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
     calibration = None

@@ -21,6 +21,9 @@ floating ones' by the rows trained (``ServiceCosts.async_floating_row_s``); ``fi
 what else async adds, per second of pinned work (``ServiceCosts.async_floating``), at which the simulator
 reproduces that run's steady step time.
 
+``Calibration`` collects these runs as they run (``asyncflow profile`` in the rounds of ``calibration_order``;
+``bench/simulator.py`` between its held-out runs) and sets each variant's ``ServiceCosts`` from them.
+
 (Before the per-call form, each task's overhead was a ratio of its engine time; a second, shorter calibration
 workload to fit a per-call term beside the ratio was tried then, with means over four steps a run: two noisy
 points made the per-call terms swing from 9 to 71 ms per chunk between variants. The runs now last 10 steps
@@ -346,3 +349,72 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if step_at(mid) < real_step else (lo, mid)
     return (lo + hi) / 2
+
+
+def _profile_run(recipe: Path, out: Path, model_dir: str, threads: int, mode: str = "sync",
+                 workload: int = 0) -> tuple[Path, float]:
+    """One real calibration run of ``workload`` in ``mode``, kept beside the cost file ``out``: its folder, and
+    of an async run the floating processes' CPU seconds per row (0 for sync)."""
+    import tempfile
+
+    from asyncflow.config import load_config
+    from asyncflow.simulator.workload import from_config
+
+    # Kept beside the cost file (metrics, timeline), to lay a calibration run beside its prediction.
+    keep = out.parent / f"{out.stem}-calibration"
+    keep.mkdir(parents=True, exist_ok=True)
+    cpu: list = []
+    run_dir = calibration_run(recipe, Path(tempfile.mkdtemp(prefix=f"{mode}-{threads}-{workload}-", dir=keep)),
+                              model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None,
+                              workload=workload)
+    if mode != "async":
+        return run_dir, 0.0
+    rows = from_config(load_config(recipe, overrides_for(1, mode))).rows_per_step
+    return run_dir, floating_row_s(cpu[0], run_dir, rows)
+
+
+def calibration_order(names: list[str], runs: int) -> list[tuple[str, str, int]]:
+    """``(variant, mode, workload)`` of each calibration run, in the order they run: ``runs`` rounds of one sync
+    run per variant (workload ``round % 2``: the two calibration workloads alternate) and, if variant ``1`` is
+    calibrated, one async run (async places one thread per pinned worker, so variant 1)."""
+    order = []
+    for run in range(runs):
+        order += [(name, "sync", run % 2) for name in names]
+        if "1" in names:
+            order.append(("1", "async", 0))
+    return order
+
+
+class Calibration:
+    """Real calibration runs of the loop, collected as they run, turned into each variant's ``ServiceCosts`` by
+    ``apply`` (``asyncflow profile`` runs them in rounds, ``calibration_order``; ``bench/simulator.py`` spreads
+    them between its held-out runs)."""
+
+    def __init__(self, models: dict[str, CostModel], recipe: Path, out: Path, model_dir: str):
+        self.models, self.recipe, self.out, self.model_dir = models, recipe, out, model_dir
+        self.sync: dict[str, list] = defaultdict(list)  # variant -> Overheads of its sync runs
+        self.asynchronous: list[tuple[float, Path, float]] = []  # (step seconds, run folder, floating CPU per row)
+
+    def run(self, name: str, mode: str, workload: int) -> None:
+        """One calibration run of variant ``name`` in ``mode`` (``calibration_order``), kept."""
+        run_dir, row_s = _profile_run(self.recipe, self.out, self.model_dir, int(name), mode, workload)
+        if mode == "sync":
+            self.sync[name].append(calibrate(self.models[name], self.recipe, run_dir, int(name), workload))
+        else:
+            self.asynchronous.append((real_spans(run_dir / "timeline.json", median=True)[1], run_dir, row_s))
+
+    def apply(self, keep: str = "fastest") -> None:
+        """Set each calibrated variant's ``ServiceCosts`` from its runs: of each workload and mode the fastest run
+        (``keep`` ``fastest``, ``fastest``), or every run (``all``: the fits average them; the async terms are
+        the mean of each run's)."""
+        if keep not in ("fastest", "all"):
+            raise ValueError(f"keep must be 'fastest' or 'all', not {keep!r}")
+        for name, runs in self.sync.items():
+            self.models[name].service = service_costs(fastest(runs) if keep == "fastest" else runs)
+        if not self.asynchronous:
+            return
+        runs = fastest(self.asynchronous, key=lambda run: (0, run[0])) if keep == "fastest" else self.asynchronous
+        service = self.models["1"].service  # fitted after the sync runs have set the services it adds to
+        rows = [row_s for _, _, row_s in runs]
+        floating = [fit_async_floating(self.models["1"], self.recipe, run_dir, row_s) for _, run_dir, row_s in runs]
+        service.async_floating_row_s, service.async_floating = statistics.fmean(rows), statistics.fmean(floating)

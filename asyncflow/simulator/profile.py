@@ -13,7 +13,7 @@ Every number comes from the code the loop runs, in Ray actors placed like the lo
 - the services around those calls: real sync runs of the loop per CPU variant on two calibration workloads
   (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``, and async
   runs, whose step time gives the CPU time of the processes that float over the pinned cores; in rounds
-  across the variants and modes (``calibration_order``), collected by ``Calibration``.
+  across the variants and modes (``calibrate.calibration_order``), collected by ``calibrate.Calibration``.
 
 Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
 them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
@@ -27,7 +27,6 @@ import os
 import platform
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -373,84 +372,6 @@ def _fit_variant(samples: dict, mbs: int) -> tuple[CostModel, dict[str, float]]:
     ), misses
 
 
-def _calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, mode: str = "sync",
-                     workload: int = 0) -> tuple[Path, float]:
-    """One real calibration run (``simulator.calibrate``) of ``workload`` in ``mode``, kept beside the cost file
-    ``out``: its folder, and of an async run the floating processes' CPU seconds per row (0 for sync)."""
-    import tempfile
-
-    from asyncflow.config import load_config
-    from asyncflow.simulator import calibrate
-    from asyncflow.simulator.workload import from_config
-
-    # Kept beside the cost file (metrics, timeline), to lay a calibration run beside its prediction.
-    keep = out.parent / f"{out.stem}-calibration"
-    keep.mkdir(parents=True, exist_ok=True)
-    cpu: list = []
-    run_dir = calibrate.calibration_run(recipe, Path(tempfile.mkdtemp(prefix=f"{mode}-{threads}-{workload}-",
-                                                                      dir=keep)),
-                                        model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None,
-                                        workload=workload)
-    if mode != "async":
-        return run_dir, 0.0
-    rows = from_config(load_config(recipe, calibrate.overrides_for(1, mode))).rows_per_step
-    return run_dir, calibrate.floating_row_s(cpu[0], run_dir, rows)
-
-
-def calibration_order(names: list[str], runs: int) -> list[tuple[str, str, int]]:
-    """``(variant, mode, workload)`` of each calibration run, in the order they run: ``runs`` rounds of one sync
-    run per variant (workload ``round % 2``: the two calibration workloads alternate) and, if variant ``1`` is
-    calibrated, one async run (async places one thread per pinned worker, so variant 1)."""
-    order = []
-    for run in range(runs):
-        order += [(name, "sync", run % 2) for name in names]
-        if "1" in names:
-            order.append(("1", "async", 0))
-    return order
-
-
-class Calibration:
-    """Real calibration runs of the loop, collected as they run, turned into each variant's ``ServiceCosts`` by
-    ``apply`` (``profile`` runs them in rounds, ``calibration_order``; ``bench/simulator.py`` spreads them
-    between its held-out runs)."""
-
-    def __init__(self, models: dict[str, CostModel], recipe: Path, out: Path, model_dir: str):
-        self.models, self.recipe, self.out, self.model_dir = models, recipe, out, model_dir
-        self.sync: dict[str, list] = defaultdict(list)  # variant -> Overheads of its sync runs
-        self.asynchronous: list[tuple[float, Path, float]] = []  # (step seconds, run folder, floating CPU per row)
-
-    def run(self, name: str, mode: str, workload: int) -> None:
-        """One calibration run of variant ``name`` in ``mode`` (``calibration_order``), kept."""
-        from asyncflow.simulator import calibrate
-
-        run_dir, row_s = _calibration_run(self.recipe, self.out, self.model_dir, int(name), mode, workload)
-        if mode == "sync":
-            self.sync[name].append(calibrate.calibrate(self.models[name], self.recipe, run_dir, int(name), workload))
-        else:
-            self.asynchronous.append((calibrate.real_spans(run_dir / "timeline.json", median=True)[1], run_dir,
-                                      row_s))
-
-    def apply(self, keep: str = "fastest") -> None:
-        """Set each calibrated variant's ``ServiceCosts`` from its runs: of each workload and mode the fastest run
-        (``keep`` ``fastest``, ``calibrate.fastest``), or every run (``all``: the fits average them; the async
-        terms are the mean of each run's)."""
-        from asyncflow.simulator import calibrate
-
-        if keep not in ("fastest", "all"):
-            raise ValueError(f"keep must be 'fastest' or 'all', not {keep!r}")
-        for name, runs in self.sync.items():
-            self.models[name].service = calibrate.service_costs(calibrate.fastest(runs) if keep == "fastest" else runs)
-        if not self.asynchronous:
-            return
-        runs = calibrate.fastest(self.asynchronous, key=lambda run: (0, run[0])) if keep == "fastest" \
-            else self.asynchronous
-        service = self.models["1"].service  # fitted after the sync runs have set the services it adds to
-        rows = [row_s for _, _, row_s in runs]
-        floating = [calibrate.fit_async_floating(self.models["1"], self.recipe, run_dir, row_s)
-                    for _, run_dir, row_s in runs]
-        service.async_floating_row_s, service.async_floating = statistics.fmean(rows), statistics.fmean(floating)
-
-
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
             quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
             calibration_runs: int = 2) -> CostFile:
@@ -462,12 +383,13 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     overhead is split into per call and per token), and stores the services' overhead beyond the engine calls as
     each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode, for variant ``1``'s floating
     CPU time (``recipe``: the YAML those runs start from; default the tiny CPU recipe); in rounds across the
-    variants and modes (``calibration_order``). Of several runs of one workload and mode, the fastest is used
+    variants and modes (``calibrate.calibration_order``). Of several runs of one workload and mode, the fastest is used
     (``calibrate.fastest``: on a shared machine the others were slowed by other jobs). Not on a GPU node: that
     path has not been run."""
     import ray
     from tqdm import tqdm
 
+    from asyncflow.simulator.calibrate import Calibration, calibration_order
     from asyncflow.workflow.loop import _model_dir
 
     model_dir = str(_model_dir(cfg))

@@ -258,7 +258,7 @@ def test_of_several_runs_of_a_workload_the_fastest_is_kept():
 
 
 def test_calibration_runs_take_turns_across_variants_and_modes():
-    from asyncflow.simulator.profile import calibration_order
+    from asyncflow.simulator.calibrate import calibration_order
 
     # Rounds: each variant's sync run (the two workloads alternating round by round), then the async run, so a
     # spell of other load on a shared machine falls on the runs of every variant and mode alike.
