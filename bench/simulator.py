@@ -1,6 +1,6 @@
 """Predicted against measured: calibrate the simulator here, then predict real runs it was not fitted on.
 
-    python bench/simulator.py [--costs FILE] [--steps 12] [--repeats 2] [--out outputs/bench_simulator] [--cases a,b]
+    python bench/simulator.py [--costs FILE] [--steps 16] [--repeats 3] [--out outputs/bench_simulator] [--cases a,b]
 
 1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier, calibrated profile). The
    profile times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests);
@@ -24,7 +24,9 @@
    own costs moved by 20%, so the rescaled column is shown, not trusted.
    Each case runs ``--repeats`` times, the cases interleaved (all once, then all again): on this shared
    2-core machine one case measured 294 and 356 samples/s in two invocations 20 minutes apart, so the
-   measured figure is the mean of the repeats and the table shows their spread.
+   measured figure is the median of the repeats (of three, a run slowed throughout by another job, as one
+   `short sync 1 thread` run at 240 samples/s against 333 for its twin on 2026-12-01, does not set it) and
+   the table shows every run.
 3. Prints predicted against measured for every case, the error, and the async/sync ratios.
 """
 
@@ -34,6 +36,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -121,7 +124,7 @@ def measure(name: str, overrides: list[str], steps: int, out: Path, repeat: int 
 def render(results: dict) -> str:
     """Predicted against measured: the prediction from the costs as profiled (primary), and rescaled by the
     speed probe (``slowdown``: predicted / slowdown is the as-profiled value, costs scale exactly)."""
-    lines = ["| case | predicted samples/s | measured samples/s (mean) | runs | error | probe-rescaled prediction | "
+    lines = ["| case | predicted samples/s | measured samples/s (median) | runs | error | probe-rescaled prediction | "
              "its error | probe slowdown | load avg |", "|---|---|---|---|---|---|---|---|---|"]
     raw = {name: r["predicted"] * r["slowdown"] for name, r in results.items()}
     for name, r in results.items():
@@ -140,8 +143,8 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--costs", default=None, help="cost file (default: profile this machine first)")
-    parser.add_argument("--steps", type=int, default=12, help="steps of each real run (short cases: STEP_SCALE x)")
-    parser.add_argument("--repeats", type=int, default=2, help="real runs per case (interleaved); the mean is used")
+    parser.add_argument("--steps", type=int, default=16, help="steps of each real run (short cases: STEP_SCALE x)")
+    parser.add_argument("--repeats", type=int, default=3, help="real runs per case (interleaved); the median is used")
     parser.add_argument("--out", default="outputs/bench_simulator")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
     parser.add_argument("--no-rescale", action="store_true", help="predict with the costs as profiled")
@@ -200,7 +203,7 @@ def main(argv=None) -> int:
         probe = sum(probes[name]) / len(probes[name])
         factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
         result, w = predict(overrides, lengths, costs, steps, factor)
-        results[name] = {"predicted": result.samples_per_s, "measured": sum(runs[name]) / len(runs[name]),
+        results[name] = {"predicted": result.samples_per_s, "measured": statistics.median(runs[name]),
                          "runs": runs[name], "load": sum(loads[name]) / len(loads[name]), "slowdown": factor}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(results)
