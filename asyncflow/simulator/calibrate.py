@@ -10,8 +10,9 @@ reference forward), so every prediction was optimistic.
 that task's own time), on one of two *calibration workloads* that none of the benchmark's held-out cases use
 (long-tailed lengths clipped at 48 or at 12 tokens); ``calibrate`` subtracts the simulator's engine-only
 prediction of the same workload from each task's median span per step, and ``service_costs`` turns what is
-left into overheads per generated token (rollout), per call and per padded token (the reference, the actor:
-least squares over the two workloads) and the sync hand-off time: the cost file's ``ServiceCosts``.
+left into overheads per generated token (rollout), per call and per token of the rows themselves (the
+reference, the actor: least squares over the two workloads) and the sync hand-off time: the cost file's
+``ServiceCosts``.
 
 Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
 the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
@@ -115,7 +116,8 @@ class Overheads:
     calls: dict[str, float]
     """Span name -> calls per step (``calls_per_step``)."""
     tokens: dict[str, float]
-    """Span name -> padded tokens per step of its calls (reference chunks, first-pass micro-batches)."""
+    """Span name -> tokens per step of the rows of its calls, unpadded (reference chunks, first-pass
+    micro-batches; ``predicted_tokens``)."""
     handoff: float
     """Seconds of a step outside every span (the sync driver's hand-offs)."""
     step_s: float = 0.0
@@ -150,7 +152,7 @@ def fastest(runs: list, key=lambda run: (run.workload, run.step_s)) -> list:
 
 def service_costs(runs: list[Overheads]) -> ServiceCosts:
     """``ServiceCosts`` from one or more calibration runs: rollout's overhead per generated token; the
-    reference's and the actor's per call and per padded token, by non-negative least squares over the runs
+    reference's and the actor's per call and per token of the rows, by non-negative least squares over the runs
     when their calls differ in tokens (two workloads), else per call only; the mean sync hand-off."""
     fields = {"sync_handoff_s": statistics.fmean(r.handoff for r in runs)}
     gen = [r for r in runs if r.calls.get("generate")]
@@ -170,12 +172,16 @@ def service_costs(runs: list[Overheads]) -> ServiceCosts:
 
 
 def predicted_tokens(result) -> dict[str, float]:
-    """Padded tokens per step of the reference's and the actor's first-pass calls in a ``SimResult``."""
+    """Tokens per step of the rows of the reference's and the actor's first-pass calls in a ``SimResult``, without
+    their padding: the engine computes on the padding (the profile prices that), the service moves and packs
+    the rows' own tokens. Per padded token, a charge fitted on the calibration workloads (padding 1.1x and 1.7x
+    the rows' tokens) over-charged long-tailed rows (padding 3x): on 2026-12-01 it put the actor's span of the
+    held-out ``longtail sync`` 7-12% over the real ones (88 ms a step of overhead against 19-51 ms measured)."""
     sums: dict[str, float] = defaultdict(float)
     steps = len(result.step_end_s)
     for e in result.timeline.to_chrome_trace()["traceEvents"]:
         if e.get("ph") == "X" and e["name"] in TOKEN_FIELDS:
-            sums[e["name"]] += e.get("args", {}).get("tokens", 0) / steps
+            sums[e["name"]] += e.get("args", {}).get("row_tokens", 0) / steps
     return dict(sums)
 
 

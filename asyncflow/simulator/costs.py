@@ -128,12 +128,14 @@ class ServiceCosts:
     reference_call_s: float = 0.0
     """Seconds per reference call (one ``score_chunk``) beyond its forward."""
     reference_token_s: float = 0.0
-    """Seconds per padded token of a reference call beyond its forward (moving and packing per-token fields)."""
+    """Seconds per token of a reference call's rows (unpadded) beyond its forward (moving and packing per-token
+    fields)."""
     train_micro_s: float = 0.0
     """Seconds per micro-batch of the actor's streamed first pass beyond its forward and backward."""
     train_token_s: float = 0.0
-    """Seconds per padded token of a first-pass micro-batch beyond its forward and backward. Told apart from
-    ``train_micro_s`` by two calibration workloads whose rows differ in length (``calibrate.service_costs``);
+    """Seconds per token of a first-pass micro-batch's rows (unpadded: the padding is the engine's, priced by the
+    profile) beyond its forward and backward. Told apart from ``train_micro_s`` by two calibration workloads
+    whose rows differ in length (``calibrate.service_costs``);
     measured on 2026-11-30, one per-call figure fitted on 56-token rows was 60-70% too high for 10-token rows."""
     sync_handoff_s: float = 0.0
     """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""

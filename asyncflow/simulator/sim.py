@@ -251,6 +251,11 @@ class Pipe:
         responses = [[0] * self.lengths[step][r] for r in rows]
         return len(rows) * fit_seq_len(prompts, responses, w.seq_cap)
 
+    def row_tokens(self, step: int, rows: list[int]) -> int:
+        """Tokens the rows hold themselves (prompt and response, no padding): what the TransferQueue moves and
+        what a service packs row by row."""
+        return sum(self.w.prompt_len + self.lengths[step][r] for r in rows)
+
 
 # ------------------------------------------------------------------------------------------ tasks
 def rollout_step(pipe: Pipe, instance: int, step: int):
@@ -299,13 +304,13 @@ def reference_step(pipe: Pipe, step: int):
         chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
         padded = [pipe.padded(step, c) for c in chunks]
         work = replicas.add([tc.reference_s(p, p / len(c)) for p, c in zip(padded, chunks)])
-        tokens = max(padded)
+        own = max(pipe.row_tokens(step, c) for c in chunks)  # the replicas' calls run side by side
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
         service = pipe.costs.service
-        yield from pipe.work(pipe.device("reference"), work + q.request(tokens * 8) + q.request(resp * 4),
-                             service.reference_call_s + service.reference_token_s * tokens)
+        yield from pipe.work(pipe.device("reference"), work + q.request(own * 8) + q.request(resp * 4),
+                             service.reference_call_s + service.reference_token_s * own)
         pipe.tq.put(step, "ref", rows)
-        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows), tokens=tokens)
+        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows), tokens=max(padded), row_tokens=own)
 
 
 def advantage_step(pipe: Pipe, step: int):
@@ -322,7 +327,7 @@ def advantage_step(pipe: Pipe, step: int):
 def actor_step(pipe: Pipe, step: int, version: int):
     """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
     w, tc, q, service = pipe.w, pipe.costs.train, pipe.costs.queue, pipe.costs.service
-    first_tokens, lags, start = 0, [], pipe.sim.now
+    first_tokens, first_own, lags, start = 0, 0, [], pipe.sim.now
     device, replicas, mbs = pipe.device("actor"), _Replicas(w.data_parallel), w.micro_batch_size
     for _ in range(w.rows_per_step // (mbs * w.data_parallel)):
         rows = yield pipe.tq.take(step, "actor", mbs * w.data_parallel)
@@ -330,14 +335,15 @@ def actor_step(pipe: Pipe, step: int, version: int):
         # Replicas run side by side on distinct rows (one micro-batch each here) and meet at the all-reduce.
         padded = [pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs)]
         work = replicas.add([tc.micro_s(tokens, tokens / mbs) for tokens in padded])
-        tokens = max(padded)
-        first_tokens += tokens
-        yield from pipe.work(device, work + q.request(tokens * 24), service.train_micro_s
-                             + service.train_token_s * tokens)
+        own = max(pipe.row_tokens(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
+        first_tokens, first_own = first_tokens + max(padded), first_own + own
+        # The engine computes on the padded micro-batch (``work``); the service moves and packs the rows' own
+        # tokens, so its overhead is charged on those.
+        yield from pipe.work(device, work + q.request(own * 24), service.train_micro_s + service.train_token_s * own)
     # The other epochs re-read each replica's cached micro-batches: the slowest replica's pass again.
     per_pass = max(replicas.totals)
     yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
-    pipe.span("actor", "train", 0, start, step=step, tokens=first_tokens)
+    pipe.span("actor", "train", 0, start, step=step, tokens=first_tokens, row_tokens=first_own)
     start, ws = pipe.sim.now, pipe.costs.weight_sync
     yield device.run(ws.stage_fixed_s + ws.stage_per_byte_s * pipe.costs.weight_bytes)
     pipe.span("actor", "stage_weights", 0, start, version=version + 1)

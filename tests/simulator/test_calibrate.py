@@ -30,6 +30,25 @@ def test_per_call_overheads_and_sync_hand_off_add_to_the_sync_step_in_closed_for
     assert per_token.step_time_s == pytest.approx(work + 0.25 + 1e-4 * w.rows_per_step * width)
 
 
+def test_service_overhead_is_charged_on_the_rows_own_tokens_and_the_engine_on_the_padding():
+    """One sync step, one micro-batch of a 1-token and a 9-token response (prompts of 6): the trainer pads both to
+    the longer row (16 tokens each, 32 in all), while the service moves and packs the 22 tokens the rows hold.
+    The engine's per-token cost is charged on the 32, the service's on the 22, and calibration counts the 22."""
+    from asyncflow.simulator.calibrate import predicted_tokens
+
+    w = _workload(mode="sync", max_staleness=0, steps=2, prompts_per_step=1, samples_per_prompt=2, rollout_chunk=2,
+                  micro_batch_size=2, ppo_epochs=1, max_new_tokens=10, warmup_steps=1)
+    lengths = [[1, 9]] * 2
+    assert fit_seq_len([[0] * 6] * 2, [[0], [0] * 9], w.seq_cap) == 16
+    engine = CostModel(rollout=ROLLOUT, train=dataclasses.replace(TRAIN, per_token_s=1e-3))
+    service = dataclasses.replace(engine, service=ServiceCosts(train_token_s=1e-2))
+    train = [predicted_spans(simulate(w, m, lengths))["train"] for m in (engine, service)]
+    # The engine alone: one pass of one micro-batch of 32 padded tokens plus the optimizer, per step.
+    assert train[0] == pytest.approx(TRAIN.per_micro_s + 1e-3 * 32 + TRAIN.optimizer_s)
+    assert train[1] - train[0] == pytest.approx(1e-2 * 22)
+    assert predicted_tokens(simulate(w, service, lengths))["train"] == pytest.approx(22)
+
+
 def test_service_overhead_is_latency_not_device_time():
     """Two tasks on one device: the reference's overhead beyond its engine time does not slow generation."""
     w = _workload(mode="async", max_staleness=1, reference=True, placement="cpu")  # reference on rollout's core
@@ -54,7 +73,7 @@ def test_service_costs_are_span_excesses_per_call_never_below_zero_plus_the_time
 
 
 def test_two_workloads_split_a_services_overhead_into_per_call_and_per_token():
-    """Two calibration runs whose calls hold 320 and 1,728 padded tokens: the overheads a service really has,
+    """Two calibration runs whose calls hold rows of 320 and 1,728 tokens: the overheads a service really has,
     2 ms a call + 4 us a token, are recovered (one run alone can only charge it per call); the per-token term of
     rollout is the two runs' excess over their tokens."""
     def run(tokens_per_call, gen_tokens):
