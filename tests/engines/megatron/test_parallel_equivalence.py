@@ -12,6 +12,10 @@ from tests.engines.megatron import dist_harness
 
 pytestmark = pytest.mark.slow
 TOL = 1e-5
+TOL_AFTER = 1e-4
+"""After two Adam steps: Adam divides each gradient by its own running RMS, so a last-bit difference in a small
+gradient (TP and PP sum partial products in another order) moves its parameter by a full step's fraction. Measured
+1.6e-5 on an AMD EPYC CPU (under 1e-5 on others); the steps themselves move logprobs by more than 1e-2."""
 
 
 @pytest.fixture(scope="module")
@@ -30,10 +34,10 @@ def test_parallel_matches_tp1(reference, tiny_model_dir, tmp_path, tp, pp):
     assert len(results) == tp  # every tensor-parallel rank of the last stage reports
     for res in results:
         assert res["losses"] == pytest.approx(ref["losses"], abs=TOL)
-        for key in ("logprobs_before", "logprobs_after"):
+        for key, tol in (("logprobs_before", TOL), ("logprobs_after", TOL_AFTER)):
             diff = (torch.tensor(res[key]) - torch.tensor(ref[key])).abs().max().item()
-            assert diff < TOL, f"{key}: max |diff| {diff}"
+            assert diff < tol, f"{key}: max |diff| {diff}"
     # The optimizer steps really changed the model (the comparison is not between two no-ops).
     assert ref["losses"][1] < ref["losses"][0]
     before, after = torch.tensor(ref["logprobs_before"]), torch.tensor(ref["logprobs_after"])
-    assert (before - after).abs().max() > 1e-3
+    assert (before - after).abs().max() > 100 * TOL_AFTER
