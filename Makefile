@@ -30,16 +30,8 @@ demo-slice: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
-# Two pytest-xdist workers, a test file at a time on each (a module's fixtures run once), then the tests that
-# must run alone (marked serial in tests/conftest.py). Both phases run; the target fails if either does.
-# Exit code 5 (nothing selected, e.g. by -k in PYTEST_ARGS) is not a failure.
-TEST_WORKERS ?= 2
 test: venv lint
-	@status=0; \
-	$(PY) -m pytest tests --phase parallel -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || status=$$?; \
-	[ $$status -eq 5 ] && status=0; \
-	$(PY) -m pytest tests --phase serial $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] || status=$$rc; }; \
-	exit $$status
+	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 bench-e2e: venv
 	$(PY) bench/e2e.py
