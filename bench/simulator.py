@@ -125,18 +125,19 @@ def render(results: dict) -> str:
     """Predicted against measured: the prediction from the costs as profiled (primary), and rescaled by the
     speed probe (``slowdown``: predicted / slowdown is the as-profiled value, costs scale exactly)."""
     lines = ["| case | predicted samples/s | measured samples/s (median) | runs | error | probe-rescaled prediction | "
-             "its error | probe slowdown | load avg |", "|---|---|---|---|---|---|---|---|---|"]
+             "its error | probe slowdown | load avg | bound by, rollout / training +10% |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     raw = {name: r["predicted"] * r["slowdown"] for name, r in results.items()}
     for name, r in results.items():
         runs = " / ".join(f"{x:.1f}" for x in r.get("runs", [r["measured"]]))
         lines.append(f"| {name} | {raw[name]:.1f} | {r['measured']:.1f} | {runs} | "
                      f"{raw[name] / r['measured'] - 1:+.0%} | {r['predicted']:.1f} | "
                      f"{r['predicted'] / r['measured'] - 1:+.0%} | {r['slowdown']:.2f}x | "
-                     f"{r['load']:.1f} |")
+                     f"{r['load']:.1f} | {r.get('bound', '-')} |")
     for a, s in RATIOS:
         if a in results and s in results:
             pr, mr = raw[a] / raw[s], results[a]["measured"] / results[s]["measured"]
-            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | | {pr - mr:+.2f} | | | | |")
+            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | | {pr - mr:+.2f} | | | | | |")
     return "\n".join(lines)
 
 
@@ -159,6 +160,8 @@ def main(argv=None) -> int:
     from asyncflow.simulator.calibrate import Calibration, calibration_order
     from asyncflow.simulator.costs import load_costs
     from asyncflow.simulator.profile import profile, speed_probe
+    from asyncflow.simulator.report import model_for
+    from asyncflow.simulator.sensitivity import sensitivity
 
     recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
     calibration = None
@@ -199,12 +202,14 @@ def main(argv=None) -> int:
     for name in runs:  # predicted only now: the cost file is complete once every calibration run is in
         overrides, lengths = CASES[name]
         steps = args.steps * STEP_SCALE.get(name, 1)
-        _, w = predict(overrides, lengths, costs, steps)
+        raw, w = predict(overrides, lengths, costs, steps)
+        sens = sensitivity(w, model_for(costs, w), raw)  # the as-profiled prediction's bound side and tipping
         probe = sum(probes[name]) / len(probes[name])
         factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
         result, w = predict(overrides, lengths, costs, steps, factor)
         results[name] = {"predicted": result.samples_per_s, "measured": statistics.median(runs[name]),
-                         "runs": runs[name], "load": sum(loads[name]) / len(loads[name]), "slowdown": factor}
+                         "runs": runs[name], "load": sum(loads[name]) / len(loads[name]), "slowdown": factor,
+                         "bound": sens.bottleneck + (" (tipping)" if sens.tipping else "") + ", " + sens.cell()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(results)
     print(f"\nPredicted against measured (costs {args.costs}, {args.steps} steps, throughput after {WARMUP}, "

@@ -187,6 +187,19 @@ class CostModel:
                                    service=dataclasses.replace(scale(self.service),  # a ratio: unscaled
                                                                async_floating=self.service.async_floating))
 
+    def tilted(self, rollout: float = 1.0, train: float = 1.0) -> CostModel:
+        """Rollout's costs (the engine and its service overhead) times ``rollout``, the trainer's (actor and
+        reference: engine and service overhead) times ``train``; the rest as fitted (``simulator.sensitivity``)."""
+        def scale(section, factor, names=None):
+            return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
+                                                   for f in dataclasses.fields(section)
+                                                   if names is None or f.name in names})
+
+        service = scale(self.service, rollout, {"generate_token_s"})
+        service = scale(service, train, {"reference_call_s", "reference_token_s", "train_micro_s", "train_token_s"})
+        return dataclasses.replace(self, rollout=scale(self.rollout, rollout), train=scale(self.train, train),
+                                   service=service)
+
 
 @dataclasses.dataclass
 class CostFile:

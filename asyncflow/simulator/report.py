@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 from asyncflow.simulator.costs import CostFile, load_costs
+from asyncflow.simulator.sensitivity import Sensitivity, sensitivity
 from asyncflow.simulator.sim import SimResult, simulate
 from asyncflow.simulator.workload import Workload, from_config
 
@@ -38,17 +39,33 @@ def model_for(costs: CostFile, w: Workload, rollout_tp: int = 1):
     return costs.variant(w.variant)
 
 
-def table(rows: list[tuple[str, SimResult]]) -> str:
-    """Markdown table of predictions (idle: the real timeline's definition, 1 - busy spans / run span)."""
+def table(rows: list[tuple[str, SimResult]], sensitivities: list[Sensitivity] | None = None) -> str:
+    """Markdown table of predictions (idle: the real timeline's definition, 1 - busy spans / run span), with the
+    bound side and the change at 10% dearer rollout / training when ``sensitivities`` are given."""
     head = ("| case | step s | samples/s | ratio | " + " | ".join(f"idle {g}" for g in GROUPS) +
-            " | lag mean / max |")
+            " | lag mean / max |" + (" bound by | rollout / training +10% |" if sensitivities else ""))
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     base = rows[0][1].samples_per_s
-    for name, r in rows:
+    for i, (name, r) in enumerate(rows):
         idle = " | ".join(f"{r.idle_fraction[g]:.0%}" if g in r.idle_fraction else "-" for g in GROUPS)
-        lines.append(f"| {name} | {r.step_time_s:.3f} | {r.samples_per_s:.1f} | {r.samples_per_s / base:.2f}x | "
-                     f"{idle} | {r.lag_mean:.2f} / {r.lag_max} |")
+        line = (f"| {name} | {r.step_time_s:.3f} | {r.samples_per_s:.1f} | {r.samples_per_s / base:.2f}x | "
+                f"{idle} | {r.lag_mean:.2f} / {r.lag_max} |")
+        if sensitivities:
+            s = sensitivities[i]
+            line += f" {s.bottleneck}{' (tipping)' if s.tipping else ''} | {s.cell()} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def tipping_notes(rows: list[tuple[str, SimResult]], sensitivities: list[Sensitivity]) -> list[str]:
+    """A line for each case a 10% cost error on one side moves by more than a proportional bottleneck could."""
+    notes = []
+    for (name, _), s in zip(rows, sensitivities):
+        if s.tipping:
+            notes.append(f"{name}: near a tipping point: {s.tilt:.0%} dearer rollout / training moves the prediction "
+                         f"{s.cell()} ({s.rollout_dearer:.1f} / {s.train_dearer:.1f} samples/s against "
+                         f"{s.base:.1f}); the real run may settle on either side (docs/simulator.md)")
+    return notes
 
 
 def variants_of(w: Workload, cfg) -> list[tuple[str, Workload]]:
@@ -69,15 +86,19 @@ def run(args: argparse.Namespace) -> int:
     w = from_config(cfg, lengths=args.lengths)
     w = dataclasses.replace(w, steps=args.steps or min(w.steps, 50))
     tp = cfg.rollout.tensor_parallel
-    rows = []
+    rows, sensitivities = [], []
     for name, v in variants_of(w, cfg):
         if v.placement == "cpu" and v.variant not in costs.variants:
             print(f"({name}: skipped, the cost file has no variant {v.variant!r}: threads per worker in that mode)")
             continue
-        rows.append((name, simulate(v, model_for(costs, v, tp))))
+        model = model_for(costs, v, tp)
+        rows.append((name, simulate(v, model)))
+        sensitivities.append(sensitivity(v, model, rows[-1][1]))
     print(f"predicted from {args.costs} ({costs.hardware.get('host', '?')}), {w.steps} steps, lengths {w.lengths}, "
           f"{w.rows_per_step} rows per step; throughput after {w.warmup_steps} warm-up steps\n")
-    print(table(rows))
+    print(table(rows, sensitivities))
+    for note in tipping_notes(rows, sensitivities):
+        print(f"\nwarning: {note}")
     out = Path(args.out)
     result = rows[0][1]
     result.timeline.write_chrome_trace(out / "timeline.json")
