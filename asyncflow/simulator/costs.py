@@ -177,28 +177,25 @@ class CostModel:
 
     def scaled(self, factor: float) -> CostModel:
         """Every time term multiplied by ``factor`` (the machine is ``factor`` times slower than when profiled)."""
-        def scale(section):
-            return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
-                                                   for f in dataclasses.fields(section)})
-
-        return dataclasses.replace(self, rollout=scale(self.rollout), train=scale(self.train),
-                                   weight_sync=scale(self.weight_sync), queue=scale(self.queue),
-                                   light=scale(self.light), speed_probe_s=self.speed_probe_s * factor,
-                                   service=dataclasses.replace(scale(self.service),  # a ratio: unscaled
+        return dataclasses.replace(self, rollout=_scale(self.rollout, factor), train=_scale(self.train, factor),
+                                   weight_sync=_scale(self.weight_sync, factor), queue=_scale(self.queue, factor),
+                                   light=_scale(self.light, factor), speed_probe_s=self.speed_probe_s * factor,
+                                   service=dataclasses.replace(_scale(self.service, factor),  # a ratio: unscaled
                                                                async_floating=self.service.async_floating))
 
     def tilted(self, rollout: float = 1.0, train: float = 1.0) -> CostModel:
         """Rollout's costs (the engine and its service overhead) times ``rollout``, the trainer's (actor and
         reference: engine and service overhead) times ``train``; the rest as fitted (``simulator.sensitivity``)."""
-        def scale(section, factor, names=None):
-            return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
-                                                   for f in dataclasses.fields(section)
-                                                   if names is None or f.name in names})
-
-        service = scale(self.service, rollout, {"generate_token_s"})
-        service = scale(service, train, {"reference_call_s", "reference_token_s", "train_micro_s", "train_token_s"})
-        return dataclasses.replace(self, rollout=scale(self.rollout, rollout), train=scale(self.train, train),
+        service = _scale(self.service, rollout, {"generate_token_s"})
+        service = _scale(service, train, {"reference_call_s", "reference_token_s", "train_micro_s", "train_token_s"})
+        return dataclasses.replace(self, rollout=_scale(self.rollout, rollout), train=_scale(self.train, train),
                                    service=service)
+
+
+def _scale(section, factor: float, names: set[str] | None = None):
+    """``section`` (a costs dataclass) with its fields (or only ``names``) multiplied by ``factor``."""
+    return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
+                                           for f in dataclasses.fields(section) if names is None or f.name in names})
 
 
 @dataclasses.dataclass
