@@ -1,7 +1,7 @@
-"""`make demo`'s claim, checked: async GRPO through the real stack lifts the add-one reward.
+"""Other algorithms through the real stack: DAPO's dynamic sampling in both modes.
 
-The demo recipe runs 120 steps; 70 are enough to go from ~0.05 to above 0.8 (measured: 0.8 reached
-at step 45). Thresholds leave room for run-to-run variation of the streaming order.
+GRPO's learning (`make demo`'s claim) is checked on the async run of ``test_e2e``, and PPO's with a Megatron
+critic on the run that ``test_resume`` kills and resumes: each run costs about 40 s of start-up here.
 """
 
 import json
@@ -14,20 +14,6 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_async_grpo_learns_add1(tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
-           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}", "workflow.steps=70"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["reward_first"] < 0.2
-    assert summary["reward_last10_mean"] > 0.75, summary["rewards"]
-    assert summary["max_version_lag"] == 1
-    assert (out / "reward.png").stat().st_size > 10_000
-
-
 def _train(tmp_path, recipe: str, *overrides: str) -> tuple[dict, list[dict]]:
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / recipe), f"model.path={tmp_path / 'model'}",
@@ -36,18 +22,6 @@ def _train(tmp_path, recipe: str, *overrides: str) -> tuple[dict, list[dict]]:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return json.loads((out / "summary.json").read_text()), metrics
-
-
-@pytest.mark.slow
-def test_async_ppo_with_a_megatron_critic_learns_add1(tmp_path):
-    # Measured: 0.054 -> 0.72 (mean of steps 40-49), 0.80 (60-69); 45 s of training for 70 steps.
-    summary, metrics = _train(tmp_path, "recipes/tiny_cpu/ppo_async.yaml", "workflow.steps=55")
-    assert summary["reward_first"] < 0.2
-    assert summary["reward_last10_mean"] > 0.5, summary["rewards"]
-    assert metrics[0]["critic/value_mean"] == 0.0  # the value head starts at zero ...
-    late = metrics[-10:]  # ... and learns to predict the return: values follow the rising reward
-    assert sum(m["critic/value_mean"] for m in late) / 10 > 0.3
-    assert all(m["critic/abs_error"] < 0.6 for m in late)
 
 
 @pytest.mark.slow

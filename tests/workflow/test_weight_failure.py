@@ -32,7 +32,8 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
            f"model.path={model}", f"observability.output_dir={tmp_path / 'run'}", "observability.tensorboard=false",
            "workflow.mode=sync", "workflow.max_staleness=0", "workflow.steps=60", "weight_sync.bucket_mb=1e-6",
            "workflow.prompts_per_step=8", "workflow.samples_per_prompt=4", "trainer.micro_batch_size=8",
-           "rollout.tensor_parallel=2", "rollout.in_process=false"]
+           "rollout.tensor_parallel=2", "rollout.in_process=false",
+           "algorithm.kl_coef=0"]  # no reference model: one Megatron process fewer, nothing here reads it
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     victim, version = None, None
