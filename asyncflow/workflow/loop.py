@@ -29,28 +29,38 @@ _GENERATION = ("rollout", "reward", "advantage")
 
 def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     """Run ``cfg.workflow.steps`` RL steps (from the newest checkpoint with ``resume``); return the summary."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import ray
-    from transformers import AutoTokenizer
 
     from asyncflow.config import replace_section
-    from asyncflow.data import make_prompt_source
     from asyncflow.workflow.feeder import Feeder
-    from asyncflow.workflow.pipeline import start_pipeline
+    from asyncflow.workflow.pipeline import check_config, connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
 
+    check_config(cfg)
     wf = cfg.workflow
     model_dir = _model_dir(cfg)
-    source = make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed, cfg.data)
-    ckpt = RunCheckpoints(cfg, source)
-    start, resume_dir, meta = ckpt.resume() if resume else (0, None, {})
-    ckpt.clean_staging()
-    if resume_dir is not None and trim_metrics(cfg.observability.output_dir, start):
-        cfg = replace_section(cfg, "observability", append=True)
-    if start >= wf.steps:
-        raise ValueError(f"the checkpoint is at step {start}; workflow.steps={wf.steps} leaves nothing to train")
-    pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, hasattr(source, "sample_budgets"),
-                          answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start)
+    # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
+    # process's imports (transformers, torch): side by side they take about 4 s less of every run's start-up.
+    try:  # until a pipeline owns Ray, a failure here shuts it down
+        with ThreadPoolExecutor(1) as pool:
+            loading = pool.submit(_prompt_source, cfg, model_dir)
+            connect_ray(cfg)
+            source = loading.result()
+        ckpt = RunCheckpoints(cfg, source)
+        start, resume_dir, meta = ckpt.resume() if resume else (0, None, {})
+        ckpt.clean_staging()
+        if resume_dir is not None and trim_metrics(cfg.observability.output_dir, start):
+            cfg = replace_section(cfg, "observability", append=True)
+        if start >= wf.steps:
+            raise ValueError(f"the checkpoint is at step {start}; workflow.steps={wf.steps} leaves nothing to train")
+        pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, hasattr(source, "sample_budgets"),
+                              answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start)
+    except BaseException:
+        ray.shutdown()
+        raise
     reporter = None
     try:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt, first=start)
@@ -86,6 +96,15 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
+
+
+def _prompt_source(cfg: AsyncFlowConfig, model_dir: Path):
+    from transformers import AutoTokenizer
+
+    from asyncflow.data import make_prompt_source
+
+    wf = cfg.workflow
+    return make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed, cfg.data)
 
 
 def _model_dir(cfg: AsyncFlowConfig) -> Path:

@@ -155,6 +155,22 @@ def check_algorithm(cfg: AsyncFlowConfig) -> None:
                               "or kl_coef=0")
 
 
+def check_batching(cfg: AsyncFlowConfig) -> None:
+    """Reject a step that the trainers cannot split into whole micro-batches (before anything starts)."""
+    from asyncflow.algorithms.advantages import estimator_scope
+    from asyncflow.config import ConfigError
+
+    rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
+    trainers = [("trainer", cfg.trainer)]
+    if estimator_scope(cfg.algorithm.advantage) == "critic":
+        trainers.append(("critic", cfg.critic))
+    for name, mcfg in trainers:
+        if rows % (mcfg.micro_batch_size * mcfg.data_parallel):
+            raise ConfigError(f"workflow.prompts_per_step x workflow.samples_per_prompt = {rows} rows per step must "
+                              f"be a multiple of {name}.micro_batch_size {mcfg.micro_batch_size} x "
+                              f"{name}.data_parallel {mcfg.data_parallel}")
+
+
 def check_rollout(cfg: AsyncFlowConfig) -> None:
     """Reject rollout settings that cannot work together, naming the keys (before anything starts)."""
     from asyncflow.config import ConfigError
@@ -164,6 +180,27 @@ def check_rollout(cfg: AsyncFlowConfig) -> None:
         raise ConfigError("rollout.partial_kv=keep needs rollout.enable_prefix_caching=false: the prefix cache "
                           "cannot be dropped while requests run, so a new request could attend to an old "
                           "version's cached prompt blocks")
+
+
+def connect_ray(cfg: AsyncFlowConfig) -> None:
+    """Start Ray (or join ``ray.address``) for a run; nothing when this process is already connected."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    local = {}
+    if cfg.ray.address is None and cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
+        local = ({"num_gpus": cfg.ray.local_devices} if cfg.ray.accelerator == "GPU"
+                 else {"resources": {cfg.ray.accelerator: cfg.ray.local_devices}})
+    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
+             include_dashboard=False, log_to_driver=False, **local)
+
+
+def check_config(cfg: AsyncFlowConfig) -> None:
+    """Every check a run makes of its configuration before it starts anything."""
+    check_algorithm(cfg)
+    check_batching(cfg)
+    check_rollout(cfg)
 
 
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
@@ -182,17 +219,11 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     from asyncflow.workflow.resume import checkpoint_root
 
     wf, algo = cfg.workflow, cfg.algorithm
-    check_algorithm(cfg)
-    check_rollout(cfg)
+    check_config(cfg)
     colocated = wf.mode == "sync"
     critic = estimator_scope(algo.advantage) == "critic"
     reference = algo.kl_coef > 0
-    local = {}
-    if cfg.ray.address is None and cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
-        local = ({"num_gpus": cfg.ray.local_devices} if cfg.ray.accelerator == "GPU"
-                 else {"resources": {cfg.ray.accelerator: cfg.ray.local_devices}})
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
-             include_dashboard=False, log_to_driver=False, **local)
+    connect_ray(cfg)
     tq = transfer_queue.start(cfg.transfer_queue)
     client = tq.client()
     where = Placement(cfg, critic, reference)

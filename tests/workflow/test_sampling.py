@@ -81,3 +81,21 @@ def test_keeping_the_kv_cache_across_a_weight_swap_needs_the_prefix_cache_off():
     check_rollout(load_config(None, keep + ["rollout.enable_prefix_caching=false"]))
     with pytest.raises(ConfigError, match="expected one of"):
         load_config(None, ["rollout.partial_kv=reuse"])
+
+
+def test_a_step_that_splits_into_no_whole_micro_batches_is_rejected_before_anything_starts(tmp_path):
+    from asyncflow.workflow.loop import train
+    from asyncflow.workflow.pipeline import check_batching
+
+    sizes = ["workflow.prompts_per_step=4", "workflow.samples_per_prompt=8"]  # 32 rows
+    check_batching(load_config(None, sizes + ["trainer.micro_batch_size=8", "trainer.data_parallel=2"]))
+    with pytest.raises(ConfigError, match="trainer.micro_batch_size 64 x trainer.data_parallel 1"):
+        check_batching(load_config(None, sizes + ["trainer.micro_batch_size=64"]))
+    gae = sizes + ["algorithm.advantage=gae", "trainer.micro_batch_size=8", "critic.micro_batch_size=3"]
+    with pytest.raises(ConfigError, match="critic.micro_batch_size 3"):
+        check_batching(load_config(None, gae))
+    # ``train`` checks first: no model is made, no Ray started
+    model = tmp_path / "model"
+    with pytest.raises(ConfigError, match="rows per step"):
+        train(load_config(None, sizes + ["trainer.micro_batch_size=64", f"model.path={model}"]))
+    assert not model.exists()
