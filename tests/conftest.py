@@ -24,3 +24,13 @@ def tiny_model_dir(tmp_path_factory):
     from asyncflow.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The demo recipe's async GRPO run (its own sizes, 32 prompts x 8 samples), 70 steps; made once and read
+    by the end-to-end checks and by the simulator's held-out prediction. Its summary, with ``_out``."""
+    from tests.recipe_runs import LEARN_STEPS, run_recipe
+
+    return run_recipe(tmp_path_factory.mktemp("demo_run"), "async", 1, "async",
+                      sizes=[f"workflow.steps={LEARN_STEPS}"])

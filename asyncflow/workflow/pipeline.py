@@ -188,12 +188,15 @@ def connect_ray(cfg: AsyncFlowConfig) -> None:
 
     if ray.is_initialized():
         return
+    if cfg.ray.address is not None:  # a running cluster has its resources: Ray refuses num_cpus here
+        ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
+        return
     local = {}
-    if cfg.ray.address is None and cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
+    if cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
         local = ({"num_gpus": cfg.ray.local_devices} if cfg.ray.accelerator == "GPU"
                  else {"resources": {cfg.ray.accelerator: cfg.ray.local_devices}})
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
-             include_dashboard=False, log_to_driver=False, **local)
+    ray.init(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False, log_to_driver=False,
+             **local)
 
 
 def check_config(cfg: AsyncFlowConfig) -> None:

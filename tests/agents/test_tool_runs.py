@@ -15,7 +15,9 @@ from collections import Counter
 
 import pytest
 
-from tests.workflow.test_e2e import REPO, _records, _run
+from tests.recipe_runs import REPO
+from tests.recipe_runs import records as _records
+from tests.recipe_runs import run_recipe as _run
 
 pytestmark = pytest.mark.slow
 

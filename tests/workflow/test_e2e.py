@@ -9,46 +9,22 @@ one run carries as many checks as it can.
 """
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-STEPS, PROMPTS, GROUP = 5, 8, 4
-SMALL = [f"workflow.steps={STEPS}", f"workflow.prompts_per_step={PROMPTS}", f"workflow.samples_per_prompt={GROUP}",
-         "workflow.rollout_chunk=12", "workflow.score_chunk=8", "trainer.micro_batch_size=8"]
-# The demo recipe's own sizes (32 prompts x 8 samples a step), 70 steps: enough to learn add-one.
-LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP = 70, 32, 8
+from tests.recipe_runs import GROUP, LEARN_GROUP, LEARN_PROMPTS, LEARN_STEPS, PROMPTS, STEPS
+from tests.recipe_runs import records as _records
+from tests.recipe_runs import run_recipe as _run
 
 pytestmark = pytest.mark.slow
 
 
-def _run(tmp_path, mode: str, k: int, name: str, *extra: str, sizes: list[str] = SMALL) -> dict:
-    """``asyncflow train`` of the demo recipe at ``sizes`` (a few small steps unless given) and ``extra``."""
-    out = tmp_path / name
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
-           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}",
-           f"workflow.mode={mode}", f"workflow.max_staleness={k}", *sizes, *extra]
-    # The repository on the path of the run's workers too: tests name their own agent loops by dotted path
-    # (tests.agents...), as a user names theirs.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900, env=env)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    summary = json.loads((out / "summary.json").read_text())
-    summary["_out"], summary["_stdout"] = out, proc.stdout
-    summary["_model_mb"] = (tmp_path / "model" / "model.safetensors").stat().st_size / 2**20
-    return summary
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, demo_run):
     tmp = tmp_path_factory.mktemp("e2e")
     return {
-        "async": _run(tmp, "async", 1, "async", sizes=[f"workflow.steps={LEARN_STEPS}"]),
+        "async": demo_run,
         # The weight path at several parallel layouts, with the smallest bucket (one fused group, or one
         # expert, each) and one larger than the model. Sync (k=0) checks every version exactly.
         # Trainer PP2 through the relay (the cross-host transport, gloo on loopback), smallest buckets:
@@ -115,10 +91,6 @@ def test_trainer_and_rollout_logprobs_agree(runs):
     records = [json.loads(line) for line in (runs["sync"]["_out"] / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["rollout/weight_buckets"] == 0  # version 0: the checkpoint vLLM started from
     assert all(r["rollout/weight_buckets"] > 2 for r in records[1:]), [r["rollout/weight_buckets"] for r in records]
-
-
-def _records(run: dict) -> list[dict]:
-    return [json.loads(line) for line in (run["_out"] / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.mark.parametrize("name", SYNC_LAYOUTS)

@@ -12,7 +12,8 @@ from collections import Counter
 
 import pytest
 
-from tests.workflow.test_e2e import _records, _run
+from tests.recipe_runs import records as _records
+from tests.recipe_runs import run_recipe as _run
 
 pytestmark = pytest.mark.slow
 
