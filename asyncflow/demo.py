@@ -113,8 +113,9 @@ def run_demo(cfg: AsyncFlowConfig) -> dict:
     task = Add1Task(AutoTokenizer.from_pretrained(model_dir))
     gen = torch.Generator().manual_seed(cfg.trainer.seed)
 
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
-             include_dashboard=False, log_to_driver=False)
+    from asyncflow.workflow.pipeline import connect_ray
+
+    connect_ray(cfg)
     try:
         trainer = ray.remote(num_cpus=1)(_TrainerWorker).remote(cfg.trainer, str(model_dir))
         rollout = ray.remote(num_cpus=1)(_RolloutWorker).remote(cfg.rollout, str(model_dir))

@@ -51,3 +51,23 @@ def test_local_cluster_actors_and_clean_shutdown():
     while any(_alive(p) for p in pids) and time.time() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), "actor processes outlived ray.shutdown()"
+
+
+def test_a_run_joins_a_running_cluster_even_where_the_recipe_sets_num_cpus():
+    """``ray.address`` joins the cluster as it is: Ray refuses ``num_cpus`` when connecting, and the tiny recipes
+    set it for the local cluster they would otherwise start."""
+    import subprocess
+    import sys
+
+    ray.init(num_cpus=1, include_dashboard=False)
+    try:
+        address = ray.get_runtime_context().gcs_address
+        code = ("import ray\nfrom asyncflow.config import load_config\n"
+                "from asyncflow.workflow.pipeline import connect_ray\n"
+                f"connect_ray(load_config(None, ['ray.address={address}', 'ray.num_cpus=7']))\n"
+                "print('CPU', ray.cluster_resources()['CPU'])\n")
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "CPU 1.0" in proc.stdout  # the running cluster's CPUs, not the recipe's 7
+    finally:
+        ray.shutdown()

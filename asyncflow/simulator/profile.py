@@ -397,8 +397,9 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
         variants = ["device"] if torch.cuda.is_available() else ["1", "2"]
     load_before = os.getloadavg()
     t0 = time.time()
-    ray.init(address=cfg.ray.address, num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace,
-             include_dashboard=False, log_to_driver=False)
+    from asyncflow.workflow.pipeline import connect_ray
+
+    connect_ray(cfg)
     models, samples, fit_misses = {}, {}, {}
     grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
     calibrated = [v for v in variants if v != "device"] if (not quick if calibrate is None else calibrate) else []
