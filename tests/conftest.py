@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny Hugging Face model made locally once per session."""
 
+import multiprocessing as mp
 import os
 
 import pytest
@@ -24,6 +25,15 @@ def tiny_model_dir(tmp_path_factory):
     from asyncflow.tiny_model import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "qwen2", family="qwen2", seed=0)
+
+
+@pytest.fixture(scope="session")
+def vllm_child():
+    """One spawned process, for the session, for the tests that drive an in-process vLLM engine (each test's
+    function builds and closes its own engine there): vLLM's import is paid once instead of per test file, about
+    15 s of a fresh process on 2 cores, and its process-wide settings never reach pytest's own process."""
+    with mp.get_context("spawn").Pool(1) as pool:
+        yield pool
 
 
 @pytest.fixture(scope="session")

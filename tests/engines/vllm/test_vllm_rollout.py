@@ -1,10 +1,9 @@
 """vLLM (in-process engine) generates from a locally made tiny model; its logprobs match transformers.
 
-The engine runs in a spawned child: vLLM sets process-wide state (environment, torch threads) that
-should not leak into pytest.
+The engine runs in the session's spawned vLLM process (``vllm_child``, tests/conftest.py): vLLM sets process-wide
+state (environment, torch threads) that should not leak into pytest.
 """
 
-import multiprocessing as mp
 
 import pytest
 
@@ -62,9 +61,8 @@ def _child(model_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def result(tiny_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
-        return pool.apply(_child, (str(tiny_model_dir),))
+def result(tiny_model_dir, vllm_child):
+    return vllm_child.apply(_child, (str(tiny_model_dir),))
 
 
 def test_generates_n_samples_per_prompt_with_logprobs(result):
