@@ -4,9 +4,14 @@ Checked: no prompt group is trained twice and none is skipped, every step is log
 (actor and critic) and the weight version continue from the checkpoint, old checkpoints are pruned and
 crashed staging folders are cleaned.
 
-The chunked-rollout case is the PPO recipe's learning run (a Megatron critic, 55 steps: measured 0.054 ->
-0.72 by steps 40-49 without a kill): killed after its step-10 checkpoint and resumed, it must still learn, and
-its value head must learn to predict the return. One run checks both, as each start costs about 40 s here.
+The run is the PPO recipe's learning run (a Megatron critic, 55 steps: measured 0.054 -> 0.72 by steps 40-49
+without a kill) in partial-rollout mode (a continuous stream, each token recording its version): killed after
+its step-10 checkpoint and resumed, it must still learn (measured 2026-12-02: 0.81 over the last 10 steps), and
+its value head must learn to predict the return. One run checks all of it, as each start costs about 40 s here.
+Resuming does not depend on the rollout mode (the driver feeds the prompts after the checkpoint again, whatever
+rollout had in flight), so chunked rollout, the recipe's default, is not killed apart. The add-one task's 4-token
+responses rarely outlive a version, so rows spanning versions are checked on the long-tailed runs of
+``test_rollout_modes``, not here.
 """
 
 import json
@@ -21,17 +26,12 @@ from tests.workflow.processes import kill_session, session_processes
 
 REPO = Path(__file__).resolve().parents[2]
 GROUP = 8
-# rollout mode -> (recipe, steps, prompts per step, checkpoint interval, overrides)
-CASES = {
-    "chunked": ("ppo_async.yaml", 55, 32, 5, []),
-    # Partial rollout: GRPO's recipe with GAE advantages (a critic too), a few small steps.
-    "partial": ("grpo_async.yaml", 8, 16, 2, ["algorithm.advantage=gae", "critic.micro_batch_size=64",
-                                              "rollout.partial=true"]),
-}
+# (recipe, steps, prompts per step, checkpoint interval, overrides)
+CASE = ("ppo_async.yaml", 55, 32, 5, ["rollout.partial=true"])
 
 
-def _cmd(tmp_path: Path, case: str, *extra: str) -> list[str]:
-    recipe, steps, prompts, interval, overrides = CASES[case]
+def _cmd(tmp_path: Path, *extra: str) -> list[str]:
+    recipe, steps, prompts, interval, overrides = CASE
     return [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu" / recipe),
             f"model.path={tmp_path / 'model'}", f"observability.output_dir={tmp_path / 'run'}",
             f"workflow.steps={steps}", f"workflow.prompts_per_step={prompts}", f"checkpoint.interval={interval}",
@@ -43,14 +43,13 @@ def _metrics(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rollout", ["chunked", "partial"])
-def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path, rollout):
-    # Partial rollout: the responses in flight at the kill (some spanning versions) are lost with the
-    # process; their prompts are fed again after the checkpoint and regenerated, never trained twice.
-    _, steps, prompts, interval, _ = CASES[rollout]
+def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path):
+    # The responses in flight at the kill are lost with the process; their prompts are fed again after the
+    # checkpoint and regenerated, never trained twice.
+    _, steps, prompts, interval, _ = CASE
     run, ckpts = tmp_path / "run", tmp_path / "run" / "checkpoints"
     log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(_cmd(tmp_path, rollout), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(_cmd(tmp_path), cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         deadline = time.time() + 600
@@ -70,7 +69,7 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path, roll
     trained_before_kill = {m["step"] for m in _metrics(run)}
     (ckpts / "step_999999.tmp").mkdir()  # a crashed save's leftovers must not confuse the resume
 
-    resumed = subprocess.run(_cmd(tmp_path, rollout, "--resume"), cwd=tmp_path, capture_output=True, text=True,
+    resumed = subprocess.run(_cmd(tmp_path, "--resume"), cwd=tmp_path, capture_output=True, text=True,
                              timeout=900)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-5000:]
     assert f"continuing from {ckpts / f'step_{killed_at:06d}'}" in resumed.stdout
@@ -96,9 +95,12 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path, roll
     assert not list(Path("/dev/shm").glob(f"afq-{proc.pid}-*"))
     # Pruned to keep_last=2; crashed staging folders are gone.
     assert sorted(p.name for p in ckpts.glob("step_*")) == [f"step_{steps - interval:06d}", f"step_{steps:06d}"]
-    if rollout == "chunked":  # PPO learned across the kill
-        assert metrics[0]["reward/mean"] < 0.2
-        assert summary["reward_last10_mean"] > 0.5, summary["rewards"]
-        late = metrics[-10:]  # the value head started at zero and learned to follow the rising reward
-        assert sum(m["critic/value_mean"] for m in late) / 10 > 0.3
-        assert all(m["critic/abs_error"] < 0.6 for m in late)
+    # Partial rollout, per token: every token of a trained row came from a version that admitted its step.
+    assert max(m["staleness/token_lag_max"] for m in metrics) <= 1
+    assert min(m["staleness/token_lag_min"] for m in metrics) >= 0
+    # PPO learned across the kill.
+    assert metrics[0]["reward/mean"] < 0.2
+    assert summary["reward_last10_mean"] > 0.5, summary["rewards"]
+    late = metrics[-10:]  # the value head started at zero and learned to follow the rising reward
+    assert sum(m["critic/value_mean"] for m in late) / 10 > 0.3
+    assert all(m["critic/abs_error"] < 0.6 for m in late)
