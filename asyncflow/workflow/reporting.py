@@ -11,6 +11,24 @@ from collections import defaultdict
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.observability import RunObserver, keys
 
+ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries")
+"""Metrics that count something: the step's value is the sum over the instances that report it."""
+
+
+def merge_metric(key: str, old: float, new: float, seen: int) -> float:
+    """The step's value of ``key`` once one more report carries it (``seen`` reports before it, whose merged value
+    is ``old``): counts add up, a ``_max`` is the largest and a ``_min`` (or the first version a step was generated
+    with) the smallest, and a ``_mean`` is the mean over the reports; anything else is the latest report's."""
+    if key.endswith(ADDITIVE):
+        return old + new
+    if key.endswith("_max"):
+        return max(old, new)
+    if key.endswith("_min") or key == "rollout/version":
+        return min(old, new)
+    if key.endswith("_mean"):
+        return (old * seen + new) / (seen + 1)
+    return new
+
 
 class Reporter:
     """Collects reports from the version board; a step is logged once its actor and advantage reports
@@ -41,10 +59,12 @@ class Reporter:
         for item in reports:
             self.observer.timeline.merge(item["spans"])
             pending = self.pending[item["step"]]
+            counts = pending.setdefault("_reports", defaultdict(int))
             for key, value in item["metrics"].items():
-                # Several rollout instances report the same step: their row and token counts add up.
-                additive = key.endswith(("/rows", "/tokens")) and key in pending
-                pending[key] = pending[key] + value if additive else value
+                if key in pending:  # several rollout instances report the same step
+                    value = merge_metric(key, pending[key], value, counts[key])
+                pending[key] = value
+                counts[key] += 1
             pending.setdefault("_services", set()).add(item["service"])
             # The step's clock: when its last span ended (the actor's weights staged, usually), not when this
             # driver polled the board, up to 0.2 s later (``Feeder.wait``); that delay made per-step times
@@ -66,6 +86,7 @@ class Reporter:
 
     def _log(self, step: int, metrics: dict) -> None:
         metrics.pop("_services")
+        metrics.pop("_reports", None)
         # Without spans (``observability.timeline`` off) the driver's clock is the only one.
         now = max(metrics.pop("_end", None) or time.time(), self.t_last)
         dt = max(now - self.t_last, 1e-9)
