@@ -10,8 +10,11 @@ import megatron_patches
 
 
 def _run(code: str) -> str:
-    """Run ``code`` in a fresh interpreter (patches are process-wide) and return its stdout."""
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True)
+    """Run ``code`` in a fresh interpreter (patches are process-wide) and return its stdout. The interpreter
+    imports asyncflow first, as every process of a run does, so that Megatron's import does not compile its
+    fusions (``asyncflow._deferred_compile``: about 3 s less each)."""
+    code = "import asyncflow\n" + textwrap.dedent(code)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
