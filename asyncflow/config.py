@@ -150,7 +150,10 @@ class VllmConfig:
     enforce_eager: bool = True
     """Skip graph capture and compilation (start-up is 3 s instead of about 30 s on CPU)."""
     in_process: bool = True
-    """Run the engine inside the caller's process (TP=1 only; faster start, easier debugging)."""
+    """Run vLLM's engine core inside the caller's process (faster start, easier debugging): at TP=1 the model
+    too; at TP>1 the TP workers still run in processes of their own. False: the engine core runs in a process of
+    its own as well (vLLM's default, which overlaps the caller's work with the engine's steps; the cluster
+    recipes use it). At TP>1 on CPU, in process starts about 12 s sooner: one process fewer imports vLLM."""
     temperature: float = 1.0
     """Sampling temperature."""
     max_new_tokens: int = 4

@@ -33,7 +33,7 @@ def _vllm_main(conn, model_dir: str, tp: int) -> None:
         from asyncflow.engines.vllm.rollout import VllmRollout
 
         rollout = VllmRollout(
-            VllmConfig(tensor_parallel=tp, in_process=tp == 1, max_model_len=64, max_num_seqs=8), model_dir
+            VllmConfig(tensor_parallel=tp, max_model_len=64, max_num_seqs=8), model_dir
         )
         conn.send_bytes(json.dumps({"ok": True}).encode())
         while True:

