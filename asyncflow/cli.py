@@ -119,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     calib.add_argument("--no-calibrate", action="store_true",
                        help="skip the real runs of the loop (sync per CPU variant, async once) that calibrate the "
                        "services' overhead")
-    calib.add_argument("--calibrate", action="store_true", help="calibrate even with --quick")
+    calib.add_argument("--calibrate", action="store_true",
+                       help="calibrate even with --quick (shorter runs then: 5 sync steps, 10 async)")
     prof.add_argument("--calibration-runs", type=int, default=2,
                       help="calibration runs per variant and mode; the sync ones alternate two workloads (rows of "
                       "up to 48 and 12 tokens), which splits each service's overhead into per call and per token "

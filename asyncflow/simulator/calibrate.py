@@ -68,6 +68,9 @@ ASYNC_CALIBRATION_STEPS = 20
 task waits for which changes), and its mean step time, not a median, is what ``fit_async_floating`` matches: at
 10 steps two runs fitted ``async_floating`` 0.20 and 0.30 (2026-12-01)."""
 WARMUP = 2
+QUICK_STEPS = {"sync": WARMUP + 3, "async": 10}
+"""Steps of the calibration runs of ``asyncflow profile --quick`` (a first look, and the tests): about 25 s less on 2
+cores, for fits that vary more between profiles (above)."""
 TASK_SPANS = {"generate": "generate_token_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
 """Span name -> the ``ServiceCosts`` field of its per-call overhead."""
 TOKEN_FIELDS = {"ref_logprobs": "reference_token_s", "train": "train_token_s"}
@@ -358,9 +361,9 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
 
 
 def _profile_run(recipe: Path, out: Path, model_dir: str, threads: int, mode: str = "sync",
-                 workload: int = 0) -> tuple[Path, float]:
-    """One real calibration run of ``workload`` in ``mode``, kept beside the cost file ``out``: its folder, and
-    of an async run the floating processes' CPU seconds per row (0 for sync)."""
+                 workload: int = 0, steps: int | None = None) -> tuple[Path, float]:
+    """One real calibration run of ``workload`` in ``mode`` (``steps``: its default unless given), kept beside the
+    cost file ``out``: its folder, and of an async run the floating processes' CPU seconds per row (0 for sync)."""
     import tempfile
 
     from asyncflow.config import load_config
@@ -371,7 +374,7 @@ def _profile_run(recipe: Path, out: Path, model_dir: str, threads: int, mode: st
     keep.mkdir(parents=True, exist_ok=True)
     cpu: list = []
     run_dir = calibration_run(recipe, Path(tempfile.mkdtemp(prefix=f"{mode}-{threads}-{workload}-", dir=keep)),
-                              model_dir, threads, mode=mode, sampler=cpu if mode == "async" else None,
+                              model_dir, threads, steps=steps, mode=mode, sampler=cpu if mode == "async" else None,
                               workload=workload)
     if mode != "async":
         return run_dir, 0.0
@@ -396,14 +399,19 @@ class Calibration:
     ``apply`` (``asyncflow profile`` runs them in rounds, ``calibration_order``; ``bench/simulator.py`` spreads
     them between its held-out runs)."""
 
-    def __init__(self, models: dict[str, CostModel], recipe: Path, out: Path, model_dir: str):
+    def __init__(self, models: dict[str, CostModel], recipe: Path, out: Path, model_dir: str,
+                 steps: dict[str, int] | None = None):
+        """``steps``: mode -> steps of its calibration runs (default ``CALIBRATION_STEPS`` and
+        ``ASYNC_CALIBRATION_STEPS``; ``QUICK_STEPS`` for ``asyncflow profile --quick``)."""
         self.models, self.recipe, self.out, self.model_dir = models, recipe, out, model_dir
+        self.steps = steps or {}
         self.sync: dict[str, list] = defaultdict(list)  # variant -> Overheads of its sync runs
         self.asynchronous: list[tuple[float, Path, float]] = []  # (step seconds, run folder, floating CPU per row)
 
     def run(self, name: str, mode: str, workload: int) -> None:
         """One calibration run of variant ``name`` in ``mode`` (``calibration_order``), kept."""
-        run_dir, row_s = _profile_run(self.recipe, self.out, self.model_dir, int(name), mode, workload)
+        run_dir, row_s = _profile_run(self.recipe, self.out, self.model_dir, int(name), mode, workload,
+                                      self.steps.get(mode))
         if mode == "sync":
             self.sync[name].append(calibrate(self.models[name], self.recipe, run_dir, int(name), workload))
         else:

@@ -375,7 +375,8 @@ def _fit_variant(samples: dict, mbs: int) -> tuple[CostModel, dict[str, float]]:
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
             quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
             calibration_runs: int = 2) -> CostFile:
-    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``).
+    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``, and
+    calibration runs of ``calibrate.QUICK_STEPS``).
 
     The variants are measured interleaved, grid point by grid point (``_variants``). ``calibrate`` (default: on
     unless ``quick``) then runs the loop for real ``calibration_runs`` times per CPU variant in sync mode,
@@ -389,7 +390,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
     import ray
     from tqdm import tqdm
 
-    from asyncflow.simulator.calibrate import Calibration, calibration_order
+    from asyncflow.simulator.calibrate import QUICK_STEPS, Calibration, calibration_order
     from asyncflow.workflow.loop import _model_dir
 
     model_dir = str(_model_dir(cfg))
@@ -426,7 +427,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
             samples["queue"] = queue_samples
             ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
             recipe = Path(recipe) if recipe else REPO / "recipes/tiny_cpu/grpo_async.yaml"
-            calibration = Calibration(models, recipe, Path(out), model_dir)
+            calibration = Calibration(models, recipe, Path(out), model_dir, QUICK_STEPS if quick else None)
             for name, mode, workload in calibration_order(calibrated, calibration_runs):
                 bar.set_postfix_str(f"{name}: a calibration run of the loop ({mode}, {name} thread(s) per worker)")
                 calibration.run(name, mode, workload)
