@@ -36,7 +36,7 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
            "algorithm.kl_coef=0"]  # no reference model: one Megatron process fewer, nothing here reads it
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
-    victim, version = None, None
+    victim, version, titles = None, None, set()  # the session's titles, for the message if none is caught
     try:
         deadline, pids, listed = time.time() + 600, [], 0.0
         while victim is None and proc.poll() is None and time.time() < deadline:
@@ -47,6 +47,8 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
                     title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
                 except OSError:
                     continue
+                if len(titles) < 200:
+                    titles.add(title[-160:])
                 match = re.search(r"\[asyncflow: applying weight version (\d+)\]", title)
                 if match:
                     os.kill(pid, signal.SIGKILL)
@@ -56,8 +58,8 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
         if victim is None:
             proc.kill()
             out, err = proc.communicate(timeout=60)
-            raise AssertionError(f"never saw a vLLM worker applying a version (exit {proc.returncode})\n"
-                                 f"{out[-2000:]}\n{err[-4000:]}")
+            raise AssertionError(f"never saw a vLLM worker applying a version (exit {proc.returncode}); titles seen:\n"
+                                 + "\n".join(sorted(titles)) + f"\n{out[-2000:]}\n{err[-4000:]}")
         killed_at = time.time()
         out, err = proc.communicate(timeout=120)
         stopped_after = time.time() - killed_at
