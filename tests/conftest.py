@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny Hugging Face model made locally once per session."""
+"""Shared fixtures: a tiny Hugging Face model, one spawned vLLM process and the demo recipe's run, each made once per
+session."""
 
 import multiprocessing as mp
 import os
