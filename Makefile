@@ -7,6 +7,9 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
+# Two pytest-xdist workers: a run of the loop leaves a core idle for a fifth of its time (imports, start-up, waits),
+# which the other worker's tests fill. tests/conftest.py keeps each file, and each shared fixture's users, on one worker.
+TEST_WORKERS ?= 2
 
 .PHONY: venv demo demo-slice test lint bench-e2e bench-tq bench-weight-sync gpu-check clean-venv
 
@@ -31,7 +34,7 @@ lint: venv
 	$(VENV)/bin/ruff check .
 
 test: venv lint
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
 
 bench-e2e: venv
 	$(PY) bench/e2e.py

@@ -53,7 +53,7 @@ setup(
     extras_require={
         "cpu": CPU_STACK,
         "gpu": GPU_STACK,
-        "test": ["pytest", "ruff"],
+        "test": ["pytest", "pytest-xdist", "ruff"],  # xdist: make test runs two workers
     },
     entry_points={"console_scripts": ["asyncflow=asyncflow.cli:main"]},
     classifiers=[

@@ -1,10 +1,21 @@
 """Shared fixtures: a tiny Hugging Face model, one spawned vLLM process and the demo recipe's run, each made once per
-session."""
+session; and how the suite is split over pytest-xdist's workers (``make test`` runs two)."""
 
 import multiprocessing as mp
 import os
 
 import pytest
+
+# The test files that use a session fixture costly enough to make only once: under pytest-xdist each of these groups
+# runs on one worker (a session fixture is made once per worker). Checked at collection (``_check_groups``).
+SHARED_GROUPS = {
+    "tests/workflow/test_e2e.py": "demo_run",
+    "tests/simulator/test_calibration.py": "demo_run",
+    "tests/engines/vllm/test_stream.py": "vllm_child",
+    "tests/engines/vllm/test_vllm_rollout.py": "vllm_child",
+    "tests/engines/vllm/test_moe_reload.py": "vllm_child",
+    "tests/agents/test_agent_loop.py": "vllm_child",
+}
 
 # Keep the 2-core CI machine responsive when several processes compute at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -45,3 +56,43 @@ def demo_run(tmp_path_factory):
 
     return run_recipe(tmp_path_factory.mktemp("demo_run"), "async", 1, "async",
                       sizes=[f"workflow.steps={LEARN_STEPS}"])
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def _group(nodeid: str) -> str:
+    """The unit of work a worker takes whole: the test's file (its module fixtures are made once), or the
+    file's shared group."""
+    module = _module(nodeid)
+    return SHARED_GROUPS.get(module, module)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Check ``SHARED_GROUPS``, then put the groups that hold a slow test first: xdist hands out whole groups
+    in collection order (``--no-loadscope-reorder``), so the long runs of the loop start early and the short
+    tests fill in at the end, instead of one worker idling while the other finishes a long run."""
+    for item in items:
+        for name in set(item.fixturenames) & set(SHARED_GROUPS.values()):
+            if SHARED_GROUPS.get(_module(item.nodeid)) != name:
+                raise pytest.UsageError(f"{_module(item.nodeid)} uses the session fixture {name}: add it to "
+                                        "SHARED_GROUPS in tests/conftest.py, so that xdist runs it beside the "
+                                        "fixture's other users")
+    slow = {_group(item.nodeid) for item in items if item.get_closest_marker("slow")}
+    shared = set(SHARED_GROUPS.values())
+    # Stable: a file's tests stay together and in order. The shared groups are the longest.
+    items.sort(key=lambda item: (_group(item.nodeid) not in shared, _group(item.nodeid) not in slow))
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to a pytest without it
+def pytest_xdist_make_scheduler(config, log):
+    """Whole groups to a worker (``_group``). xdist's own ``loadgroup`` marks do not take under pytest 9, whose
+    node ids no longer come from the attribute xdist rewrites, so the grouping is this scheduler's."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return GroupScheduling(config, log)
