@@ -17,6 +17,11 @@ SHARED_GROUPS = {
     "tests/agents/test_agent_loop.py": "vllm_child",
 }
 
+# Files whose tests measure this machine (the simulator's calibration and its held-out run): under pytest-xdist they
+# run first, with the other worker held until they end (``GroupScheduling``), as calibration assumes the machine is
+# its own. Their group (``SHARED_GROUPS``) goes first in the collection.
+QUIET_MODULES = {"tests/simulator/test_calibration.py"}
+
 # Keep the 2-core CI machine responsive when several processes compute at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -81,18 +86,45 @@ def pytest_collection_modifyitems(config, items):
                                         "fixture's other users")
     slow = {_group(item.nodeid) for item in items if item.get_closest_marker("slow")}
     shared = set(SHARED_GROUPS.values())
-    # Stable: a file's tests stay together and in order. The shared groups are the longest.
-    items.sort(key=lambda item: (_group(item.nodeid) not in shared, _group(item.nodeid) not in slow))
+    quiet = {_group(module) for module in QUIET_MODULES}
+    # Stable: a file's tests stay together and in order. The quiet group first, its quiet files first in it; then
+    # the shared groups (the longest), then the other slow ones.
+    items.sort(key=lambda item: (_group(item.nodeid) not in quiet, _group(item.nodeid) not in shared,
+                                 _group(item.nodeid) not in slow, _module(item.nodeid) not in QUIET_MODULES))
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to a pytest without it
 def pytest_xdist_make_scheduler(config, log):
-    """Whole groups to a worker (``_group``). xdist's own ``loadgroup`` marks do not take under pytest 9, whose
-    node ids no longer come from the attribute xdist rewrites, so the grouping is this scheduler's."""
+    """Whole groups to a worker (``_group``), and the tests of ``QUIET_MODULES`` alone on the machine. xdist's own
+    ``loadgroup`` marks do not take under pytest 9, whose node ids no longer come from the attribute xdist
+    rewrites, so the grouping is this scheduler's."""
     from xdist.scheduler import LoadScopeScheduling
 
     class GroupScheduling(LoadScopeScheduling):
+        quiet_node = None  # the worker running the quiet tests; the others get no work until they end
+
         def _split_scope(self, nodeid: str) -> str:
             return _group(nodeid)
+
+        def _quiet_left(self) -> bool:
+            units = list(self.workqueue.values()) + [u for work in self.assigned_work.values() for u in work.values()]
+            return any(not done and _module(nodeid) in QUIET_MODULES for u in units for nodeid, done in u.items())
+
+        def _assign_work_unit(self, node) -> None:
+            if self._quiet_left():
+                if self.quiet_node is None:
+                    self.quiet_node = node  # takes the first unit: the quiet group, collected first
+                elif node is not self.quiet_node:
+                    return  # held: the quiet tests run alone
+            super()._assign_work_unit(node)
+
+        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
+            quiet_before = self._quiet_left()
+            super().mark_test_complete(node, item_index, duration)
+            if quiet_before and not self._quiet_left():  # the held workers start now
+                for other in self.nodes:
+                    if other is not node:  # two units, as xdist starts a worker: it runs a test once it has the next
+                        self._reschedule(other)
+                        self._reschedule(other)
 
     return GroupScheduling(config, log)

