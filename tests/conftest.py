@@ -7,7 +7,7 @@ import os
 import pytest
 
 # The test files that use a session fixture costly enough to make only once: under pytest-xdist each of these groups
-# runs on one worker (a session fixture is made once per worker). Checked at collection (``_check_groups``).
+# runs on one worker (a session fixture is made once per worker). Checked at collection.
 SHARED_GROUPS = {
     "tests/workflow/test_e2e.py": "demo_run",
     "tests/simulator/test_calibration.py": "demo_run",
@@ -117,6 +117,20 @@ def pytest_xdist_make_scheduler(config, log):
                 elif node is not self.quiet_node:
                     return  # held: the quiet tests run alone
             super()._assign_work_unit(node)
+
+        def remove_node(self, node):
+            """A worker that crashed: its test is reported failed and not run again (xdist's scope schedulers
+            requeue it, and a test that kills its worker every time then leaves the session hanging). If it held
+            the quiet tests, their requeued group goes first again and the next worker to ask takes it."""
+            if node is self.quiet_node:
+                self.quiet_node = None
+            crashed = super().remove_node(node)  # requeues the node's unfinished groups, at the end
+            for scope, unit in list(self.workqueue.items()):
+                if crashed in unit:
+                    unit[crashed] = True
+                if any(_module(nodeid) in QUIET_MODULES for nodeid in unit):
+                    self.workqueue.move_to_end(scope, last=False)
+            return crashed
 
         def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
             quiet_before = self._quiet_left()
