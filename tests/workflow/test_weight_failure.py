@@ -23,6 +23,13 @@ from tests.workflow.processes import reap_session, session_processes
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _title(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return None
+
+
 @pytest.mark.slow
 def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
     from asyncflow.tiny_model import make_tiny_model
@@ -44,9 +51,8 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
             if time.time() - listed > 1.0:  # listing the session is slow; reading a title is not
                 pids, listed = session_processes(proc.pid), time.time()
             for pid in pids:
-                try:
-                    title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                except OSError:
+                title = _title(pid)
+                if title is None:
                     continue
                 if len(titles) < 200:
                     titles.add(title[-160:])
@@ -62,7 +68,14 @@ def test_worker_killed_while_applying_stops_the_run_naming_it(tmp_path):
             raise AssertionError(f"never saw a vLLM worker applying a version (exit {proc.returncode}); titles seen:\n"
                                  + "\n".join(sorted(titles)) + f"\n{out[-2000:]}\n{err[-4000:]}")
         killed_at = time.time()
-        out, err = proc.communicate(timeout=120)
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:  # say what was still running (once in a two-worker full run, 2026-12-02)
+            alive = [f"{pid} {_title(pid)}" for pid in session_processes(proc.pid)]
+            proc.kill()
+            out, err = proc.communicate(timeout=60)
+            raise AssertionError(f"the run did not stop within 120 s of the kill of {victim} (version {version}); "
+                                 "still running:\n" + "\n".join(alive) + f"\n{out[-2000:]}\n{err[-4000:]}") from None
         stopped_after = time.time() - killed_at
     finally:
         leftovers = reap_session(proc.pid)
