@@ -39,19 +39,21 @@ def init_megatron(
     if not torch.distributed.is_initialized():
         rank = int(os.environ.get("RANK", 0)) if rank is None else rank
         world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+        own_port = init_method is None and "MASTER_ADDR" not in os.environ and world_size == 1
         if init_method is None:
-            if "MASTER_ADDR" in os.environ:
-                init_method = "env://"
-            else:
-                init_method = f"tcp://127.0.0.1:{free_port()}"
+            init_method = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        torch.distributed.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(minutes=10),
-        )
+        for attempt in range(5):
+            try:
+                torch.distributed.init_process_group(backend, init_method=init_method, rank=rank,
+                                                     world_size=world_size, timeout=datetime.timedelta(minutes=10))
+                break
+            except torch.distributed.DistNetworkError:
+                # A world of one on a port picked here: another process may take the port between the pick and
+                # the store's listen (seen with two runs starting at once); pick another.
+                if not own_port or attempt == 4:
+                    raise
+                init_method = f"tcp://127.0.0.1:{free_port()}"
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel,
