@@ -83,6 +83,14 @@ class MegatronConfig:
     """Gradient-norm clip (0 disables)."""
     micro_batch_size: int = 4
     """Sequences per micro-batch in the pipeline schedule."""
+    row_order: Literal["shortest", "arrival"] = "shortest"
+    """Which of a step's ready rows each micro-batch takes (the actor's passes, the reference and critic
+    forwards). ``shortest``: the shortest ready rows (the TransferQueue's ``shortest`` sampler), so rows of
+    like length share a micro-batch, padded to about their own length, when many are ready at once (every
+    sync step; an async actor a step behind rollout). ``arrival``: first come, first served, padding each
+    micro-batch to the longest of a mixed set. The loss is normalized over the whole step, so the order does
+    not change the update, only the padding (on long-tailed lengths a sync actor's padded tokens fell about
+    40%: docs/simulator.md)."""
     seed: int = 1234
     """Seed of Megatron's RNG streams."""
     model_provider: str | None = None

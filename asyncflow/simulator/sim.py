@@ -16,6 +16,7 @@ step times, samples/s, idle fraction per task and the version lag of every train
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections import defaultdict, deque
 from collections.abc import Callable
 
@@ -31,21 +32,57 @@ TASK_FIELDS = {"rollout": ("prompt",), "reward": ("response",), "reference": ("r
 """The fields each simulated task reads (``services`` and ``train_services`` read the real ones)."""
 
 
+SHORTEST_TASKS = ("actor", "reference")
+"""The tasks that take the shortest ready rows under ``Workload.row_order = "shortest"`` (the Megatron services)."""
+
+
+class _ByLength:
+    """A task's ready rows, handed out shortest first, ties in ready order (the ``shortest`` sampler)."""
+
+    def __init__(self, length: Callable[[int], int]):
+        self.length, self.heap, self.seq = length, [], 0
+
+    def append(self, row: int) -> None:
+        heapq.heappush(self.heap, (self.length(row), self.seq, row))
+        self.seq += 1
+
+    def extend(self, rows) -> None:
+        for row in rows:
+            self.append(row)
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def popleft(self) -> int:
+        return heapq.heappop(self.heap)[2]
+
+
 class SimQueue:
     """The TransferQueue's readiness rules over simulated rows (ids ``0 .. rows_per_step-1`` per step).
 
     Each task keeps a queue of the rows (or whole groups) ready for it, in the real partition's order
     (``ReadyView``): the view is built at the task's first request of the step from the rows ready by then, in
-    index order, and later rows join in the order they become ready. So a sync actor, which asks once every
-    row is in, gets micro-batches of mixed lengths (padded to their longest), and a streaming one gets them
-    roughly by length, as in the real runs.
+    index order, and later rows join in the order they become ready. The actor and the reference take the
+    shortest ready rows instead (``Workload.row_order``, the ``shortest`` sampler; ``length(step, row)`` gives a
+    row's length): so a sync actor, which asks once every row is in, gets micro-batches of like lengths, and
+    under ``arrival`` it gets them mixed (padded to their longest); a streaming one gets them roughly by length
+    either way, as in the real runs.
     """
 
-    def __init__(self, sim: Sim, w: Workload, tasks: dict[str, tuple[str, ...]]):
+    def __init__(self, sim: Sim, w: Workload, tasks: dict[str, tuple[str, ...]],
+                 length: Callable[[int, int], int] | None = None):
         self.sim, self.w, self.tasks = sim, w, tasks
         self.have: dict[int, dict[int, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.versions: dict[int, dict[int, int]] = defaultdict(dict)
-        self.queues: dict[tuple[int, str], deque] = defaultdict(deque)
+        by_length = w.row_order == "shortest" and length is not None
+
+        def new_queue(key):
+            step, task = key
+            if by_length and task in SHORTEST_TASKS:
+                return _ByLength(lambda row: length(step, row))
+            return deque()
+
+        self.queues: dict[tuple[int, str], deque | _ByLength] = _KeyedDefault(new_queue)
         self.taken: dict[tuple[int, str], int] = defaultdict(int)
         self.group_ready: dict[tuple[int, str], dict[int, int]] = defaultdict(lambda: defaultdict(int))
         self.waiters: dict[tuple[int, str], tuple] = {}
@@ -121,6 +158,18 @@ class SimQueue:
         return True
 
 
+class _KeyedDefault(dict):
+    """A dict whose missing values are made from their key."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, key):
+        value = self[key] = self.make(key)
+        return value
+
+
 class SimBoard:
     """The version board: the newest published weight version and the rollouts waiting for one."""
 
@@ -188,8 +237,9 @@ class Pipe:
         tasks["actor"] = TASK_FIELDS["actor+ref" if w.reference else "actor"]
         if w.reference:
             tasks["reference"] = TASK_FIELDS["reference"]
-        self.tq, self.board = SimQueue(self.sim, w, tasks), SimBoard(self.sim)
         self.lengths = lengths or draw_lengths(w)
+        self.tq = SimQueue(self.sim, w, tasks, length=lambda step, row: self.lengths[step][row])
+        self.board = SimBoard(self.sim)
         self.served = [0] * w.rollout_instances  # the version each rollout instance serves
         self.timeline = Timeline(clock=lambda: self.sim.now)
         self.devices: dict[str, Device] = {}
@@ -294,6 +344,15 @@ class _Replicas:
         return grown
 
 
+def _deal(w: Workload, rows: list[int], size: int) -> list[list[int]]:
+    """The data-parallel replicas' shares of one request's rows (at most ``size`` each): dealt in turn under
+    ``row_order = "shortest"`` (the sampler's split: the rows come shortest first), else in runs of ``size``."""
+    if w.row_order == "shortest" and w.data_parallel > 1:
+        parts = -(-len(rows) // size)
+        return [rows[i::parts] for i in range(parts)]
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
 def reference_step(pipe: Pipe, step: int):
     """Reference log-probs: each data-parallel replica takes its own ``score_chunk`` of responses (a forward
     pass over the chunk padded to its longest row); replicas run side by side (``_Replicas``)."""
@@ -301,7 +360,7 @@ def reference_step(pipe: Pipe, step: int):
     replicas = _Replicas(w.data_parallel)
     while rows := (yield pipe.tq.take(step, "reference", w.score_chunk * w.data_parallel)):
         start = pipe.sim.now
-        chunks = [rows[i:i + w.score_chunk] for i in range(0, len(rows), w.score_chunk)]
+        chunks = _deal(w, rows, w.score_chunk)
         padded = [pipe.padded(step, c) for c in chunks]
         work = replicas.add([tc.reference_s(p, p / len(c)) for p, c in zip(padded, chunks)])
         own = max(pipe.row_tokens(step, c) for c in chunks)  # the replicas' calls run side by side
@@ -333,9 +392,10 @@ def actor_step(pipe: Pipe, step: int, version: int):
         rows = yield pipe.tq.take(step, "actor", mbs * w.data_parallel)
         lags += [version - pipe.tq.versions[step][r] for r in rows]
         # Replicas run side by side on distinct rows (one micro-batch each here) and meet at the all-reduce.
-        padded = [pipe.padded(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs)]
+        parts = _deal(w, rows, mbs)
+        padded = [pipe.padded(step, part) for part in parts]
         work = replicas.add([tc.micro_s(tokens, tokens / mbs) for tokens in padded])
-        own = max(pipe.row_tokens(step, rows[i:i + mbs]) for i in range(0, len(rows), mbs))
+        own = max(pipe.row_tokens(step, part) for part in parts)
         first_tokens, first_own = first_tokens + max(padded), first_own + own
         # The engine computes on the padded micro-batch (``work``); the service moves and packs the rows' own
         # tokens, so its overhead is charged on those.

@@ -51,6 +51,9 @@ class Workload:
     """Trainer data-parallel replicas (they work in parallel on distinct rows)."""
     fixed_shape: bool = False
     """Pipeline parallelism pads every micro-batch to ``prompt_len + max_new_tokens``."""
+    row_order: str = "shortest"
+    """Which ready rows the actor and the reference take (``MegatronConfig.row_order``): ``shortest`` or
+    ``arrival`` (the partition's ready order)."""
     ppo_epochs: int = 2
     """Optimizer steps per batch; the first streams, the others re-read the cached micro-batches."""
     reference: bool = True
@@ -116,7 +119,8 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         prompts_per_step=wf.prompts_per_step, samples_per_prompt=wf.samples_per_prompt,
         rollout_instances=wf.rollout_instances, rollout_chunk=wf.rollout_chunk, max_num_seqs=cfg.rollout.max_num_seqs,
         score_chunk=wf.score_chunk, micro_batch_size=tr.micro_batch_size, data_parallel=tr.data_parallel,
-        fixed_shape=tr.pipeline_parallel > 1, ppo_epochs=cfg.algorithm.ppo_epochs, reference=cfg.algorithm.kl_coef > 0,
+        fixed_shape=tr.pipeline_parallel > 1,
+        row_order="arrival" if tr.pipeline_parallel > 1 else tr.row_order, ppo_epochs=cfg.algorithm.ppo_epochs, reference=cfg.algorithm.kl_coef > 0,
         prompt_len=prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
         lengths=lengths or default_lengths(cfg), seed=wf.seed, rollout_model=model, partial_kv=cfg.rollout.partial_kv,
         placement="cpu" if cfg.ray.accelerator is None else "devices",

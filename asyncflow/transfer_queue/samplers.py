@@ -2,7 +2,8 @@
 
 A sampler sees the rows that are ready for a task (every requested field produced, not yet handed to
 that task), in the order they became ready, and picks up to ``n`` of them. Samplers run inside the
-controller for every request, so the common ones take O(n) time, not O(rows in the partition).
+controller for every request, so the common ones take O(n) time, not O(rows in the partition); ``shortest``
+looks at every ready row (O(ready x log n)).
 
 DP awareness is not a sampler of its own: every sampler is DP-rank-aware through the request's
 ``dp_rank``/``mp_rank``/``mp_size`` (all model-parallel ranks of one DP replica receive the same rows),
@@ -170,3 +171,26 @@ class TokenBalancedSampler(Sampler):
             for item in full:
                 heapq.heappush(heap, item)
         return [sorted(b) for b in bins]
+
+
+@register_sampler("shortest")
+class ShortestSampler(Sampler):
+    """The ``n`` shortest ready rows (row ``lengths``; ties in ready order): rows of like length share a batch.
+
+    A trainer pads a micro-batch to its longest row, so when many rows are ready at once (a sync step, or a
+    consumer a step behind its producer) taking them in ready order pads every batch to some long row;
+    shortest first pads each to about its own length. When rows arrive one batch at a time it is first come,
+    first served. With ``dp_size`` replicas it picks ``n x dp_size`` rows at once and deals them out in
+    turn, shortest first, so every replica gets rows of about the same lengths (and, except at a step's end,
+    the same count).
+    """
+
+    joint_dp = True
+
+    def select(self, view: ReadyView, n: int) -> list[int]:
+        lengths = view.lengths
+        return heapq.nsmallest(n, view.ready, key=lambda row: int(lengths[row]))  # stable: ready order on ties
+
+    def split(self, rows: list[int], lengths: np.ndarray, parts: int) -> list[list[int]]:
+        order = sorted(range(len(rows)), key=lambda k: int(lengths[k]))
+        return [[rows[k] for k in order[i::parts]] for i in range(parts)]

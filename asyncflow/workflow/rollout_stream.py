@@ -92,7 +92,7 @@ class ContinuousRollout:
     # ------------------------------------------------------------------ rows
     def _admit_rows(self, step: int, block: bool) -> bool:
         """Admit ready rows of ``step`` into free slots; True once the partition is exhausted."""
-        from asyncflow.workflow.services import partition_name
+        from asyncflow.workflow.services import partition_name, row_length
 
         if not self.stream.free:
             return False
@@ -179,7 +179,8 @@ class ContinuousRollout:
                 data["agent_error"] = torch.tensor([float(f) for _, _, f, _ in rows])
                 data["turn_reward"] = torch.tensor([r for *_, r in rows], dtype=torch.float)
             self.svc.tq.put(partition_name(step), data, indexes=[i for i, *_ in rows],
-                            versions=[s.weight_version for _, s, _, _ in rows])
+                            versions=[s.weight_version for _, s, _, _ in rows],
+                            lengths=[row_length(s) for _, s, _, _ in rows])
 
     # ------------------------------------------------------------------ timeline and reports
     def _idle(self) -> None:

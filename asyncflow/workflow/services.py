@@ -31,6 +31,12 @@ def partition_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def row_length(sample) -> int:
+    """A generated row's tokens as the trainer packs it (prompt and response): the TransferQueue's row length,
+    which the ``shortest`` sampler orders micro-batches by (the prompt's put set it to the prompt alone)."""
+    return len(sample.prompt_ids) + len(sample.response_ids)
+
+
 class TaskService:
     """Common plumbing: a TransferQueue client, a timeline, the board, and the step loop."""
 
@@ -289,7 +295,8 @@ class RolloutService(TaskService):
                 self.tq.put(part, {
                     "response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s in pending],
                     "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s in pending],
-                }, indexes=[i for i, _ in pending], versions=[s.weight_version for _, s in pending])
+                }, indexes=[i for i, _ in pending], versions=[s.weight_version for _, s in pending],
+                    lengths=[row_length(s) for _, s in pending])
                 pending.clear()
 
         for batch in self.stream(step, self.fields, self.chunk):

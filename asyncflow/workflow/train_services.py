@@ -45,6 +45,8 @@ class MegatronService(TaskService):
         self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
         self.fixed_shape = megatron_cfg.pipeline_parallel > 1  # stages exchange fixed shapes
+        # Rows of like length in one micro-batch (``MegatronConfig.row_order``); fixed shapes pad to the cap anyway.
+        self.sampler = "shortest" if megatron_cfg.row_order == "shortest" and not self.fixed_shape else "sequential"
         tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.tp_rank, self.pp_rank = tp, pp
@@ -98,6 +100,7 @@ class MegatronService(TaskService):
 
         Under model parallelism each batch's fingerprint is kept for ``verify_same_rows``.
         """
+        kwargs.setdefault("sampler", self.sampler)
         batches = super().stream(step, fields, batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
                                  mp_rank=self.mp_rank, mp_size=self.mp_size, **kwargs)
         for batch in batches:

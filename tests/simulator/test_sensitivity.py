@@ -2,6 +2,8 @@
 
 The costs are round numbers (``test_cli.MODEL``), the trainer's scaled to put the continuous-rollout pipeline far
 from balance on either side or at the point where the actor falls a step behind (at 3x on 12 simulated steps).
+The tipping point exists with micro-batches taken in arrival order (``trainer.row_order=arrival``); with the
+default, shortest ready rows first, the actor a step behind pads little and catches up, and there is none.
 """
 
 import dataclasses
@@ -18,12 +20,17 @@ from asyncflow.simulator.workload import from_config
 from tests.simulator.test_cli import MODEL
 
 REPO = Path(__file__).resolve().parents[2]
-ARGS = ["workflow.task=add1_longtail", "rollout.max_new_tokens=128", "rollout.continuous=true"]
+ARGS = ["workflow.task=add1_longtail", "rollout.max_new_tokens=128", "rollout.continuous=true",
+        "trainer.row_order=arrival"]
+
+
+def _workload(args):
+    return dataclasses.replace(from_config(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", args)), steps=12)
 
 
 @pytest.fixture(scope="module")
 def workload():
-    return dataclasses.replace(from_config(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", ARGS)), steps=12)
+    return _workload(ARGS)
 
 
 def test_tilted_scales_one_side_only():
@@ -60,6 +67,19 @@ def test_near_balance_is_reported_as_a_tipping_point(workload):
     assert s.change("train") < -0.12
     behind = simulate(workload, model.tilted(train=1 + TILT))
     assert behind.samples_per_s == pytest.approx(s.train_dearer)
+
+
+def test_shortest_rows_first_removes_the_tipping_point(workload):
+    """The same costs with the actor taking the shortest ready rows: a step behind, it finds the step's rows
+    ready and batches them by length, so it is cheaper behind than streaming, catches up, and the pipeline
+    stays rollout-bound where arrival order tipped into the actor-bound state (and up to 5x the trainer's costs)."""
+    shortest = _workload(ARGS[:-1] + ["trainer.row_order=shortest"])
+    for train in (3.0, 4.0):
+        s = sensitivity(shortest, MODEL.tilted(train=train))
+        assert s.bottleneck == "rollout" and not s.tipping, (train, s)
+        assert abs(s.change("train")) < 0.02
+    arrival, first = simulate(workload, MODEL.tilted(train=4.0)), simulate(shortest, MODEL.tilted(train=4.0))
+    assert first.samples_per_s > 1.2 * arrival.samples_per_s
 
 
 def test_simulate_prints_the_bound_side_and_warns_near_a_tipping_point(tmp_path, capsys):

@@ -183,6 +183,32 @@ def test_token_balanced_split_across_dp(client):
     assert abs(sums[0] - sums[1]) <= 2, sums  # 104 vs 103 is the best split
 
 
+def test_shortest_sampler_batches_rows_of_like_length(client):
+    """All rows ready at once: each batch takes the shortest left (ties in ready order), so batches are
+    padded to about their own length; the lengths a later put sets (a response) are the ones used."""
+    client.create_partition("p")
+    client.put("p", {"prompt": [torch.zeros(2) for _ in range(8)]})  # prompt lengths: all 2
+    response = [9, 3, 7, 3, 1, 12, 5, 8]
+    client.put("p", {"resp": [torch.zeros(n) for n in response]}, indexes=list(range(8)),
+               lengths=[2 + n for n in response])
+    batches = [client.get("p", "train", ["resp"], 3, sampler="shortest", allow_partial=True) for _ in range(3)]
+    assert [b.indexes for b in batches] == [[4, 1, 3], [6, 2, 7], [0, 5]]
+    assert [b.meta.lengths for b in batches] == [[3, 5, 5], [7, 9, 10], [11, 14]]
+    sequential = client.get("p", "other", ["resp"], 3, sampler="sequential")
+    assert sequential.indexes == [0, 1, 2]  # the other task still sees ready order
+
+
+def test_shortest_sampler_deals_to_dp_replicas_in_turn(client):
+    client.create_partition("p")
+    lengths = [100, 1, 7, 3, 50, 40, 2, 20]
+    client.put("p", {"tok": [torch.zeros(n) for n in lengths]})
+    parts = [client.get("p", "train", ["tok"], 2, sampler="shortest", dp_rank=r, dp_size=2) for r in range(2)]
+    # The 4 shortest (1, 2, 3, 7), dealt shortest first: each replica one of the two shortest.
+    assert [p.meta.lengths for p in parts] == [[1, 3], [2, 7]]
+    rest = [client.get("p", "train", ["tok"], 2, sampler="shortest", dp_rank=r, dp_size=2) for r in range(2)]
+    assert [p.meta.lengths for p in rest] == [[20, 50], [40, 100]]
+
+
 # ----------------------------------------------------------------------------- waiting
 def test_blocking_get_waits_for_producer(client, tq):
     client.create_partition("p")
