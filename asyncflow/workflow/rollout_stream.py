@@ -92,7 +92,7 @@ class ContinuousRollout:
     # ------------------------------------------------------------------ rows
     def _admit_rows(self, step: int, block: bool) -> bool:
         """Admit ready rows of ``step`` into free slots; True once the partition is exhausted."""
-        from asyncflow.workflow.services import partition_name, row_length
+        from asyncflow.workflow.services import partition_name
 
         if not self.stream.free:
             return False
@@ -163,7 +163,7 @@ class ContinuousRollout:
             self._flush()
 
     def _flush(self) -> None:
-        from asyncflow.workflow.services import partition_name
+        from asyncflow.workflow.services import partition_name, row_length
 
         by_step: dict[int, list] = {}
         for step, index, sample, failed, turn_reward in self.pending:
