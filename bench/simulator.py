@@ -54,6 +54,10 @@ CASES = {
     # them to one core, as in the profile.
     "longtail sync 1 thread": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0",
                                        "workflow.sync_worker_threads=1"], None),
+    # The trainer taking rows in arrival order (``trainer.row_order=arrival``, the default until 2026-12-02): a sync
+    # step's micro-batches mixed lengths, padded to their longest; the default batches the shortest ready rows.
+    "longtail sync arrival": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0", "trainer.row_order=arrival"],
+                              None),
     "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
     "longtail async k=0": (BASE + ["workflow.mode=async", "workflow.max_staleness=0"], None),
     "longtail async k=2": (BASE + ["workflow.mode=async", "workflow.max_staleness=2"], None),
@@ -77,7 +81,9 @@ seconds, not over a second or two of a noisy machine."""
 ONE_CORE_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0"}
 """Environment of the 1-thread sync runs (``RolloutService`` keeps a bind list that is already set)."""
 RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sync"),
-          ("longtail async k=1", "longtail sync 1 thread"), ("short async k=1", "short sync 1 thread")]
+          ("longtail async k=1", "longtail sync 1 thread"), ("short async k=1", "short sync 1 thread"),
+          ("longtail sync", "longtail sync arrival")]
+"""The issue's four async/sync ratios, then what shortest-first micro-batching gains a sync step."""
 
 
 def predict(overrides: list[str], lengths: str | None, costs, steps: int, slowdown: float = 1.0):
