@@ -249,13 +249,38 @@ def test_data_parallel_replicas_meet_only_at_the_end_of_the_pass():
     two long rows (each micro-batch's slowest piece, as if the replicas waited for each other every time)."""
     w = _workload(mode="sync", max_staleness=0, steps=2, prompts_per_step=1, samples_per_prompt=4, rollout_chunk=4,
                   score_chunk=1, micro_batch_size=1, data_parallel=2, ppo_epochs=1, reference=True,
-                  max_new_tokens=10, warmup_steps=1)
+                  max_new_tokens=10, warmup_steps=1, row_order="arrival")
     costs = CostModel(rollout=RolloutCosts(), train=TrainCosts(per_token_s=0.01, ref_per_token_s=0.001))
     result = simulate(w, costs, [[10, 1, 1, 10]] * 2)
     long, short = (fit_seq_len([[0] * w.prompt_len], [[0] * n], w.seq_cap) for n in (10, 1))
     step = (0.01 + 0.001) * (long + short)
     assert step < (0.01 + 0.001) * 2 * long * 0.95
     assert result.step_end_s == pytest.approx([step, 2 * step])
+
+
+@pytest.mark.parametrize("data_parallel", [1, 2])
+def test_sync_actor_takes_the_shortest_rows_first(data_parallel):
+    """Every row of a sync step is ready when the actor asks: with ``row_order="shortest"`` its micro-batches are
+    the step's rows sorted by length (dealt to the replicas in turn), padded to about their own length; in
+    arrival order (index order here) each micro-batch mixes short and long rows and pads to a long one."""
+    lengths = [30, 2, 25, 3, 28, 1, 27, 4]
+    costs = CostModel(rollout=RolloutCosts(), train=TrainCosts(per_token_s=0.01))
+    width = {n: fit_seq_len([[0] * 6], [[0] * n], 6 + 32) for n in lengths}
+
+    def step_time(order: str) -> float:
+        w = _workload(mode="sync", max_staleness=0, steps=2, prompts_per_step=2, samples_per_prompt=4,
+                      rollout_chunk=8, score_chunk=8, micro_batch_size=4 // data_parallel, ppo_epochs=1,
+                      max_new_tokens=32, warmup_steps=1, data_parallel=data_parallel, row_order=order)
+        return simulate(w, costs, [lengths] * 2).step_end_s[0]
+
+    if data_parallel == 1:  # micro-batches {1, 2, 3, 4} and {25, 27, 28, 30} against {30, 2, 25, 3} and {28, 1, 27, 4}
+        shortest, arrival = 4 * (width[4] + width[30]), 4 * (width[30] + width[28])
+    else:  # each replica two rows of a request: {1, 3}, {25, 28} and {2, 4}, {27, 30}; in index order {30, 2} ...
+        shortest = 2 * max(width[3] + width[28], width[4] + width[30])
+        arrival = 2 * max(width[30] + width[28], width[25] + width[27])
+    assert step_time("shortest") == pytest.approx(0.01 * shortest)
+    assert step_time("arrival") == pytest.approx(0.01 * arrival)
+    assert shortest < 0.75 * arrival
 
 
 def test_a_profile_whose_calls_were_disturbed_reports_how_far_its_fit_misses_them():
