@@ -345,8 +345,9 @@ class _Replicas:
 
 
 def _deal(w: Workload, rows: list[int], size: int) -> list[list[int]]:
-    """The data-parallel replicas' shares of one request's rows (at most ``size`` each): dealt in turn under
-    ``row_order = "shortest"`` (the sampler's split: the rows come shortest first), else in runs of ``size``."""
+    """The data-parallel replicas' shares of one request's rows (at most ``size`` each, since callers take at most
+    ``size x data_parallel`` rows): dealt in turn under ``row_order = "shortest"`` (the sampler's split: the rows
+    come shortest first), else in runs of ``size``."""
     if w.row_order == "shortest" and w.data_parallel > 1:
         return [part for i in range(w.data_parallel) if (part := rows[i::w.data_parallel])]
     return [rows[i:i + size] for i in range(0, len(rows), size)]
