@@ -143,13 +143,15 @@ class ServiceCosts:
     """Async CPU placement: CPU seconds per trained row of the processes that float over every core (the
     TransferQueue's controller and storage units, the version board, the driver, the reward and advantage
     services, Ray's daemons), measured from the OS's per-process CPU time during the async calibration run.
-    Charged half on each pinned core as jobs nobody waits for, as each field of a row is put, so they slow a
-    busy core and cost nothing on an idle one. Per row, not per second of engine work: on 2026-11-30 they took
-    0.75 ms a row both in a step of 4-token answers (0.44 of the 2 cores) and in a long-tailed one (0.16)."""
+    Added as each field of a row is put to the pinned cores' floating pool (``events.Pool``): an idle pinned core
+    runs it at full speed, and only when both are busy does it take a fair share of each. Measured on 2026-12-03
+    with psutil, the floating work of a short-answer async step fitted in the pinned workers' idle time (the two
+    cores 89% busy in all). Per row, not per second of engine work: on 2026-11-30 they took 0.75 ms a row both in
+    a step of 4-token answers (0.44 of the 2 cores) and in a long-tailed one (0.16)."""
     async_floating: float = 0.0
     """Async CPU placement: what else async adds beyond ``async_floating_row_s`` (the pinned workers contending
     for memory and caches, the rollout worker's polling), as CPU seconds per second of work on a pinned core,
-    charged like the floating rows. Fitted on the async calibration run after the floating rows are measured;
+    added to the same floating pool. Fitted on the async calibration run after the floating rows are measured;
     0 without one."""
 
 

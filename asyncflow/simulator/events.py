@@ -7,7 +7,8 @@
 
 ``Device`` is processor sharing: ``n`` jobs on one device each progress at ``1/n`` of its speed, which is
 what two processes pinned to one core (or two worker groups taking turns on one GPU) look like from
-outside. No library here: simpy would do, but it is not a dependency and this needs 100 lines.
+outside. A ``Pool`` links devices that also serve work floating over all of them (processes the OS places on
+whichever core is free). No library here: simpy would do, but it is not a dependency and this needs 200 lines.
 """
 
 from __future__ import annotations
@@ -113,55 +114,64 @@ class Sim:
 
 
 class Device:
-    """A processor-shared device: concurrent jobs split its speed equally. ``busy`` is the union of the
-    intervals in which at least one job ran (for idle fractions)."""
+    """A processor-shared device: concurrent jobs split its speed equally. Devices linked to a ``Pool`` also serve
+    its floating work, and then change speed together."""
 
     def __init__(self, sim: Sim, name: str, speed: float = 1.0):
         self.sim, self.name, self.speed = sim, name, speed
         self._jobs: dict[int, list] = {}  # id -> [remaining work, event]
         self._ids = itertools.count()
         self._last = 0.0
+        self._rate = 0.0  # the speed each job gets now
         self._epoch = 0  # invalidates completions scheduled before the job set changed
         self.busy = 0.0
-        self.spill: tuple[float, list[Device]] = (0.0, [])
-        """``(factor, devices)``: every job run here adds ``factor x`` its work, split evenly over ``devices``,
-        as jobs nobody waits for (processes that float over those devices, driven by this one's work)."""
+        """Seconds in which it ran anything: its jobs, or a pool's floating work."""
+        self.pool: Pool | None = None
+        self.spill = 0.0
+        """Every job run here adds ``spill x`` its work to ``pool`` (processes that float over the pool's devices,
+        driven by this one's work)."""
 
     def run(self, work: float) -> Event:
         """An event that triggers once ``work`` seconds of this device's undivided time have been served."""
-        factor, peers = self.spill
-        if work > 0 and factor > 0:
-            for peer in peers:
-                peer.background(factor * work / len(peers))
+        if work > 0 and self.spill > 0 and self.pool is not None:
+            self.pool.add(self.spill * work)
         return self._add(work, Event(self.sim))
 
-    def background(self, work: float) -> None:
-        """``work`` seconds of a job nobody waits for (a process that floats onto this device)."""
-        self._add(work, Event(self.sim))
-
     def _add(self, work: float, ev: Event) -> Event:
-        self._advance()
         if work <= 0:
             return ev.succeed()
+        self._advance()
         self._jobs[next(self._ids)] = [work, ev]
         self._reschedule()
         return ev
 
     def _advance(self) -> None:
+        if self.pool is not None:
+            self.pool.advance()
+        else:
+            self._advance_own()
+
+    def _reschedule(self) -> None:
+        if self.pool is not None:
+            self.pool.reschedule()
+        else:
+            self._rate = self.speed / max(len(self._jobs), 1)
+            self._schedule()
+
+    def _advance_own(self) -> None:
         now = self.sim.now
         if self._jobs:
-            share = (now - self._last) * self.speed / len(self._jobs)
             for job in self._jobs.values():
-                job[0] -= share
+                job[0] -= (now - self._last) * self._rate
             self.busy += now - self._last
         self._last = now
 
-    def _reschedule(self) -> None:
+    def _schedule(self) -> None:
         self._epoch += 1
         if not self._jobs:
             return
         epoch, least = self._epoch, min(job[0] for job in self._jobs.values())
-        self.sim.at(self.sim.now + max(least, 0.0) * len(self._jobs) / self.speed, lambda: self._complete(epoch))
+        self.sim.at(self.sim.now + max(least, 0.0) / self._rate, lambda: self._complete(epoch))
 
     def _complete(self, epoch: int) -> None:
         if epoch != self._epoch:
@@ -171,3 +181,70 @@ class Device:
         for k in done:
             self._jobs.pop(k)[1].succeed()
         self._reschedule()
+
+
+class Pool:
+    """Work of processes that float over ``devices`` (e.g. the cores every pinned worker shares with the OS's
+    other processes) and that nobody waits for. An idle device serves it at full speed, as the OS moves a
+    runnable process to an idle core; only when every device is busy does it take a fair share of each (one
+    more job on each), slowing the jobs there. ``served`` is how much of it each device ran."""
+
+    def __init__(self, sim: Sim, devices: list[Device]):
+        self.sim, self.devices = sim, devices
+        self.left = 0.0
+        self.served = {d.name: 0.0 for d in devices}
+        self._rates: dict[str, float] = {}
+        self._last = 0.0
+        self._epoch = 0
+        for device in devices:
+            device.pool = self
+
+    def add(self, work: float) -> None:
+        """``work`` seconds of floating work, served from now on."""
+        if work <= 0:
+            return
+        self.advance()
+        self.left += work
+        self.reschedule()
+
+    def advance(self) -> None:
+        """Bring every linked device and the pool's own work up to now."""
+        now = self.sim.now
+        for device in self.devices:
+            if not device._jobs and device.name in self._rates:  # idle but for the floating work: busy with it
+                device.busy += now - self._last
+            device._advance_own()
+        for name, rate in self._rates.items():
+            done = min((now - self._last) * rate, self.left)
+            self.served[name] += done
+            self.left -= done
+        self.left = max(self.left, 0.0) if self.left > 1e-12 else 0.0
+        self._last = now
+
+    def reschedule(self) -> None:
+        """Split each device's speed between its jobs and the pool, and schedule the next completion."""
+        idle = [d for d in self.devices if not d._jobs]
+        self._rates = {}
+        for device in self.devices:
+            n = len(device._jobs)
+            speed = device.speed
+            if self.left > 0 and not idle:  # all busy: one more fair share on each
+                self._rates[device.name] = speed / (n + 1)
+                device._rate = speed / (n + 1)
+            else:
+                device._rate = speed / max(n, 1)
+                if self.left > 0 and n == 0:
+                    self._rates[device.name] = speed
+            device._schedule()
+        self._epoch += 1
+        rate = sum(self._rates.values())
+        if rate > 0:
+            epoch = self._epoch
+            self.sim.at(self.sim.now + self.left / rate, lambda: self._drained(epoch))
+
+    def _drained(self, epoch: int) -> None:
+        if epoch != self._epoch:
+            return
+        self.advance()
+        self.left = 0.0
+        self.reschedule()

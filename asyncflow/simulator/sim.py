@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from asyncflow.observability.timeline import Timeline
 from asyncflow.simulator.costs import CostModel
-from asyncflow.simulator.events import Device, Event, Sim
+from asyncflow.simulator.events import Device, Event, Pool, Sim
 from asyncflow.simulator.rollout_models import ROLLOUT_MODELS
 from asyncflow.simulator.workload import Workload, draw_lengths
 from asyncflow.workflow.batching import fit_seq_len
@@ -243,6 +243,7 @@ class Pipe:
         self.served = [0] * w.rollout_instances  # the version each rollout instance serves
         self.timeline = Timeline(clock=lambda: self.sim.now)
         self.devices: dict[str, Device] = {}
+        self.pool: Pool | None = None  # the floating work of the async CPU placement (``device``)
         self.step_end: list[float] = []
         self.lags: list[list[int]] = []
         for step in range(w.steps):
@@ -254,12 +255,11 @@ class Pipe:
 
     def _floating_rows(self, field: str, rows: int) -> None:
         """The floating processes' work for ``rows`` rows that got ``field`` (``ServiceCosts.async_floating_row_s``
-        per row, spread over the fields a row is put with), half on each pinned core."""
+        per row, spread over the fields a row is put with), served by whichever pinned core is idle (``Pool``)."""
         if field == "prompt":
             return
-        work = self.costs.service.async_floating_row_s * rows / self.row_fields
-        for device in (self.device("rollout"), self.device("actor")):  # core 0 and core 1+
-            device.background(work / 2)
+        self.device("rollout")  # creates the pinned cores and their pool
+        self.pool.add(self.costs.service.async_floating_row_s * rows / self.row_fields)
 
     def device(self, task: str, instance: int = 0) -> Device:
         """The device ``task`` runs on (``Workload.placement``); tasks that share one split its speed."""
@@ -277,8 +277,9 @@ class Pipe:
             self.devices[name] = Device(self.sim, name)
             if name in ("core0", "core1+"):  # the processes that float over both (ServiceCosts.async_floating)
                 pinned = [self.devices.setdefault(n, Device(self.sim, n)) for n in ("core0", "core1+")]
+                self.pool = Pool(self.sim, pinned)
                 for device in pinned:
-                    device.spill = (self.costs.service.async_floating, pinned)
+                    device.spill = self.costs.service.async_floating
         return self.devices[name]
 
     def work(self, device: Device, seconds: float, overhead_s: float):

@@ -131,28 +131,70 @@ def test_a_cost_file_without_service_costs_loads_as_engine_only(tmp_path):
     assert load_costs(path).variant("1").service == ServiceCosts()
 
 
-def test_floating_work_slows_a_busy_pinned_core_more_than_an_idle_one():
-    """``async_floating`` f: a job of 1 s on one of two linked cores also adds f/2 s on each. Alone, it shares
-    its core with its own f/2 (ends at 1 + f/2) while the other core absorbs the rest; with both cores busy,
-    each core holds 1 + f of work (ends at 1 + f)."""
-    from asyncflow.simulator.events import Device, Sim
+def _pool_run(jobs: dict[int, float], floating: float = 0.0, spill: float = 0.0, at: float = 0.0):
+    """Two cores linked by a ``Pool``: ``jobs`` (core index -> seconds of work, started at 0), ``floating`` seconds
+    of floating work added at ``at``; returns (each job's end, the pool, the cores)."""
+    from asyncflow.simulator.events import Device, Pool, Sim
 
-    f = 0.4
-    for both, expected in ((False, 1 + f / 2), (True, 1 + f)):
-        sim = Sim()
-        cores = [Device(sim, "core0"), Device(sim, "core1+")]
-        for core in cores:
-            core.spill = (f, cores)
-        ends = []
+    sim = Sim()
+    cores = [Device(sim, "core0"), Device(sim, "core1+")]
+    pool = Pool(sim, cores)
+    for core in cores:
+        core.spill = spill
+    ends = {}
 
-        def job(core, sim=sim, ends=ends):
-            yield core.run(1.0)
-            ends.append(sim.now)
+    def job(i, work):
+        yield cores[i].run(work)
+        ends[i] = sim.now
 
-        for core in cores[:2 if both else 1]:
-            sim.process(job(core))
-        sim.run()
-        assert ends == pytest.approx([expected] * len(ends))
+    def add():
+        yield sim.timeout(at)
+        pool.add(floating)
+
+    for i, work in jobs.items():
+        sim.process(job(i, work))
+    sim.process(add())
+    sim.run()
+    return ends, pool, cores
+
+
+def test_floating_work_runs_on_an_idle_core_and_leaves_a_busy_one_alone():
+    """A 1 s job on core 0 and 0.6 s of floating work: core 1 is idle, so it runs all of the floating work at
+    full speed (as the OS moves a runnable process to an idle core) and the job still ends at 1 s."""
+    ends, pool, cores = _pool_run({0: 1.0}, floating=0.6)
+    assert ends == pytest.approx({0: 1.0})
+    assert pool.served == pytest.approx({"core0": 0.0, "core1+": 0.6})
+    assert [c.busy for c in cores] == pytest.approx([1.0, 0.6])
+
+
+def test_floating_work_takes_a_fair_share_of_each_core_only_when_none_is_idle():
+    """Both cores busy with 1 s jobs and 0.6 s of floating work: it is one more job on each core, so each job
+    runs at half speed until the pool is drained (at 0.6 s: 0.3 s of it on each core, 0.3 s of each job done),
+    then at full speed: both end at 0.6 + 0.7 = 1.3 s, each core slowed by its half of the floating work."""
+    ends, pool, cores = _pool_run({0: 1.0, 1: 1.0}, floating=0.6)
+    assert ends == pytest.approx({0: 1.3, 1: 1.3})
+    assert pool.served == pytest.approx({"core0": 0.3, "core1+": 0.3})
+    assert sum(c.busy for c in cores) == pytest.approx(2.0 + 0.6)
+
+
+def test_floating_work_moves_to_a_core_as_soon_as_it_goes_idle():
+    """Jobs of 0.5 s on core 0 and 2 s on core 1, 2 s of floating work from the start. Until 1 s the pool shares
+    both cores (each job at half speed): core 0's job ends at 1 s, the pool has had 0.5 s of each core. Then core
+    0 is idle and runs the pool's last 1 s alone, at full speed, while core 1's job runs undisturbed: its last
+    1.5 s end at 2.5 s."""
+    ends, pool, cores = _pool_run({0: 0.5, 1: 2.0}, floating=2.0)
+    assert ends == pytest.approx({0: 1.0, 1: 2.5})
+    assert pool.served == pytest.approx({"core0": 1.5, "core1+": 0.5})
+    assert [c.busy for c in cores] == pytest.approx([2.0, 2.5])
+
+
+def test_spilled_work_goes_into_the_pool():
+    """``Device.spill`` f: a job of 1 s adds f of floating work, which the other, idle core absorbs."""
+    ends, pool, _ = _pool_run({0: 1.0}, spill=0.4)
+    assert ends == pytest.approx({0: 1.0})
+    assert sum(pool.served.values()) == pytest.approx(0.4)
+    ends, pool, _ = _pool_run({0: 1.0, 1: 1.0}, spill=0.4)  # both busy: 0.8 s of pool, 0.4 s on each core
+    assert ends == pytest.approx({0: 1.4, 1: 1.4})
 
 
 def test_floating_work_applies_to_the_async_cpu_placement_only():
@@ -167,16 +209,20 @@ def test_floating_work_applies_to_the_async_cpu_placement_only():
 
 
 def test_floating_rows_add_their_cpu_time_to_the_pinned_cores_in_async_cpu_placement_only():
-    """``async_floating_row_s`` x: every trained row adds x seconds of work nobody waits for, split over the two
-    pinned cores, so their busy time grows by exactly x x rows (a processor-shared device never idles with work),
-    and a busy actor core is slowed by it."""
+    """``async_floating_row_s`` x: every trained row adds x seconds of work nobody waits for, served by the pinned
+    cores, so their busy time grows by exactly x x rows (no core idles while there is floating work). This
+    workload's actor core is the busy one and the rollout core idles most of the time: a little floating work
+    fits in those idle gaps and costs no step time; more than fits slows the step."""
     row_s = 0.002
     w = _workload(mode="async", max_staleness=1, placement="cpu", reference=True)
     plain = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
     floating = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(async_floating_row_s=row_s)))
     added = sum(floating.busy_s[c] - plain.busy_s[c] for c in ("core0", "core1+"))
     assert added == pytest.approx(row_s * w.rows_per_step * w.steps, rel=1e-6)
-    assert floating.step_time_s > plain.step_time_s
+    assert floating.step_time_s == pytest.approx(plain.step_time_s)
+    assert plain.busy_s["core0"] + row_s * w.rows_per_step * w.steps < plain.busy_s["core1+"]  # it fitted
+    heavy = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(async_floating_row_s=25 * row_s)))
+    assert heavy.step_time_s > 1.05 * plain.step_time_s
     for other in (dict(mode="sync", max_staleness=0, placement="cpu"), dict(mode="async", placement="devices")):
         w = _workload(**other)
         assert simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(async_floating_row_s=row_s))
