@@ -17,8 +17,11 @@ from tests.recipe_runs import run_recipe as _run
 
 pytestmark = pytest.mark.slow
 
-# Two engines of SEQS slots each and 64 rows a step: each engine has twice as many rows as slots.
-STEPS, PROMPTS, GROUP, SEQS = 4, 16, 4, 16
+# Two engines of SEQS slots each and 64 rows a step: each engine has 8x as many rows as slots, so a step's
+# rollout is several waves long. Training streams alongside it and publishes a version a short tail after the
+# step's last row; that tail must be shorter than the next step's rollout for a version to arrive mid-rollout.
+# With 16 slots (two waves) the two were close and CI once saw no swap at all; 4 slots give a margin of ~4x.
+STEPS, PROMPTS, GROUP, SEQS = 4, 16, 4, 4
 # No reference model (kl_coef=0): one Megatron process fewer per run; nothing here reads its logprobs.
 LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout.max_model_len=64",
             f"rollout.max_num_seqs={SEQS}", f"workflow.steps={STEPS}", "algorithm.kl_coef=0"]
@@ -59,8 +62,9 @@ def test_engine_stays_full(runs):
 
 def test_partial_rollout_spans_versions(runs):
     records = _records(runs["partial"])
-    # Long-tailed rollout is slower than a training step here, so newer versions arrive mid-rollout and are
-    # swapped in at a token boundary: some step then mixes tokens of two versions.
+    # A step's rollout (several waves) lasts longer than the training tail after the previous step's last row,
+    # so newer versions arrive mid-rollout and are swapped in at a token boundary: some step then mixes tokens
+    # of two versions.
     assert sum(r["rollout/weight_swaps"] for r in records) >= 1
     assert any(r["staleness/token_lag_min"] < r["staleness/token_lag_max"] for r in records)
     # Tokens made by the version being trained, including those of rows that began on an older version
