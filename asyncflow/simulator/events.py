@@ -218,7 +218,8 @@ class Pool:
             done = min((now - self._last) * rate, self.left)
             self.served[name] += done
             self.left -= done
-        self.left = max(self.left, 0.0) if self.left > 1e-12 else 0.0
+        if self.left <= 1e-12:  # float rounding: what is left is nothing, so no completion is scheduled for it
+            self.left = 0.0
         self._last = now
 
     def reschedule(self) -> None:
