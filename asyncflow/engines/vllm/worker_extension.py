@@ -24,7 +24,9 @@ pre-sharded fused tensors in place) is the GPU fast path: UNTESTED here.
 
 Fault injection: ``ASYNCFLOW_APPLY_PAUSE_S`` (seconds, unset in real runs) holds a staged apply that long after
 its first bucket, with the worker's title showing the version, so that a test can kill a worker half-way
-through an apply every time instead of polling for the few milliseconds an apply of a tiny model lasts.
+through an apply every time instead of polling for the few milliseconds an apply of a tiny model lasts. With
+``ASYNCFLOW_APPLY_PAUSE_FILE`` set too, the worker appends ``pid version`` to that file as the hold begins: the
+test reads the victim from there (once on CI the title never showed in ``/proc``, cause unknown).
 """
 
 from __future__ import annotations
@@ -116,6 +118,7 @@ class WeightReceiverExtension:
                     del bucket
                     _release_freed_memory()  # vLLM freed the old weights of the layers it processed
                     if pause and i == 0:
+                        _announce_pause(version)
                         time.sleep(pause)
             except StaleStagingError as exc:
                 stale.append(str(exc))
@@ -193,6 +196,16 @@ class WeightReceiverExtension:
             self.reload_weights(weights_iterator=iter(shards), is_checkpoint_format=False)
 
         return apply
+
+
+def _announce_pause(version: int) -> None:
+    """Fault injection only: append ``pid version`` to ``ASYNCFLOW_APPLY_PAUSE_FILE`` (module docstring)."""
+    import os
+
+    path = os.environ.get("ASYNCFLOW_APPLY_PAUSE_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {version}\n")
 
 
 class _ProcTitle:
