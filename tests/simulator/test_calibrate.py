@@ -290,6 +290,18 @@ def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_valu
         assert fit_async_floating(model, recipe, tmp_path, row_s) == pytest.approx(floating, abs=0.01)
 
 
+def test_runs_the_machine_slowed_do_not_set_the_async_terms():
+    """Several async calibration runs give the median of their fits: two of eight at the bisection's ceiling (a
+    run slowed by another job, 2026-12-03) leave the result among the undisturbed runs', where the mean was 1.16."""
+    from asyncflow.simulator.calibrate import async_terms
+
+    floating = [4.0, 4.0, 0.103, 0.202, 0.103, 0.150, 0.464, 0.180]
+    rows = [2e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3]
+    row_s, share = async_terms(rows, floating)
+    assert share == pytest.approx((0.180 + 0.202) / 2) and row_s == pytest.approx(1e-3)
+    assert async_terms([1e-3], [0.4]) == (1e-3, 0.4)  # one run (asyncflow profile --calibration-runs 1): its own
+
+
 def test_the_ready_view_is_built_in_index_order_at_the_first_request_then_in_readiness_order():
     """As the real partition's ``ReadyView``: rows ready before a task's first request come by index (a sync
     actor's micro-batches mix lengths); rows that become ready later, in the order they did."""
