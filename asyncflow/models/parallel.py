@@ -72,9 +72,33 @@ def destroy_megatron() -> None:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
+    """A TCP port on ``host`` that was free a moment ago, below the kernel's ephemeral range where there is room.
+
+    The port is bound later, by another process (a group's rank 0 seconds after placement picked it). A port from
+    the ephemeral range could be handed meanwhile to any outgoing connection on the machine: CI once saw a
+    reference group's store fail with EADDRINUSE that way (2026-12-03). Below the range only an explicit bind can
+    take it, and the pick is random, so two pickers rarely meet."""
+    import random
     import socket
 
-    with socket.socket() as sock:
+    low, high = _ephemeral_range()
+    candidates = range(max(10000, low // 2), low) if low > 11000 else range(0)
+    for port in random.sample(candidates, min(50, len(candidates))):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # no room below the range (or all taken): the kernel's pick
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ports of outgoing connections (Linux; the usual default elsewhere)."""
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999

@@ -33,3 +33,20 @@ print("ok", picked)
 def test_a_world_of_one_picks_another_port_when_its_port_was_taken():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_picked_ports_lie_below_the_ephemeral_range_and_can_be_bound():
+    # A port from the kernel's ephemeral range can be handed to any outgoing connection between the pick and the
+    # bind (EADDRINUSE on CI, 2026-12-03); below it only an explicit bind can take it.
+    import socket
+
+    from asyncflow.models.parallel import _ephemeral_range, free_port
+
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    if low > 11000:  # Linux's default range starts at 32768
+        assert all(max(10000, low // 2) <= p < low for p in ports), (ports, low)
+    assert len(ports) > 1  # random picks: two callers rarely share one
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
