@@ -268,7 +268,7 @@ def test_floating_cpu_per_row_is_taken_over_the_steps_after_the_warm_up(tmp_path
     assert sampler.floating_seconds(10.5, 11.25) == pytest.approx(0.375)  # linear between samples
 
 
-def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_value(tmp_path):
+def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_value(tmp_path, capsys):
     """``fit_async_floating`` on a timeline the simulator made at 0.4 finds 0.4; a run the model without
     floating work already predicts as slow as measured gets 0 (never credited below)."""
     from pathlib import Path
@@ -288,6 +288,14 @@ def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_valu
         events += run.timeline.to_chrome_trace()["traceEvents"]
         (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": events}))
         assert fit_async_floating(model, recipe, tmp_path, row_s) == pytest.approx(floating, abs=0.01)
+    # A run three times slower than that last one: no floating share reproduces it (the simulated step stops growing
+    # once both cores are always busy), so the fit says so and stays at its ceiling.
+    for e in events:
+        if e.get("ph") == "X":
+            e["ts"], e["dur"] = 3 * e["ts"], 3 * e["dur"]
+    (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": events}))
+    assert fit_async_floating(model, recipe, tmp_path, row_s) == 4.0
+    assert "set to its ceiling" in capsys.readouterr().out
 
 
 def test_runs_the_machine_slowed_do_not_set_the_async_terms():

@@ -35,11 +35,11 @@ def profiled(tmp_path_factory):
            "--reps", "1", "--quick", "--calibrate", "--calibration-runs", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return tmp, out
+    return tmp, out, proc.stdout + proc.stderr
 
 
 def test_profile_writes_a_valid_cost_file(profiled):
-    _, out = profiled
+    _, out, _ = profiled
     costs = load_costs(out)  # typed: an unknown or mistyped key would raise
     model = costs.variant("1")
     data = json.loads(out.read_text())
@@ -64,11 +64,14 @@ def test_profile_writes_a_valid_cost_file(profiled):
     assert [len(data["samples"]["1"][k]) for k in ("rollout", "train", "reference")] == [len(g) for g in QUICK_GRIDS]
     assert costs.hardware["grid"] == "quick" and costs.hardware["seconds"] > 0
     # The calibration runs of the loop: its services cost at least their engine calls, a sync step has
-    # hand-offs between its phases (the driver's Ray calls) on any machine, and the async run was fitted
-    # (4 is the bisection's ceiling: no share of floating work reproduced the run).
+    # hand-offs between its phases (the driver's Ray calls) on any machine, and the async run was fitted: either
+    # reproduced, or, when the machine slowed it beyond any floating share the simulator can add (its steps are
+    # then as slow as they get, CI 2026-12-03), set to the fit's ceiling with a warning.
     service = model.service
     assert min(service.generate_token_s, service.reference_call_s, service.train_micro_s) >= 0.0
-    assert service.sync_handoff_s > 0 and 0.0 <= service.async_floating < 3.9
+    assert service.sync_handoff_s > 0 and 0.0 <= service.async_floating <= 4.0
+    if service.async_floating > 3.9:
+        assert "set to its ceiling" in profiled[2], profiled[2][-2000:]
     # The floating processes (TransferQueue, driver, board, light services, Ray) use CPU for every row.
     assert service.async_floating_row_s > 0
 
@@ -84,7 +87,7 @@ def test_calibrated_prediction_of_a_held_out_run(profiled, demo_run):
     from bench.simulator import predict
     from tests.recipe_runs import LEARN_STEPS
 
-    _, out = profiled
+    _, out, _ = profiled
     costs = load_costs(out)
     result, w = predict(["workflow.mode=async", "workflow.max_staleness=1"], None, costs, LEARN_STEPS)
     assert w.rows_per_step == 32 * 8  # the run's sizes are the recipe's own, as predicted
