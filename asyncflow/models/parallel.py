@@ -81,7 +81,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     import random
     import socket
 
-    low, high = _ephemeral_range()
+    low, _ = _ephemeral_range()
     candidates = range(max(10000, low // 2), low) if low > 11000 else range(0)
     for port in random.sample(candidates, min(50, len(candidates))):
         with socket.socket() as sock:
@@ -98,7 +98,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _ephemeral_range() -> tuple[int, int]:
     """The kernel's range for ports of outgoing connections (Linux; the usual default elsewhere)."""
     try:
-        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        from pathlib import Path
+
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
         return int(low), int(high)
     except (OSError, ValueError):
         return 32768, 60999
