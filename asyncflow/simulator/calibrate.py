@@ -354,12 +354,13 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
     lo, hi = 0.0, 4.0
     if step_at(lo) >= real_step:
         return 0.0
-    if step_at(hi) < real_step:
+    slowest = step_at(hi)
+    if slowest < real_step:
         # The pool serves floating work in the pinned cores' idle time and shares them only while both are busy,
         # so the simulated step stops growing once they are always busy: a run the machine slowed beyond that
         # cannot be reproduced (CI, 2026-12-03: 0.52 s real against at most 0.486 s simulated).
         print(f"asyncflow profile: warning: the async calibration run {run_dir} took {real_step:.3f} s a step, "
-              f"slower than the simulator reaches with any floating share ({step_at(hi):.3f} s); async_floating is "
+              f"slower than the simulator reaches with any floating share ({slowest:.3f} s); async_floating is "
               f"set to its ceiling, {hi:g}", flush=True)
         return hi
     for _ in range(30):  # the step time grows with the floating work
