@@ -45,8 +45,12 @@ from asyncflow.simulator.costs import (
 )
 
 REPO = Path(__file__).resolve().parents[2]
-ROLLOUT_GRID = [(b, length, p) for b in (1, 8, 32, 128) for length in (16, 64) for p in (6, 30)]
-"""(batch, response tokens, prompt tokens) of each timed ``generate`` call."""
+ROLLOUT_GRID = [(b, length, p) for b in (1, 8, 32, 128) for length in (4, 16, 64) for p in (6, 30)]
+"""(batch, response tokens, prompt tokens) of each timed ``generate`` call: from a short answer's 4 tokens, where
+the cost per request outweighs the decode steps, to a long one's 64. With 16 and 64 only (until 2026-12-03), the
+fit's split between per-request, prefill and per-step costs was free to land anywhere that matched the longer
+calls: three profiles of one machine predicted a 64-row call of 4-token answers 31% fast, 14% slow and 27% slow;
+with 4-token calls in the grid, within 9% each time."""
 TRAIN_GRID = [(n, s) for n in (1, 4) for s in (8, 16, 32, 64, 136)]
 """(micro-batches, sequence length) of each timed ``train_step``: from a short answer's 8-16 tokens to a long
 one's 136, so no workload's micro-batches fall outside the fitted range."""
@@ -249,6 +253,7 @@ class _Probes:
             replace(cfg.trainer, tensor_parallel=1, pipeline_parallel=1, data_parallel=1), cfg.algorithm, model_dir,
             cfg.rollout.max_new_tokens, threads, trainer_cpus)
         self.samples: dict[str, list] = {"rollout": [], "train": [], "reference": [], "stage": [], "apply": []}
+        self.closed = False
 
     def warm_up(self) -> list:
         """Refs of a first call of each engine (first calls compile)."""
@@ -271,19 +276,26 @@ class _Probes:
         self.samples[kind].append(sample)
 
     def weights(self, reps: int) -> None:
-        """Stage versions on the trainer and apply each on the rollout engine (the loop's path), timed."""
+        """Stage versions on the trainer and apply each on the rollout engine (the loop's path), timed; the first
+        version is not kept: a fresh engine's first apply took 2-4x the others (35-75 ms against 12-22 ms,
+        2026-12-03), and in the loop it falls in the warm-up steps the cost model leaves out."""
         import ray
 
-        for _ in range(max(reps, 3)):
+        for i in range(max(reps, 3) + 1):
             seconds, nbytes, staging, version = ray.get(self.trainer.stage.remote())
-            self.samples["stage"].append({"bytes": nbytes, "seconds": seconds})
             applied, read = ray.get(self.rollout.apply.remote(staging, version))
+            if i == 0:
+                continue
+            self.samples["stage"].append({"bytes": nbytes, "seconds": seconds})
             self.samples["apply"].append({"bytes": read, "seconds": applied})
 
     def close(self) -> None:
-        """Stop both engines and their actors."""
+        """Stop both engines and their actors (once)."""
         import ray
 
+        if self.closed:
+            return
+        self.closed = True
         for probe in (self.trainer, self.rollout):
             try:
                 ray.get(probe.close.remote(), timeout=60)
@@ -318,9 +330,12 @@ def _variants(cfg: AsyncFlowConfig, model_dir: str, names: list[str], reps: int,
                     bar.set_postfix_str(f"{name}: " + POINT_LABELS[kind].format(*point))
                     p.measure(kind, point, reps)
                     bar.update()
+        # Each variant's weights with the variants before it stopped: with the idle 1-thread probes still up, the
+        # 2-thread apply took 18-22 ms against 13-15 ms alone and 15-21 ms in the real sync loop (2026-12-03).
         for name, p in probes.items():
             bar.set_postfix_str(f"{name}: stage + apply weights")
             p.weights(reps)
+            p.close()
             bar.update()
     finally:
         for p in probes.values():
