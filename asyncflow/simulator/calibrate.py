@@ -332,6 +332,10 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int, workl
                      workload % 2)
 
 
+FLOATING_CEILING = 4.0
+"""The largest ``async_floating`` the fit tries: a run slower than the simulator reaches with it is given it."""
+
+
 def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0) -> float:
     """With the floating processes' measured ``row_s`` CPU seconds per row, the CPU seconds per second of pinned
     work of whatever else async adds (``ServiceCosts.async_floating``) at which the simulator's steady step
@@ -351,7 +355,7 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
         return simulate(w, dataclasses.replace(model, service=dataclasses.replace(
             model.service, async_floating_row_s=row_s, async_floating=factor))).step_time_s
 
-    lo, hi = 0.0, 4.0
+    lo, hi = 0.0, FLOATING_CEILING
     if step_at(lo) >= real_step:
         return 0.0
     slowest = step_at(hi)
@@ -370,13 +374,17 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
 
 
 def async_terms(rows: list[float], floating: list[float]) -> tuple[float, float]:
-    """``(async_floating_row_s, async_floating)`` of several async calibration runs: the median of each run's.
+    """``(async_floating_row_s, async_floating)`` of several async calibration runs: the median of each run's,
+    leaving out the runs at ``FLOATING_CEILING`` unless every run is there.
 
-    Not the mean: a run the shared machine slowed cannot be reproduced by any floating share and fits at the
-    bisection's ceiling (4). On 2026-12-03 the first two of eight runs did (steps of 0.60-0.72 s against
-    0.44-0.53 s for the others, which fitted 0.10-0.46); their mean, 1.16, predicted the long-tailed async cases
-    19-22% slow, while the median of the eight is 0.19."""
-    return statistics.median(rows), statistics.median(floating)
+    A run the shared machine slowed cannot be reproduced by any floating share and fits at the ceiling: it says
+    the machine was slow, not what the share is. On 2026-12-03 the first two of eight runs did (steps of
+    0.60-0.72 s against 0.44-0.53 s for the others, which fitted 0.10-0.46), and their mean, 1.16, predicted the
+    long-tailed async cases 19-22% slow; the median of the eight, 0.19, did not. In the next invocation but one,
+    four of eight were at the ceiling, so the median of the eight was 2.29 and `longtail async k=1` was
+    predicted 21% slow; the median of the other four is 0.34."""
+    fitted = [i for i, share in enumerate(floating) if share < FLOATING_CEILING] or list(range(len(floating)))
+    return statistics.median(rows[i] for i in fitted), statistics.median(floating[i] for i in fitted)
 
 
 def _profile_run(recipe: Path, out: Path, model_dir: str, threads: int, mode: str = "sync",

@@ -299,15 +299,20 @@ def test_the_floating_work_is_fitted_back_from_a_run_simulated_with_a_known_valu
 
 
 def test_runs_the_machine_slowed_do_not_set_the_async_terms():
-    """Several async calibration runs give the median of their fits: two of eight at the bisection's ceiling (a
-    run slowed by another job, 2026-12-03) leave the result among the undisturbed runs', where the mean was 1.16."""
+    """Several async calibration runs give the median of their fits, the runs at the bisection's ceiling (slowed
+    by another job, 2026-12-03) left out: two of eight there had set the mean to 1.16, four of eight the median
+    to 2.28."""
     from asyncflow.simulator.calibrate import async_terms
 
     floating = [4.0, 4.0, 0.103, 0.202, 0.103, 0.150, 0.464, 0.180]
     rows = [2e-3, 2e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3]
     row_s, share = async_terms(rows, floating)
-    assert share == pytest.approx((0.180 + 0.202) / 2) and row_s == pytest.approx(1e-3)
+    assert share == pytest.approx((0.150 + 0.180) / 2) and row_s == pytest.approx(1e-3)
+    # Half the runs at the ceiling (2026-12-03 15:40): the median of all eight would be about 2.3; the others' is kept.
+    row_s, share = async_terms([3e-3] * 4 + [1e-3, 1.2e-3, 0.8e-3, 0.9e-3], [4.0] * 4 + [0.449, 0.228, 0.560, 0.0])
+    assert share == pytest.approx((0.228 + 0.449) / 2) and row_s == pytest.approx((0.9e-3 + 1e-3) / 2)
     assert async_terms([1e-3], [0.4]) == (1e-3, 0.4)  # one run (asyncflow profile --calibration-runs 1): its own
+    assert async_terms([2e-3, 3e-3], [4.0, 4.0]) == (2.5e-3, 4.0)  # every run at the ceiling: the ceiling
 
 
 def test_the_ready_view_is_built_in_index_order_at_the_first_request_then_in_readiness_order():
