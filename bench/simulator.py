@@ -27,7 +27,9 @@
    measured figure is the median of the repeats (of three, a run slowed throughout by another job, as one
    `short sync 1 thread` run at 240 samples/s against 333 for its twin on 2026-12-01, does not set it) and
    the table shows every run.
-3. Prints predicted against measured for every case, the error, and the async/sync ratios.
+3. Prints predicted against measured for every case, the error, and the async/sync ratios. A measured ratio is
+   the median of its per-round ratios (``paired_ratio``): the rounds drift in speed together, and each async case
+   runs next to the sync cases it is compared with. Until 2026-12-03 it was the ratio of the two medians.
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ from bench.e2e import BASE, WARMUP, steady_throughput  # noqa: E402  the long-ta
 CASES = {
     # name: (overrides on top of recipes/tiny_cpu/grpo_async.yaml, response-length spec for the simulator)
     "longtail sync": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0"], None),
+    # Each async case runs next to the sync cases it is compared with: the machine's speed drifts over minutes
+    # and the measured ratio is taken round by round (``paired_ratio``).
+    "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
     # Sync with one thread per worker (the workers still take turns on both cores): on a heavily shared machine
     # two OpenMP threads per worker slow down erratically, and the 1-thread profile variant covers this case.
     # vLLM's OpenMP threads follow VLLM_CPU_OMP_THREADS_BIND, not torch's thread count: ``ONE_CORE_ENV`` binds
@@ -58,7 +63,6 @@ CASES = {
     # step's micro-batches mixed lengths, padded to their longest; the default batches the shortest ready rows.
     "longtail sync arrival": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0", "trainer.row_order=arrival"],
                               None),
-    "longtail async k=1": (BASE + ["workflow.mode=async", "workflow.max_staleness=1"], None),
     "longtail async k=0": (BASE + ["workflow.mode=async", "workflow.max_staleness=0"], None),
     "longtail async k=2": (BASE + ["workflow.mode=async", "workflow.max_staleness=2"], None),
     # The other rollout models (``simulator.rollout_models``): one engine across steps, weights changed on an
@@ -127,9 +131,31 @@ def measure(name: str, overrides: list[str], steps: int, out: Path, repeat: int 
     return run_dir / "metrics.jsonl"
 
 
+def paired_ratio(results: dict, a: str, s: str) -> tuple[float, list[float]]:
+    """The measured ratio of case ``a`` to case ``s``: the median over rounds of the ratio of their runs in the
+    same round (``results[name]["rounds"]``: each run's round; an older results.json without it had no failed
+    runs, so its runs are in round order), and the per-round ratios.
+
+    Paired, because this machine's speed drifts over minutes, shared by every run of a round: on 2026-12-03 one
+    round ran every case 1.2-1.9x faster than its median and the calibration runs beside it 1.4-1.9x, while the
+    ratio of two runs minutes apart moved far less. A ratio of the two cases' medians takes its two medians from
+    different rounds and keeps that drift; a per-round ratio cancels it. With no round in common, the ratio of
+    the medians."""
+    by_round = {}
+    for name in (a, s):
+        runs = results[name].get("runs", [results[name]["measured"]])
+        by_round[name] = dict(zip(results[name].get("rounds", range(len(runs))), runs))
+    common = [r for r in by_round[a] if r in by_round[s]]
+    per_round = [by_round[a][r] / by_round[s][r] for r in common]
+    if not per_round:
+        return results[a]["measured"] / results[s]["measured"], []
+    return statistics.median(per_round), per_round
+
+
 def render(results: dict) -> str:
     """Predicted against measured: the prediction from the costs as profiled (primary), and rescaled by the
-    speed probe (``slowdown``: predicted / slowdown is the as-profiled value, costs scale exactly)."""
+    speed probe (``slowdown``: predicted / slowdown is the as-profiled value, costs scale exactly). A ratio's
+    measured figure is ``paired_ratio``; its runs column has the per-round ratios and the ratio of the medians."""
     lines = ["| case | predicted samples/s | measured samples/s (median) | runs | error | probe-rescaled prediction | "
              "its error | probe slowdown | load avg | bound by, rollout / training +10% |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -142,8 +168,10 @@ def render(results: dict) -> str:
                      f"{r['load']:.1f} | {r.get('bound', '-')} |")
     for a, s in RATIOS:
         if a in results and s in results:
-            pr, mr = raw[a] / raw[s], results[a]["measured"] / results[s]["measured"]
-            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | | {pr - mr:+.2f} | | | | | |")
+            pr, (mr, per_round) = raw[a] / raw[s], paired_ratio(results, a, s)
+            of_medians = results[a]["measured"] / results[s]["measured"]
+            rounds = " / ".join(f"{x:.2f}" for x in per_round) + f" (ratio of the medians {of_medians:.2f})"
+            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {rounds} | {pr - mr:+.2f} | | | | | |")
     return "\n".join(lines)
 
 
@@ -178,7 +206,7 @@ def main(argv=None) -> int:
         costs = load_costs(args.costs)
         calibration = Calibration(costs.variants, recipe, Path(args.costs), str(out / "model"))
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    runs, probes, loads = {}, {}, {}
+    runs, rounds, probes, loads = {}, {}, {}, {}
     for repeat in range(args.repeats):
         if calibration is not None:  # one run of each calibration workload per variant, and two async runs
             for variant, mode, workload in calibration_order([v for v in costs.variants if v != "device"], 2):
@@ -197,6 +225,7 @@ def main(argv=None) -> int:
                 continue
             probes.setdefault(name, []).append((before + speed_probe()) / 2)
             runs.setdefault(name, []).append(steady_throughput(metrics, WARMUP))
+            rounds.setdefault(name, []).append(repeat)
             loads.setdefault(name, []).append(os.getloadavg()[0])
             print(f"{name}: measured {runs[name][-1]:.1f} samples/s", flush=True)
             (out / "runs.json").write_text(json.dumps(runs, indent=2))  # after every run: a crash keeps them
@@ -214,7 +243,8 @@ def main(argv=None) -> int:
         factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
         result, w = predict(overrides, lengths, costs, steps, factor)
         results[name] = {"predicted": result.samples_per_s, "measured": statistics.median(runs[name]),
-                         "runs": runs[name], "load": sum(loads[name]) / len(loads[name]), "slowdown": factor,
+                         "runs": runs[name], "rounds": rounds[name], "load": sum(loads[name]) / len(loads[name]),
+                         "slowdown": factor,
                          "bound": sens.bottleneck + (" (tipping)" if sens.tipping else "") + ", " + sens.cell()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(results)
