@@ -137,10 +137,10 @@ def paired_ratio(results: dict, a: str, s: str) -> tuple[float, list[float]]:
     runs, so its runs are in round order), and the per-round ratios.
 
     Paired, because this machine's speed drifts over minutes, shared by every run of a round: on 2026-12-03 one
-    round ran every case 1.2-1.9x faster than its median and the calibration runs beside it 1.4-1.9x, while the
-    ratio of two runs minutes apart moved far less. A ratio of the two cases' medians takes its two medians from
-    different rounds and keeps that drift; a per-round ratio cancels it. With no round in common, the ratio of
-    the medians."""
+    round ran every case 1.2-1.9x faster than its median and the calibration runs beside it 1.4-1.9x. A ratio of
+    the two cases' medians can take its two medians from different rounds and keep that drift; a per-round ratio
+    cancels it (not each run's own noise, which on 2026-12-03 was the larger part). With no round in common, the
+    ratio of the medians."""
     by_round = {}
     for name in (a, s):
         runs = results[name].get("runs", [results[name]["measured"]])
