@@ -77,10 +77,13 @@ TOKEN_FIELDS = {"ref_logprobs": "reference_token_s", "train": "train_token_s"}
 """Span name -> the ``ServiceCosts`` field of its per-token overhead (fitted with two workloads)."""
 
 
-def real_spans(timeline: Path, warmup: int = WARMUP, median: bool = False) -> tuple[dict[str, float], float]:
+def real_spans(timeline: Path, warmup: int = WARMUP, median: bool = False,
+               engine: bool = False) -> tuple[dict[str, float], float]:
     """Mean seconds per step of each span name and the mean step time of a run's ``timeline.json``, over the
     steps after ``warmup`` (a step ends when its weights are staged). ``median``: the median over those steps
-    instead (a sync run's steps are alike, so one slowed by another job on the shared machine is left out)."""
+    instead (a sync run's steps are alike, so one slowed by another job on the shared machine is left out).
+    ``engine``: the spans' engine seconds (their ``engine_s``) instead of their lengths, for the span names
+    that record them."""
     events = json.loads(Path(timeline).read_text())["traceEvents"]
     events = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
     ends = [e["ts"] + e["dur"] for e in events if e["name"] == "stage_weights"]
@@ -92,20 +95,21 @@ def real_spans(timeline: Path, warmup: int = WARMUP, median: bool = False) -> tu
     per_step: dict[str, list[float]] = defaultdict(lambda: [0.0] * steps)
     for e in events:
         i = bisect.bisect_right(bounds, e["ts"]) - 1
-        if 0 <= i < steps:
-            per_step[e["name"]][i] += e["dur"] / 1e6
+        if 0 <= i < steps and (not engine or "engine_s" in e.get("args", {})):
+            per_step[e["name"]][i] += e["args"]["engine_s"] if engine else e["dur"] / 1e6
     durations = [(b - a) / 1e6 for a, b in zip(bounds, bounds[1:])]
     stat = statistics.median if median else statistics.fmean
     return {name: stat(values) for name, values in per_step.items()}, stat(durations)
 
 
-def predicted_spans(result) -> dict[str, float]:
-    """Mean seconds per step of each span name of a ``SimResult``."""
+def predicted_spans(result, engine: bool = False) -> dict[str, float]:
+    """Mean seconds per step of each span name of a ``SimResult`` (``engine``: of their engine seconds, as
+    ``real_spans``)."""
     sums: dict[str, float] = defaultdict(float)
     steps = len(result.step_end_s)
     for e in result.timeline.to_chrome_trace()["traceEvents"]:
-        if e.get("ph") == "X":
-            sums[e["name"]] += e["dur"] / 1e6 / steps
+        if e.get("ph") == "X" and (not engine or "engine_s" in e.get("args", {})):
+            sums[e["name"]] += (e["args"]["engine_s"] if engine else e["dur"] / 1e6) / steps
     return dict(sums)
 
 
@@ -127,13 +131,52 @@ class Overheads:
     """The run's median step time."""
     workload: int = 0
     """Which calibration workload ran (``overrides_for``)."""
+    excess: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Span name -> seconds per step of the real span beyond the engine-only prediction, not clamped."""
+    engine: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Span name -> seconds per step of the engine's own time in the real spans (their ``engine_s``; only the
+    tasks that record it)."""
+    engine_predicted: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Span name -> the profile's engine seconds per step for the same calls (the simulated spans' ``engine_s``)."""
 
 
 def overheads(real: dict[str, float], real_step: float, predicted: dict[str, float], calls: dict[str, float],
-              tokens: dict[str, float] | None = None, workload: int = 0) -> Overheads:
-    """The ``Overheads`` of a run whose mean spans per step are ``real`` against the engine-only ``predicted``."""
-    beyond = {name: max(real.get(name, 0.0) - predicted.get(name, 0.0), 0.0) for name in TASK_SPANS}
-    return Overheads(beyond, calls, tokens or {}, max(real_step - sum(real.values()), 0.0), real_step, workload)
+              tokens: dict[str, float] | None = None, workload: int = 0, engine: dict[str, float] | None = None,
+              engine_predicted: dict[str, float] | None = None) -> Overheads:
+    """The ``Overheads`` of a run whose mean spans per step are ``real`` against the engine-only ``predicted``
+    (``engine`` and ``engine_predicted``: the engines' own seconds in each, where the spans record them)."""
+    excess = {name: real.get(name, 0.0) - predicted.get(name, 0.0) for name in TASK_SPANS}
+    beyond = {name: max(value, 0.0) for name, value in excess.items()}
+    return Overheads(beyond, calls, tokens or {}, max(real_step - sum(real.values()), 0.0), real_step, workload,
+                     excess, dict(engine or {}), dict(engine_predicted or {}))
+
+
+SCALE_FIELDS = {"generate": "rollout_engine_scale", "ref_logprobs": "reference_engine_scale",
+                "train": "train_engine_scale"}
+"""Span name -> the ``ServiceCosts`` field of its engine's speed in the loop against the profile."""
+
+
+def engine_scales(runs: list[Overheads]) -> dict[str, float]:
+    """Span name -> the engine's seconds in the real spans over the profile's for the same calls, the median over
+    the runs that record both (``ServiceCosts.rollout_engine_scale`` and the like): the median, since one run
+    slowed by another job on the shared machine is as likely as one that was not."""
+    scales = {}
+    for name in SCALE_FIELDS:
+        ratios = [r.engine[name] / r.engine_predicted[name] for r in runs
+                  if r.engine.get(name, 0.0) > 0 and r.engine_predicted.get(name, 0.0) > 0]
+        if ratios:
+            scales[name] = statistics.median(ratios)
+    return scales
+
+
+def rescaled(run: Overheads, scales: dict[str, float]) -> Overheads:
+    """``run`` with its spans beyond the engine as they are once the profile's engine time is multiplied by
+    ``scales`` (span name -> factor): the excess less the engine time the scale adds, clamped at 0."""
+    if not scales or not run.excess:
+        return run
+    excess = {name: value - (scales.get(name, 1.0) - 1.0) * run.engine_predicted.get(name, 0.0)
+              for name, value in run.excess.items()}
+    return dataclasses.replace(run, excess=excess, beyond={name: max(v, 0.0) for name, v in excess.items()})
 
 
 def fastest(runs: list, key=lambda run: (run.workload, run.step_s)) -> list:
@@ -154,10 +197,14 @@ def fastest(runs: list, key=lambda run: (run.workload, run.step_s)) -> list:
 
 
 def service_costs(runs: list[Overheads]) -> ServiceCosts:
-    """``ServiceCosts`` from one or more calibration runs: rollout's overhead per generated token; the
+    """``ServiceCosts`` from one or more calibration runs: each engine's speed in the loop against the profile
+    (``engine_scales``), and, beyond the engine time so rescaled, rollout's overhead per generated token; the
     reference's and the actor's per call and per token of the rows, by non-negative least squares over the runs
     when their calls differ in tokens (two workloads), else per call only; the mean sync hand-off."""
+    scales = engine_scales(runs)
+    runs = [rescaled(r, scales) for r in runs]
     fields = {"sync_handoff_s": statistics.fmean(r.handoff for r in runs)}
+    fields.update({SCALE_FIELDS[name]: scale for name, scale in scales.items()})
     gen = [r for r in runs if r.calls.get("generate")]
     if gen:
         fields["generate_token_s"] = sum(r.beyond["generate"] for r in gen) / sum(r.calls["generate"] for r in gen)
@@ -327,9 +374,10 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int, workl
     w = from_config(load_config(recipe, overrides_for(threads, "sync", workload) + ["workflow.steps=16"]))
     lengths = draw_lengths(w)
     real, step = real_spans(run_dir / "timeline.json", median=True)
+    engine, _ = real_spans(run_dir / "timeline.json", median=True, engine=True)
     result = simulate(w, engine_only, lengths)
     return overheads(real, step, predicted_spans(result), calls_per_step(w, lengths), predicted_tokens(result),
-                     workload % 2)
+                     workload % 2, engine, predicted_spans(result, engine=True))
 
 
 FLOATING_CEILING = 4.0

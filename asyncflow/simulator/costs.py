@@ -153,6 +153,20 @@ class ServiceCosts:
     for memory and caches, the rollout worker's polling), as CPU seconds per second of work on a pinned core,
     added to the same floating pool. Fitted on the async calibration run after the floating rows are measured;
     0 without one."""
+    rollout_engine_scale: float = 1.0
+    """The rollout engine's speed inside the loop against the profile: its time in the calibration runs' generate
+    calls (``engine_s``, without the TransferQueue puts) over the profile's prediction of the same calls. The
+    simulator multiplies ``RolloutCosts`` by it (``CostModel.in_loop``). On a shared machine the profile's minute
+    and a run's minutes can differ in speed by 2x (2026-12-03: the profile's decode steps took 2.2x those of the
+    previous invocation, the calibration runs that followed were as fast as ever), and a difference of spans
+    alone cannot tell a slow profile from a dear service: the overhead beyond the engine was clamped at 0 and
+    every case was predicted 10-31% slow."""
+    reference_engine_scale: float = 1.0
+    """The reference forward's speed inside the loop against the profile (its ``engine_s`` over the profile's);
+    multiplies the ``TrainCosts.ref_*`` terms."""
+    train_engine_scale: float = 1.0
+    """The actor's ``train_step`` speed inside the loop against the profile (forward, backward and optimizer,
+    without the stream's reads); multiplies the actor's ``TrainCosts`` terms."""
 
 
 @dataclasses.dataclass
@@ -179,11 +193,24 @@ class CostModel:
 
     def scaled(self, factor: float) -> CostModel:
         """Every time term multiplied by ``factor`` (the machine is ``factor`` times slower than when profiled)."""
+        service = _scale(self.service, factor, {f.name for f in dataclasses.fields(ServiceCosts)} - RATIOS)
         return dataclasses.replace(self, rollout=_scale(self.rollout, factor), train=_scale(self.train, factor),
                                    weight_sync=_scale(self.weight_sync, factor), queue=_scale(self.queue, factor),
                                    light=_scale(self.light, factor), speed_probe_s=self.speed_probe_s * factor,
-                                   service=dataclasses.replace(_scale(self.service, factor),  # a ratio: unscaled
-                                                               async_floating=self.service.async_floating))
+                                   service=service)
+
+    def in_loop(self) -> CostModel:
+        """The engines' costs at their speed inside the loop: ``RolloutCosts`` times
+        ``service.rollout_engine_scale``, the reference's and the actor's ``TrainCosts`` terms times theirs (the
+        scales then 1, so applying it twice changes nothing). ``simulate`` runs on this."""
+        sv = self.service
+        if (sv.rollout_engine_scale, sv.reference_engine_scale, sv.train_engine_scale) == (1.0, 1.0, 1.0):
+            return self
+        train = _scale(self.train, sv.train_engine_scale, ACTOR_TERMS)
+        train = _scale(train, sv.reference_engine_scale, {f.name for f in dataclasses.fields(TrainCosts)} - ACTOR_TERMS)
+        return dataclasses.replace(self, rollout=_scale(self.rollout, sv.rollout_engine_scale), train=train,
+                                   service=dataclasses.replace(sv, rollout_engine_scale=1.0,
+                                                               reference_engine_scale=1.0, train_engine_scale=1.0))
 
     def tilted(self, rollout: float = 1.0, train: float = 1.0) -> CostModel:
         """Rollout's costs (the engine and its service overhead) times ``rollout``, the trainer's (actor and
@@ -192,6 +219,12 @@ class CostModel:
         service = _scale(service, train, {"reference_call_s", "reference_token_s", "train_micro_s", "train_token_s"})
         return dataclasses.replace(self, rollout=_scale(self.rollout, rollout), train=_scale(self.train, train),
                                    service=service)
+
+
+RATIOS = {"async_floating", "rollout_engine_scale", "reference_engine_scale", "train_engine_scale"}
+"""The ``ServiceCosts`` fields that are ratios, not times: ``CostModel.scaled`` leaves them as they are."""
+ACTOR_TERMS = {"per_micro_s", "per_token_s", "per_token_seq_s", "optimizer_s"}
+"""The actor's ``TrainCosts`` terms (the others are the reference forward's)."""
 
 
 def _scale(section, factor: float, names: set[str] | None = None):

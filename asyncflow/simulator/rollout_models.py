@@ -173,11 +173,13 @@ def chunked(pipe, instance: int, steps: range) -> Generator:
             start = pipe.sim.now
             lengths = yield from _take_rows(pipe, device, step, rows)
             version = {(step, r): pipe.served[instance] for r in rows}
+            engine_s = 0.0
             for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
                 done = [(step, rows[i]) for i in finished]
+                engine_s += seconds
                 yield device.run(seconds + _put_s(pipe, done))
                 _put(pipe, done, version)
-            pipe.span("rollout", "generate", instance, start, rows=len(rows))
+            pipe.span("rollout", "generate", instance, start, rows=len(rows), engine_s=engine_s)
 
 
 def _stream(pipe, instance: int, steps: range, partial: bool) -> Generator:

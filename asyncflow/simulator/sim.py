@@ -232,7 +232,7 @@ class Pipe:
     """One simulation: the clock, devices, queue, board, the drawn lengths and the recorded spans."""
 
     def __init__(self, w: Workload, costs: CostModel, lengths: list[list[int]] | None = None):
-        self.w, self.costs, self.sim = w, costs, Sim()
+        self.w, self.costs, self.sim = w, costs.in_loop(), Sim()
         tasks = {t: TASK_FIELDS[t] for t in ("rollout", "reward", "advantage")}
         tasks["actor"] = TASK_FIELDS["actor+ref" if w.reference else "actor"]
         if w.reference:
@@ -370,7 +370,8 @@ def reference_step(pipe: Pipe, step: int):
         yield from pipe.work(pipe.device("reference"), work + q.request(own * 8) + q.request(resp * 4),
                              service.reference_call_s + service.reference_token_s * own)
         pipe.tq.put(step, "ref", rows)
-        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows), tokens=max(padded), row_tokens=own)
+        pipe.span("reference", "ref_logprobs", 0, start, rows=len(rows), tokens=max(padded), row_tokens=own,
+                  engine_s=work)
 
 
 def advantage_step(pipe: Pipe, step: int):
@@ -387,7 +388,7 @@ def advantage_step(pipe: Pipe, step: int):
 def actor_step(pipe: Pipe, step: int, version: int):
     """Streamed first pass, the other PPO epochs, the optimizer step, then staging version + 1."""
     w, tc, q, service = pipe.w, pipe.costs.train, pipe.costs.queue, pipe.costs.service
-    first_tokens, first_own, lags, start = 0, 0, [], pipe.sim.now
+    first_tokens, first_own, lags, start, engine_s = 0, 0, [], pipe.sim.now, 0.0
     device, replicas, mbs = pipe.device("actor"), _Replicas(w.data_parallel), w.micro_batch_size
     for _ in range(w.rows_per_step // (mbs * w.data_parallel)):
         rows = yield pipe.tq.take(step, "actor", mbs * w.data_parallel)
@@ -397,14 +398,16 @@ def actor_step(pipe: Pipe, step: int, version: int):
         padded = [pipe.padded(step, part) for part in parts]
         work = replicas.add([tc.micro_s(tokens, tokens / mbs) for tokens in padded])
         own = max(pipe.row_tokens(step, part) for part in parts)
-        first_tokens, first_own = first_tokens + max(padded), first_own + own
+        first_tokens, first_own, engine_s = first_tokens + max(padded), first_own + own, engine_s + work
         # The engine computes on the padded micro-batch (``work``); the service moves and packs the rows' own
         # tokens, so its overhead is charged on those.
         yield from pipe.work(device, work + q.request(own * 24), service.train_micro_s + service.train_token_s * own)
     # The other epochs re-read each replica's cached micro-batches: the slowest replica's pass again.
     per_pass = max(replicas.totals)
-    yield device.run(per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs)
-    pipe.span("actor", "train", 0, start, step=step, tokens=first_tokens, row_tokens=first_own)
+    rest = per_pass * (w.ppo_epochs - 1) + tc.optimizer_s * w.ppo_epochs
+    yield device.run(rest)
+    pipe.span("actor", "train", 0, start, step=step, tokens=first_tokens, row_tokens=first_own,
+              engine_s=engine_s + rest)
     start, ws = pipe.sim.now, pipe.costs.weight_sync
     yield device.run(ws.stage_fixed_s + ws.stage_per_byte_s * pipe.costs.weight_bytes)
     pipe.span("actor", "stage_weights", 0, start, version=version + 1)

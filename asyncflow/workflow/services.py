@@ -300,17 +300,23 @@ class RolloutService(TaskService):
                 pending.clear()
 
         for batch in self.stream(step, self.fields, self.chunk):
-            with self.timeline.span(self.name, "generate", self.worker, rows=len(batch)):
+            with self.timeline.span(self.name, "generate", self.worker, rows=len(batch)) as span:
                 prompts = [p.tolist() for p in batch["prompt_ids"]]
                 budgets = batch["max_new_tokens"].tolist() if "max_new_tokens" in batch else None
+                puts = [0.0]  # seconds of TransferQueue puts inside the engine's callbacks
 
-                def on_sample(i, sample, indexes=batch.indexes):
+                def on_sample(i, sample, indexes=batch.indexes, puts=puts):
                     pending.append((indexes[i], sample))
                     if len(pending) >= 16:  # stream out as they finish, a few rows per put
+                        t = time.perf_counter()
                         flush()
+                        puts[0] += time.perf_counter() - t
 
+                t0 = time.perf_counter()
                 samples = self.engine.generate(prompts, n=1, on_sample=on_sample, max_new_tokens=budgets,
                                                ignore_eos=budgets is not None)
+                # The engine's own time, without the puts: ``simulator.calibrate`` sets the profile's speed by it.
+                span["engine_s"] = time.perf_counter() - t0 - puts[0]
                 flush()
             rows += len(samples)
             tokens += sum(len(s.response_ids) for s in samples)

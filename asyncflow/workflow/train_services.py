@@ -125,10 +125,12 @@ class MegatronService(TaskService):
         """``forward(tokens) -> [b, s-1]`` over the rows of ``step`` as they become ready; the writer rank puts
         each row's response-token slice into ``out_field`` (reference logprobs, critic values)."""
         for batch in self.stream(step, fields, chunk, task=task):
-            with self.timeline.span(task or self.name, out_field, self.worker, rows=len(batch)):
+            with self.timeline.span(task or self.name, out_field, self.worker, rows=len(batch)) as span:
                 prompts, responses = batch["prompt_ids"], batch["response_ids"]
                 tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
+                t0 = time.perf_counter()
                 out = forward(tokens)
+                span["engine_s"] = time.perf_counter() - t0  # the forward alone (``simulator.calibrate``)
                 if self.writer:
                     self.tq.put(partition_name(step), {out_field: response_slices(out, prompts, responses)},
                                 indexes=batch.indexes)
@@ -270,20 +272,32 @@ class ActorService(MegatronService):
         groups: list[int] = []
         version = self.engine.version
 
+        reads = [0.0]  # seconds the engine waited on the stream (TransferQueue gets, packing)
+
         def first_pass():
-            for batch in self.stream(step, self.fields, self.mbs, allow_partial=False):
-                groups.extend(batch.meta.group_ids)
-                mb = to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
-                cache.append(mb)
+            batches = iter(self.stream(step, self.fields, self.mbs, allow_partial=False))
+            while True:
+                t = time.perf_counter()
+                batch = next(batches, None)
+                if batch is not None:
+                    groups.extend(batch.meta.group_ids)
+                    mb = to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
+                    cache.append(mb)
+                reads[0] += time.perf_counter() - t
+                if batch is None:
+                    return
                 yield mb
 
         t0 = time.time()
-        with self.timeline.span(self.name, "train", self.worker, step=step):
+        with self.timeline.span(self.name, "train", self.worker, step=step) as span:
+            t1 = time.perf_counter()
             results = [self.engine.train_step(first_pass(), self.num_micro, self.loss_fn)]
             for mb, out in zip(cache, results[0]["micro"]):
                 mb["old_logprobs"] = out["old_logprobs"]  # the proximal policy of this step
             for _ in range(self.algo.ppo_epochs - 1):
                 results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
+            # Forward, backward and the optimizer, without the reads (``simulator.calibrate``).
+            span["engine_s"] = time.perf_counter() - t1 - reads[0]
         self.verify_same_rows(step)
         self.engine.version += 1
         self.publish()

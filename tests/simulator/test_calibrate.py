@@ -357,3 +357,76 @@ def test_calibration_runs_take_turns_across_variants_and_modes():
         ("1", "sync", 1), ("2", "sync", 1), ("1", "async", 0),
         ("1", "sync", 0), ("2", "sync", 0), ("1", "async", 0)]
     assert calibration_order(["2"], 2) == [("2", "sync", 0), ("2", "sync", 1)]  # no async run without variant 1
+
+
+def test_a_profile_taken_while_the_machine_was_slow_is_rescaled_by_the_engines_time_in_the_loop(tmp_path):
+    """The profile priced every engine call 2x (rollout), 1.5x (actor) and 1.25x (reference) what the loop's runs
+    took: the runs' spans are shorter than the engine-only prediction, so the difference of spans alone clamps
+    the services at 0 and predicts the steps slow. The spans' ``engine_s`` give each engine's speed in the loop;
+    with it the services' own costs are recovered and the runs' steps are predicted as they ran."""
+    from pathlib import Path
+
+    from asyncflow.config import load_config
+    from asyncflow.simulator.calibrate import calibrate, overrides_for
+    from asyncflow.simulator.costs import _scale
+    from asyncflow.simulator.workload import draw_lengths, from_config
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
+    train = dataclasses.replace(TRAIN, ref_per_call_s=0.01, ref_per_token_s=1e-4)
+    service = ServiceCosts(generate_token_s=2e-4, reference_call_s=0.004, train_micro_s=0.003)
+    true = CostModel(rollout=ROLLOUT, train=train, service=service)
+    profiled = CostModel(rollout=_scale(ROLLOUT, 2.0), train=_scale(_scale(
+        train, 1.5, {"per_micro_s", "per_token_s", "per_token_seq_s", "optimizer_s"}),
+        1.25, {"ref_per_call_s", "ref_per_token_s", "ref_per_token_seq_s"}))
+    runs, steps = [], {}
+    for workload in (0, 1):
+        w = from_config(load_config(recipe, overrides_for(2, "sync", workload) + ["workflow.steps=16"]))
+        run = simulate(w, true, draw_lengths(w))
+        steps[workload] = run.step_time_s
+        events = [{"ph": "X", "name": "stage_weights", "ts": 0, "dur": 0}]  # version 0, staged before step 0
+        events += run.timeline.to_chrome_trace()["traceEvents"]
+        (tmp_path / f"{workload}").mkdir()
+        (tmp_path / f"{workload}" / "timeline.json").write_text(json.dumps({"traceEvents": events}))
+        runs.append(calibrate(profiled, recipe, tmp_path / f"{workload}", 2, workload))
+    assert runs[0].beyond["generate"] == 0.0  # faster than the profile: the spans alone clamp it
+    fitted = service_costs(runs)
+    # Within 1%: the real spans are the median over the steps after the warm-up, the prediction a mean over all.
+    assert fitted.rollout_engine_scale == pytest.approx(0.5, rel=0.01)
+    assert fitted.train_engine_scale == pytest.approx(1 / 1.5, rel=0.01)
+    assert fitted.reference_engine_scale == pytest.approx(0.8, rel=0.01)
+    assert fitted.generate_token_s == pytest.approx(2e-4, rel=0.05)
+    for run in runs:  # the actor's and the reference's services per step (4 calls each), within 5 ms of 12 and 16 ms
+        # (split between per call and per token by the steps' spread in length: the median step against the mean)
+        assert fitted.train_micro_s * 4 + fitted.train_token_s * run.tokens["train"] == pytest.approx(0.012, abs=5e-3)
+        assert (fitted.reference_call_s * 4 + fitted.reference_token_s * run.tokens["ref_logprobs"]
+                == pytest.approx(0.016, abs=5e-3))
+    for workload in (0, 1):
+        w = from_config(load_config(recipe, overrides_for(2, "sync", workload) + ["workflow.steps=16"]))
+        rescaled = simulate(w, dataclasses.replace(profiled, service=fitted), draw_lengths(w))
+        clamped = simulate(w, dataclasses.replace(profiled, service=service_costs(
+            [dataclasses.replace(r, engine={}) for r in runs])), draw_lengths(w))
+        assert rescaled.step_time_s == pytest.approx(steps[workload], rel=0.02)
+        assert clamped.step_time_s > steps[workload] * 1.2
+
+
+def test_the_engine_scales_multiply_their_engines_terms_once_and_are_ratios():
+    service = ServiceCosts(generate_token_s=1e-3, async_floating=0.3, rollout_engine_scale=0.5,
+                           reference_engine_scale=2.0, train_engine_scale=0.25)
+    model = CostModel(rollout=ROLLOUT, train=dataclasses.replace(TRAIN, ref_per_call_s=0.01), service=service)
+    loop = model.in_loop()
+    assert loop.rollout.step_s == pytest.approx(ROLLOUT.step_s * 0.5)
+    assert loop.rollout.per_seq_s == pytest.approx(ROLLOUT.per_seq_s * 0.5)
+    assert loop.train.per_micro_s == pytest.approx(TRAIN.per_micro_s * 0.25)
+    assert loop.train.optimizer_s == pytest.approx(TRAIN.optimizer_s * 0.25)
+    assert loop.train.ref_per_call_s == pytest.approx(0.02)
+    assert loop.service.generate_token_s == 1e-3  # the services' own costs are measured in the loop already
+    assert loop.in_loop() == loop  # applied once
+    slow = model.scaled(2.0)  # a slower machine: times double, ratios stay
+    assert slow.service.generate_token_s == pytest.approx(2e-3)
+    assert (slow.service.rollout_engine_scale, slow.service.async_floating) == (0.5, 0.3)
+    # The simulator runs on the scaled engines: a rollout engine at half its profiled cost halves its spans' engine.
+    w = _workload(mode="sync", max_staleness=0)
+    engine = [predicted_spans(simulate(w, m), engine=True)["generate"]
+              for m in (CostModel(rollout=ROLLOUT, train=TRAIN),
+                        CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(rollout_engine_scale=0.5)))]
+    assert engine[1] == pytest.approx(engine[0] * 0.5)
