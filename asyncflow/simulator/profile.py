@@ -387,6 +387,25 @@ def _fit_variant(samples: dict, mbs: int) -> tuple[CostModel, dict[str, float]]:
     ), misses
 
 
+ENGINE_SCALE_WARNING = (0.67, 1.5)
+"""An engine this much faster or slower in the calibration runs than in the profile is flagged: near 1 is the
+loop's own cost (0.9-1.5 on this machine, 2026-12-03), beyond these the machine's speed may have changed."""
+
+
+def engine_speed_line(name: str, service) -> str:
+    """One line on how fast variant ``name``'s engines ran inside the loop against the profile
+    (``ServiceCosts.rollout_engine_scale`` and the like), flagged when one is beyond ``ENGINE_SCALE_WARNING``."""
+    scales = {"rollout": service.rollout_engine_scale, "reference": service.reference_engine_scale,
+              "actor": service.train_engine_scale}
+    line = f"asyncflow profile: variant {name}: in the loop's calibration runs the engines took " + ", ".join(
+        f"{task} {scale:.2f}x" for task, scale in scales.items()) + " the profile's time (the simulator uses these)"
+    lo, hi = ENGINE_SCALE_WARNING
+    if any(not lo <= scale <= hi for scale in scales.values()):
+        line += ("; WARNING: far from the profile: if another job ran during the profile, its engine fits are off "
+                 "(the prediction follows the runs)")
+    return line
+
+
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
             quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
             calibration_runs: int = 2) -> CostFile:
@@ -448,6 +467,8 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                 calibration.run(name, mode, workload)
                 bar.update()
             calibration.apply()
+            for name in calibrated:
+                bar.write(engine_speed_line(name, models[name].service))
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

@@ -154,11 +154,24 @@ def _take_rows(pipe, device, step: int, rows: list[int]) -> Generator:
     return lengths
 
 
-def _put_s(pipe, finished: list) -> float:
-    """The TransferQueue puts of finished rows: the loop puts a few at a time (16 per put), tokens and logprobs,
-    12 bytes a token."""
-    tokens = sum(pipe.lengths[step][row] for step, row in finished)
-    return pipe.costs.queue.request(tokens * 12) * max(len(finished) / 16, 1)
+PUT_ROWS = 16
+"""Finished responses per TransferQueue put: the rollout service puts every 16th as it finishes, the rest at the
+end of the engine call (``RolloutService.run_step``; ``ContinuousRollout`` puts once 16 are pending or a step
+has none in flight)."""
+
+
+def _put_s(pipe, rows: list) -> float:
+    """The TransferQueue puts of finished ``(step, row)`` responses, ``PUT_ROWS`` a put: tokens and logprobs, 12
+    bytes a token.
+
+    Per put of up to 16, not per engine segment: until 2026-12-03 every segment in which any row finished paid a
+    whole request, and a long-tailed step, whose 128 rows finish over about 60 segments, paid 60 requests
+    against the real loop's 8 or 9 (36 ms a step of 0.9 s on this machine: a lean to slow that every
+    long-tailed case shared)."""
+    if not rows:
+        return 0.0
+    q, tokens = pipe.costs.queue, sum(pipe.lengths[step][row] for step, row in rows)
+    return q.per_request_s * -(-len(rows) // PUT_ROWS) + q.per_byte_s * tokens * 12
 
 
 @ROLLOUT_MODELS.register("chunked")
@@ -173,12 +186,17 @@ def chunked(pipe, instance: int, steps: range) -> Generator:
             start = pipe.sim.now
             lengths = yield from _take_rows(pipe, device, step, rows)
             version = {(step, r): pipe.served[instance] for r in rows}
-            engine_s = 0.0
+            engine_s, pending = 0.0, []
             for seconds, finished in engine_batch(lengths, w.prompt_len, pipe.costs.rollout, w.max_num_seqs):
-                done = [(step, rows[i]) for i in finished]
                 engine_s += seconds
+                pending += [(step, rows[i]) for i in finished]
+                full = len(pending) // PUT_ROWS * PUT_ROWS  # put as the 16th, 32nd, ... row finishes
+                done, pending = pending[:full], pending[full:]
                 yield device.run(seconds + _put_s(pipe, done))
                 _put(pipe, done, version)
+            if pending:  # the call's last rows
+                yield device.run(_put_s(pipe, pending))
+                _put(pipe, pending, version)
             pipe.span("rollout", "generate", instance, start, rows=len(rows), engine_s=engine_s)
 
 
@@ -188,14 +206,14 @@ def _stream(pipe, instance: int, steps: range, partial: bool) -> Generator:
     device = pipe.device("rollout", instance)
     engine = Engine(pipe.costs.rollout, w.prompt_len, w.max_num_seqs)
     version: dict = {}  # (step, row) -> the version of its first token
-    admit, busy = steps.start, None
+    admit, busy, pending, engine_s = steps.start, None, [], 0.0
     while admit < steps.stop or len(engine):
         if admit < steps.stop:
             need, served = admitted_version(admit, w.max_staleness), pipe.served[instance]
             if not len(engine) and (served < need or pipe.board.version > served):
                 if busy is not None:  # the engine waits: close its generate span
-                    pipe.span("rollout", "generate", instance, busy)
-                    busy = None
+                    pipe.span("rollout", "generate", instance, busy, engine_s=engine_s)
+                    busy, engine_s = None, 0.0
                 yield from take_weights(pipe, instance, admit)
             elif partial and len(engine) and pipe.board.version > served and pipe.board.version >= need:
                 recompute = engine.recompute_s() if w.partial_kv == "recompute" else 0.0
@@ -212,10 +230,18 @@ def _stream(pipe, instance: int, steps: range, partial: bool) -> Generator:
                     version[(admit, r)] = pipe.served[instance]
                 continue
         seconds, finished = engine.segment(CHECK_STEPS if partial else None)
-        yield device.run(seconds + (_put_s(pipe, finished) if finished else 0.0))
-        _put(pipe, finished, version)
+        engine_s += seconds
+        pending += finished
+        # Put once 16 are pending, or a pending row's step has nothing left in the engine (``ContinuousRollout``).
+        live = {key[0] for key in engine.lengths} if pending else set()
+        if len(pending) >= PUT_ROWS or any(step not in live for step, _ in pending):
+            done, pending = pending, []
+        else:
+            done = []
+        yield device.run(seconds + _put_s(pipe, done))
+        _put(pipe, done, version)
     if busy is not None:
-        pipe.span("rollout", "generate", instance, busy)
+        pipe.span("rollout", "generate", instance, busy, engine_s=engine_s)
 
 
 @ROLLOUT_MODELS.register("continuous")

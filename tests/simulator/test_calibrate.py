@@ -430,3 +430,28 @@ def test_the_engine_scales_multiply_their_engines_terms_once_and_are_ratios():
               for m in (CostModel(rollout=ROLLOUT, train=TRAIN),
                         CostModel(rollout=ROLLOUT, train=TRAIN, service=ServiceCosts(rollout_engine_scale=0.5)))]
     assert engine[1] == pytest.approx(engine[0] * 0.5)
+
+
+def test_profile_says_how_fast_the_engines_ran_in_the_loop_and_flags_a_changed_machine():
+    from asyncflow.simulator.profile import engine_speed_line
+
+    line = engine_speed_line("1", ServiceCosts(rollout_engine_scale=1.19, reference_engine_scale=1.5,
+                                               train_engine_scale=1.13))
+    assert "rollout 1.19x, reference 1.50x, actor 1.13x" in line and "WARNING" not in line
+    assert "WARNING" in engine_speed_line("2", ServiceCosts(rollout_engine_scale=0.47))
+
+
+@pytest.mark.parametrize("rollout_model", ["chunked", "continuous"])
+def test_finished_responses_are_put_sixteen_at_a_time_as_the_loop_does(rollout_model):
+    """One engine call of 32 rows that finish one per segment (lengths 1..32): the loop puts every 16th row as it
+    finishes, two requests in all, not one per segment that finished a row (32)."""
+    from asyncflow.simulator.costs import QueueCosts
+
+    w = _workload(mode="sync", max_staleness=0, steps=2, prompts_per_step=8, samples_per_prompt=4, rollout_chunk=32,
+                  micro_batch_size=4, max_new_tokens=32, warmup_steps=1, rollout_model=rollout_model)
+    lengths = [list(range(1, 33))] * 2
+    model = CostModel(rollout=ROLLOUT, train=TRAIN, queue=QueueCosts(per_request_s=0.01))
+    result = simulate(w, model, lengths)
+    spans, engine = predicted_spans(result), predicted_spans(result, engine=True)
+    # Beyond the engine: the prompts' get (one request) and two puts.
+    assert spans["generate"] - engine["generate"] == pytest.approx(0.03)

@@ -74,6 +74,17 @@ def test_profile_writes_a_valid_cost_file(profiled):
         assert "set to its ceiling" in profiled[2], profiled[2][-2000:]
     # The floating processes (TransferQueue, driver, board, light services, Ray) use CPU for every row.
     assert service.async_floating_row_s > 0
+    # Each engine's speed in the loop, from its spans' engine seconds: measured (a ratio, never left at 1), and the
+    # engine's seconds are part of their span.
+    scales = (service.rollout_engine_scale, service.reference_engine_scale, service.train_engine_scale)
+    assert all(0.05 < s < 20 and s != 1.0 for s in scales), scales
+    assert "variant 1: in the loop's calibration runs the engines took rollout" in profiled[2]
+    timelines = sorted(out.parent.glob(f"{out.stem}-calibration/*/*/timeline.json"))
+    assert timelines
+    for timeline in timelines:
+        spans = [e for e in json.loads(timeline.read_text())["traceEvents"] if "engine_s" in e.get("args", {})]
+        assert {e["name"] for e in spans} == {"generate", "ref_logprobs", "train"}, timeline
+        assert all(0 < e["args"]["engine_s"] <= e["dur"] / 1e6 + 1e-3 for e in spans), timeline
 
 
 def test_calibrated_prediction_of_a_held_out_run(profiled, demo_run):
