@@ -30,6 +30,7 @@ from collections.abc import Generator
 from asyncflow.registry import Registry
 from asyncflow.simulator.costs import RolloutCosts
 from asyncflow.workflow.board import admitted_version
+from asyncflow.workflow.rollout_stream import PUT_ROWS
 
 ROLLOUT_MODELS = Registry("rollout model")
 CHECK_STEPS = 16
@@ -152,12 +153,6 @@ def _take_rows(pipe, device, step: int, rows: list[int]) -> Generator:
     get = pipe.costs.queue.request(len(rows) * pipe.w.prompt_len * 8)
     yield from pipe.work(device, get, pipe.costs.service.generate_token_s * sum(lengths))
     return lengths
-
-
-PUT_ROWS = 16
-"""Finished responses per TransferQueue put: the rollout service puts every 16th as it finishes, the rest at the
-end of the engine call (``RolloutService.run_step``; ``ContinuousRollout`` puts once 16 are pending or a step
-has none in flight)."""
 
 
 def _put_s(pipe, rows: list) -> float:

@@ -23,6 +23,10 @@ import torch
 
 from asyncflow.workflow.board import admitted_version
 
+PUT_ROWS = 16
+"""Finished responses per TransferQueue put: both rollout paths put every 16th as it finishes, so the next task
+starts on the first rows while the engine still decodes the tail; the simulator charges puts by it too."""
+
 
 @dataclass
 class _StepState:
@@ -159,7 +163,7 @@ class ContinuousRollout:
             turn_reward = self.turn_rewards.pop(key, 0.0)
             state.turn_reward += turn_reward
             self.pending.append((step, index, sample, failed, turn_reward))
-        if len(self.pending) >= 16 or any(self.steps[s].in_flight == 0 for s, *_ in self.pending):
+        if len(self.pending) >= PUT_ROWS or any(self.steps[s].in_flight == 0 for s, *_ in self.pending):
             self._flush()
 
     def _flush(self) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from asyncflow.config import AlgorithmConfig, TransferQueueConfig, VllmConfig
 from asyncflow.workflow.errors import WeightApplyError
+from asyncflow.workflow.rollout_stream import PUT_ROWS
 
 
 def partition_name(step: int) -> str:
@@ -307,7 +308,7 @@ class RolloutService(TaskService):
 
                 def on_sample(i, sample, indexes=batch.indexes, puts=puts):
                     pending.append((indexes[i], sample))
-                    if len(pending) >= 16:  # stream out as they finish, a few rows per put
+                    if len(pending) >= PUT_ROWS:  # stream out as they finish, a few rows per put
                         t = time.perf_counter()
                         flush()
                         puts[0] += time.perf_counter() - t
