@@ -207,7 +207,7 @@ class CostModel:
         if (sv.rollout_engine_scale, sv.reference_engine_scale, sv.train_engine_scale) == (1.0, 1.0, 1.0):
             return self
         train = _scale(self.train, sv.train_engine_scale, ACTOR_TERMS)
-        train = _scale(train, sv.reference_engine_scale, {f.name for f in dataclasses.fields(TrainCosts)} - ACTOR_TERMS)
+        train = _scale(train, sv.reference_engine_scale, REFERENCE_TERMS)
         return dataclasses.replace(self, rollout=_scale(self.rollout, sv.rollout_engine_scale), train=train,
                                    service=dataclasses.replace(sv, rollout_engine_scale=1.0,
                                                                reference_engine_scale=1.0, train_engine_scale=1.0))
@@ -225,6 +225,8 @@ RATIOS = {"async_floating", "rollout_engine_scale", "reference_engine_scale", "t
 """The ``ServiceCosts`` fields that are ratios, not times: ``CostModel.scaled`` leaves them as they are."""
 ACTOR_TERMS = {"per_micro_s", "per_token_s", "per_token_seq_s", "optimizer_s"}
 """The actor's ``TrainCosts`` terms (the others are the reference forward's)."""
+REFERENCE_TERMS = {f.name for f in dataclasses.fields(TrainCosts)} - ACTOR_TERMS
+"""The reference forward's ``TrainCosts`` terms."""
 
 
 def _scale(section, factor: float, names: set[str] | None = None):

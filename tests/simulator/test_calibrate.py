@@ -368,16 +368,15 @@ def test_a_profile_taken_while_the_machine_was_slow_is_rescaled_by_the_engines_t
 
     from asyncflow.config import load_config
     from asyncflow.simulator.calibrate import calibrate, overrides_for
-    from asyncflow.simulator.costs import ACTOR_TERMS, TrainCosts, _scale
+    from asyncflow.simulator.costs import ACTOR_TERMS, REFERENCE_TERMS, _scale
     from asyncflow.simulator.workload import draw_lengths, from_config
 
     recipe = Path(__file__).resolve().parents[2] / "recipes/tiny_cpu/grpo_async.yaml"
     train = dataclasses.replace(TRAIN, ref_per_call_s=0.01, ref_per_token_s=1e-4)
     service = ServiceCosts(generate_token_s=2e-4, reference_call_s=0.004, train_micro_s=0.003)
     true = CostModel(rollout=ROLLOUT, train=train, service=service)
-    reference_terms = {f.name for f in dataclasses.fields(TrainCosts)} - ACTOR_TERMS
     profiled = CostModel(rollout=_scale(ROLLOUT, 2.0),
-                         train=_scale(_scale(train, 1.5, ACTOR_TERMS), 1.25, reference_terms))
+                         train=_scale(_scale(train, 1.5, ACTOR_TERMS), 1.25, REFERENCE_TERMS))
     runs, steps = [], {}
     for workload in (0, 1):
         w = from_config(load_config(recipe, overrides_for(2, "sync", workload) + ["workflow.steps=16"]))
