@@ -32,8 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     m2h.add_argument(
         "--hf-config",
         default=None,
-        help="Hugging Face config/tokenizer directory "
-        "(default: the one hf-to-mcore stored inside the checkpoint)",
+        help="Hugging Face directory to take config and tokenizer files from, never its weights "
+        "(default: the copy hf-to-mcore stored inside the checkpoint)",
     )
     m2h.add_argument("--max-shard-size-gb", type=float, default=5.0, help="size cap of each safetensors file")
     args = parser.parse_args(argv)

@@ -28,16 +28,29 @@ from asyncflow.models.arch import GPTArch
 
 META_FILE = "asyncflow_bridge.json"
 HF_FILES = "hf_config"  # config.json + tokenizer files kept beside the Megatron checkpoint
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
+# The files of a Hugging Face directory that describe the model without holding its weights. Anything else
+# (safetensors, .bin, .pt, their index files) must never be copied next to converted weights: it would
+# overwrite them with the base model's.
+_CONFIG_FILES = (
+    "config.json",
     "generation_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
     "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
 )
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf", ".npz")
+
+
+def is_config_or_tokenizer_file(name: str) -> bool:
+    """Whether a file of a Hugging Face model directory is config or tokenizer, never weights or their index."""
+    if name.endswith(_WEIGHT_SUFFIXES) or name.endswith(".index.json"):
+        return False
+    return name in _CONFIG_FILES or name.startswith("tokenizer")
 
 
 class ConversionError(RuntimeError):
@@ -170,10 +183,11 @@ def hf_to_mcore(
 
 
 def _copy_hf_files(src: Path, dst: Path) -> None:
+    """Copy the config and tokenizer files of ``src`` (never weights) into ``dst``."""
     dst.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", *_TOKENIZER_FILES):
-        if (src / name).is_file():
-            shutil.copy2(src / name, dst / name)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and is_config_or_tokenizer_file(f.name):
+            shutil.copy2(f, dst / f.name)
 
 
 # ------------------------------------------------------------------------------------------ mcore -> HF
@@ -272,7 +286,11 @@ def mcore_to_hf(
     max_shard_bytes: int = 5 * 2**30,
     progress: Callable[[str], None] | None = print,
 ) -> Path:
-    """Convert a Megatron distributed checkpoint into Hugging Face safetensors (+ index) and config.json."""
+    """Convert a Megatron distributed checkpoint into Hugging Face safetensors (+ index).
+
+    The config and tokenizer files come from ``hf_config_dir`` (default: the copy ``hf_to_mcore`` kept in the
+    checkpoint); its weight files are never copied, so a trained checkpoint exports its own weights.
+    """
     from safetensors.torch import save_file
 
     from asyncflow.bridge import hf_layout
@@ -325,9 +343,7 @@ def mcore_to_hf(
                 "weight_map": {k: names[v] for k, v in weight_map.items()},
             }
             (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-        for f in hf_files.iterdir():
-            if f.is_file():
-                shutil.copy2(f, tmp / f.name)
+        _copy_hf_files(hf_files, tmp)
         _say(
             progress,
             f"wrote {len(weight_map)} tensors ({total / 2**20:.1f} MiB) in {len(files)} file(s) to {out}",

@@ -53,6 +53,34 @@ def test_round_trip_dense_tp2_pp2(dense_tp2pp2, tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
+def test_export_with_hf_config_keeps_the_trained_weights(dense_tp2pp2, tiny_model_dir, tmp_path):
+    """``mcore-to-hf --hf-config BASE`` takes config and tokenizer from BASE, never its weights: once, every
+    file of BASE was copied over the converted ones, so an exported trained model was the base model."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    perturbed = {k: v + 1.0 for k, v in _load_hf(tiny_model_dir).items()}  # the base differs from "trained"
+    save_file(perturbed, str(base / "model.safetensors"), metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in perturbed}}
+    (base / "model.safetensors.index.json").write_text(json.dumps(index))
+    torch.save({}, base / "pytorch_model.bin")
+    out = tmp_path / "exported"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "convert_checkpoint.py"), "mcore-to-hf",
+         "--mcore", str(dense_tp2pp2), "--out", str(out), "--hf-config", str(base)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    _assert_bit_exact(tiny_model_dir, out)  # the checkpoint's weights, not the base's
+    names = {f.name for f in out.iterdir()}
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= names
+    assert "pytorch_model.bin" not in names and "model.safetensors.index.json" not in names
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,layout",
     [
