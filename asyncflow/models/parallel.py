@@ -19,12 +19,17 @@ def init_megatron(
     world_size: int | None = None,
     init_method: str | None = None,
     backend: str | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Initialize torch.distributed, Megatron's parallel state and its RNG streams.
 
     Rank and world size default to the ``RANK``/``WORLD_SIZE`` environment (torchrun, Ray workers);
     a single process with neither gets a world of one on a free local port. On CPU the Megatron
     patches are applied first and the backend is gloo; on CUDA, ``LOCAL_RANK`` (when set) picks the device.
+    ``timeout_s`` bounds every collective of the default group and of every group Megatron creates: a run
+    passes ``workflow.step_timeout_s``, since one step (a long generation, a pipeline flush) may keep a rank
+    away from its group's next collective longer than torch's default of 10 minutes. None (tests, tools)
+    keeps torch's and Megatron's defaults (10 and 30 minutes).
     """
     from megatron.core import parallel_state
     from megatron.core import tensor_parallel as mtp
@@ -43,10 +48,11 @@ def init_megatron(
         if init_method is None:
             init_method = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        timeout = datetime.timedelta(minutes=10) if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         for attempt in range(5):
             try:
                 torch.distributed.init_process_group(backend, init_method=init_method, rank=rank,
-                                                     world_size=world_size, timeout=datetime.timedelta(minutes=10))
+                                                     world_size=world_size, timeout=timeout)
                 break
             except torch.distributed.DistNetworkError:
                 # A world of one on a port picked here: another process may take the port between the pick and
@@ -55,9 +61,10 @@ def init_megatron(
                     raise
                 init_method = f"tcp://127.0.0.1:{free_port()}"
     if not parallel_state.model_parallel_is_initialized():
+        minutes = {} if timeout_s is None else {"distributed_timeout_minutes": timeout_s / 60}  # fractions work
         parallel_state.initialize_model_parallel(
             tensor_parallel, pipeline_parallel, expert_model_parallel_size=expert_parallel,
-            context_parallel_size=context_parallel,
+            context_parallel_size=context_parallel, **minutes,
         )
     mtp.model_parallel_cuda_manual_seed(seed)
 

@@ -42,6 +42,13 @@ class MegatronService(TaskService):
         super().__init__(worker=rank, **kw)
         from megatron.core import parallel_state as ps
 
+        from asyncflow.models.parallel import init_megatron
+
+        # Join the group here, with the run's step timeout: a rank may stay away from the group's next
+        # collective for a whole step. The engine's own init_megatron then finds every group formed.
+        c = megatron_cfg
+        init_megatron(c.tensor_parallel, c.pipeline_parallel, c.seed, expert_parallel=c.expert_parallel,
+                      context_parallel=c.context_parallel, timeout_s=self.timeout_s)
         self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
         self.fixed_shape = megatron_cfg.pipeline_parallel > 1  # stages exchange fixed shapes
