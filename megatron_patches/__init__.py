@@ -12,13 +12,13 @@ import importlib.metadata
 
 import torch
 
-from . import device, moe, optimizer, pipeline, recompute, rng
+from . import device, mixed_precision, moe, optimizer, pipeline, recompute, rng
 from ._util import resolve
 
 SUPPORTED_MEGATRON = ("0.16",)
 """Megatron-core release lines (major.minor) these patches were checked on."""
 
-PATCHES = (device, rng, pipeline, optimizer, moe, recompute)
+PATCHES = (device, rng, pipeline, optimizer, mixed_precision, moe, recompute)
 
 
 class UnsupportedMegatronVersion(RuntimeError):

@@ -88,3 +88,22 @@ def test_rng_tracker_forks_and_restores_cpu_state():
         """
     )
     assert out.strip() == "True"
+
+
+def test_mixed_precision_reports_cuda_type_names_only_inside_the_optimizers():
+    out = _run(
+        """
+        import torch, megatron_patches
+        from megatron_patches import mixed_precision as mp
+        megatron_patches.apply(); megatron_patches.apply()
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params as F16
+        print(F16.__init__.__wrapped__._asyncflow_cuda_type_names if hasattr(F16.__init__.__wrapped__,
+              "_asyncflow_cuda_type_names") else "once")
+        x = torch.zeros(2, dtype=torch.bfloat16)
+        with mp.CudaTypeNamesMode():
+            print(x.type(), x.float().type(), x.type(torch.float32).dtype)
+        print(x.type())
+        """
+    )
+    assert out.split() == ["once", "torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor", "torch.float32",
+                           "torch.BFloat16Tensor"]

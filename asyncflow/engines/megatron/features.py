@@ -4,9 +4,9 @@ own config arguments (``TransformerConfig``, ``DistributedDataParallelConfig``, 
 What runs where (megatron-core 0.16.1):
 
 - ``recompute``, ``overlap_grad_reduce``: CPU and GPU (on CPU through ``megatron_patches.recompute``);
-- ``use_distributed_optimizer`` (and ``overlap_param_gather``, which needs it), 16-bit ``params_dtype``:
-  GPU only: Megatron's ``DistributedOptimizer`` and mixed-precision optimizer accept only
-  ``torch.cuda.*Tensor`` parameters;
+- ``use_distributed_optimizer`` (and ``overlap_param_gather``, which needs it), 16-bit ``params_dtype``
+  (Megatron's mixed-precision optimizer with fp32 main params): CPU and GPU (on CPU through
+  ``megatron_patches.mixed_precision``: Megatron sorts parameters by their ``torch.cuda.*Tensor`` type name);
 - ``sequence_parallel``: GPU with Transformer Engine: the torch norms of the local spec assert it is off;
 - ``moe_token_dispatcher: alltoall``: GPU only (it creates CUDA streams);
 - ``moe_grouped_gemm``: GPU with Transformer Engine (TEGroupedMLP);
@@ -57,12 +57,6 @@ def problems(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm",
         value = str(value).lower() if isinstance(value, bool) else value  # as written in YAML
         found.append(f"{section}.{key}={value}: {why}")
 
-    if cfg.params_dtype != "float32" and not cuda:
-        bad("params_dtype", "Megatron's mixed-precision optimizer (fp32 master weights) accepts only CUDA "
-            "parameters; use float32 on CPU")
-    if cfg.use_distributed_optimizer and not cuda:
-        bad("use_distributed_optimizer", "Megatron's DistributedOptimizer accepts only CUDA parameters "
-            "(torch.cuda.FloatTensor / BFloat16Tensor); not available on CPU")
     if cfg.overlap_param_gather and not cfg.use_distributed_optimizer:
         bad("overlap_param_gather", "needs use_distributed_optimizer=true (it overlaps the distributed "
             "optimizer's parameter all-gather)")

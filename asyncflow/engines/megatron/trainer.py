@@ -138,6 +138,19 @@ class MegatronTrainer:
         # A critic keeps its fresh value head: the checkpoint's lm_head has no counterpart in it.
         skip = ("output_layer.",) if self.head == "value" else ()
         load_hf_into(self.module, self.arch, layout, model_rank()[0], HFReader(model_dir), skip=skip)
+        self._refresh_main_params()
+
+    def _refresh_main_params(self) -> None:
+        """Copy the model's weights into the optimizer's fp32 main params after a load of model weights only.
+
+        The optimizer is built with the model (its mixed-precision and distributed variants copy each 16-bit
+        parameter into an fp32 main param then) and the weights are loaded afterwards; every step then writes
+        the main params back into the model. Without this refresh the first step brings back the random
+        initial weights. A no-op for float32 without the distributed optimizer (the optimizer steps the model's
+        own parameters) and for frozen models (no optimizer).
+        """
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's chunk as full Hugging Face ``(name, tensor)`` pairs, any TP/PP stage.
@@ -199,6 +212,7 @@ class MegatronTrainer:
 
         state = dist_checkpointing.load(self.module.sharded_state_dict(), str(ckpt_dir))
         self.module.load_state_dict(state, strict=False)
+        self._refresh_main_params()
 
     def _train_state(self, is_loading: bool) -> dict:
         """The sharded state of model and optimizer, keyed as Megatron-LM's own checkpoints are."""
@@ -229,6 +243,8 @@ class MegatronTrainer:
         state = dist_checkpointing.load(self._train_state(is_loading=True), str(ckpt_dir))
         # strict: a resumed run must not silently keep freshly initialized weights.
         self.module.load_state_dict(state["model"], strict=True)
+        # The optimizer's state holds its fp32 main params (saved by ``save_checkpoint``), so loading it restores
+        # them at full precision; no refresh from the 16-bit model weights.
         self.optimizer.load_state_dict(state["optimizer"])
 
     # ------------------------------------------------------------------ compute
