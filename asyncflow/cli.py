@@ -34,11 +34,36 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _refuse(problems: list[str]) -> int:
+    for problem in problems:
+        print(f"asyncflow: error: {problem}", file=sys.stderr)
+    return 2
+
+
+def _checks_before_train(cfg, path: str | None, overrides: list[str]) -> list[str]:
+    """What ``train`` would otherwise find minutes later inside an actor: the configuration, the model path, and
+    the recipe and layout checks of ``asyncflow.recipes_check`` (the launcher's and ``asyncflow plan``'s)."""
+    from asyncflow.recipes_check import check_model_path, check_run
+    from asyncflow.workflow.loop import _model_dir
+    from asyncflow.workflow.pipeline import check_config
+
+    check_config(cfg)
+    problems = check_model_path(cfg)
+    if problems:
+        return problems
+    _model_dir(cfg)  # a tiny model, where the recipe asks for one, so that its layout can be checked too
+    return check_run(cfg, path, overrides)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from asyncflow.workflow.loop import train
 
     path, overrides = _split_config_and_overrides(args.items)
-    summary = train(load_config(path, overrides), resume=args.resume)
+    cfg = load_config(path, overrides)
+    problems = _checks_before_train(cfg, path, overrides)
+    if problems:
+        return _refuse(problems)
+    summary = train(cfg, resume=args.resume)
     print(f"finished {summary['steps']} steps in {summary['wall_s']:.1f} s: reward {summary['reward_first']:.3f} -> "
           f"{summary['reward_last10_mean']:.3f} (mean of the last 10 steps); max version lag "
           f"{summary['max_version_lag']:.0f}", flush=True)
@@ -50,9 +75,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from asyncflow.demo import run_demo
+    from asyncflow.recipes_check import check_model_path
 
     path, overrides = _split_config_and_overrides(args.items)
-    summary = run_demo(load_config(path, overrides))
+    cfg = load_config(path, overrides)
+    if problems := check_model_path(cfg):
+        return _refuse(problems)
+    summary = run_demo(cfg)
     return 0 if summary["max_abs_logprob_diff"] < 1e-5 or args.no_check else 1
 
 
@@ -63,11 +92,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_profile(args: argparse.Namespace) -> int:
+    from asyncflow.recipes_check import check_model_path
     from asyncflow.simulator.profile import profile
 
     path, overrides = _split_config_and_overrides(args.items)
+    cfg = load_config(path, overrides)
+    if problems := check_model_path(cfg):
+        return _refuse(problems)
     variants = args.variants.split(",") if args.variants else None
-    costs = profile(load_config(path, overrides), args.out, variants=variants, reps=args.reps, quick=args.quick,
+    costs = profile(cfg, args.out, variants=variants, reps=args.reps, quick=args.quick,
                     calibrate=False if args.no_calibrate else (True if args.calibrate else None), recipe=path,
                     calibration_runs=args.calibration_runs)
     print(f"wrote {args.out}: variants {', '.join(costs.variants)} in {costs.hardware['seconds']:.0f} s "

@@ -43,8 +43,9 @@ class ModelConfig:
 
     path: str = "outputs/tiny_model"
     """Hugging Face model directory (config.json, safetensors weights, tokenizer files)."""
-    make_tiny_if_missing: bool = True
-    """Create a tiny random model at ``path`` when it does not exist (CPU demo; never for real runs)."""
+    make_tiny_if_missing: bool = False
+    """Create a tiny random model at ``path`` when it does not exist (the tiny CPU recipes set it; off by default
+    so that a mistyped path of a real model is an error, not a run that trains a random one)."""
     tiny_family: Literal["qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe"] = "qwen2"
     """Family of the tiny model created when ``make_tiny_if_missing`` applies."""
     tiny_charset: Literal["add1", "ascii"] = "add1"

@@ -105,7 +105,8 @@ def run_demo(cfg: AsyncFlowConfig) -> dict:
     model_dir = Path(cfg.model.path)
     if not (model_dir / "config.json").is_file():
         if not cfg.model.make_tiny_if_missing:
-            raise FileNotFoundError(f"model.path {model_dir} has no config.json")
+            raise FileNotFoundError(f"model.path {model_dir} has no config.json (model.make_tiny_if_missing=true "
+                                    "creates a random tiny model there)")
         make_tiny_model(model_dir, family=cfg.model.tiny_family, charset=cfg.model.tiny_charset)
         _say(1, total, f"created a tiny {cfg.model.tiny_family} model at {model_dir}", t0)
     else:

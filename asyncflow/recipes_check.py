@@ -37,7 +37,8 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig, ConfigError, load_config
 
-__all__ = ["ClusterSpec", "Recipe", "check_loaded", "check_recipe", "load_recipe", "read_cluster_env", "main"]
+__all__ = ["ClusterSpec", "Recipe", "check_layout", "check_loaded", "check_model_path", "check_recipe", "check_run",
+           "load_recipe", "read_cluster_env", "main"]
 
 RECIPE_FILES = ("config.yaml", "model_arch.json", "cluster.env", "launch.sh")
 
@@ -170,7 +171,9 @@ def _check_features(name: str, section: str, mcfg, arch) -> list[str]:
                                                           te=True)]
 
 
-def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) -> list[str]:
+def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec | None,
+                   features: bool = True) -> list[str]:
+    """The trainer's sizes against the model, and against ``cluster`` when its devices are known."""
     tr = cfg.trainer
     tp, pp, cp, dp = tr.tensor_parallel, tr.pipeline_parallel, tr.context_parallel, tr.data_parallel
     problems = _check_attention(name, "trainer.tensor_parallel", tp, arch)
@@ -179,11 +182,11 @@ def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) 
                         f"intermediate_size={arch.ffn_hidden_size}")
     if not _divides(pp, arch.num_layers):
         problems.append(f"{name}: trainer.pipeline_parallel={pp} does not divide num_hidden_layers={arch.num_layers}")
-    if tp > cluster.devices_per_node:
+    if cluster is not None and tp > cluster.devices_per_node:
         problems.append(f"{name}: trainer.tensor_parallel={tp} exceeds DEVICES_PER_NODE={cluster.devices_per_node} "
                         "(tensor-parallel all-reduces would cross nodes)")
     world = tp * pp * cp * dp
-    if world != cluster.trainer_devices:
+    if cluster is not None and world != cluster.trainer_devices:
         sizes = f"{tp} x {pp} x {dp}" if cp == 1 else f"{tp} x {pp} x {cp} x {dp}"
         factors = "pipeline_parallel x " + ("" if cp == 1 else "context_parallel x ") + "data_parallel"
         problems.append(f"{name}: trainer devices: TRAINER_DEVICES={cluster.trainer_devices} in cluster.env but "
@@ -205,21 +208,24 @@ def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) 
     if rows % (tr.micro_batch_size * dp):
         problems.append(f"{name}: workflow.prompts_per_step x samples_per_prompt = {rows} rows is not a multiple of "
                         f"trainer.micro_batch_size x data_parallel = {tr.micro_batch_size} x {dp}")
-    return problems + _check_features(name, "trainer", tr, arch)
+    return problems + (_check_features(name, "trainer", tr, arch) if features else [])
 
 
-def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec) -> list[str]:
+def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec | None) -> list[str]:
+    """Rollout TP against the model, the lengths, and the device split of ``cluster`` (a recipe's)."""
     rtp = cfg.rollout.tensor_parallel
     problems = _check_attention(name, "rollout.tensor_parallel", rtp, arch)
-    if not _divides(rtp, cluster.rollout_devices):
+    if cluster is None:
+        pass
+    elif not _divides(rtp, cluster.rollout_devices):
         problems.append(f"{name}: ROLLOUT_DEVICES={cluster.rollout_devices} is not divisible by "
                         f"rollout.tensor_parallel={rtp}")
     engines = cfg.workflow.rollout_instances * rtp
-    if engines != cluster.rollout_devices:
+    if cluster is not None and engines != cluster.rollout_devices:
         problems.append(f"{name}: rollout devices: ROLLOUT_DEVICES={cluster.rollout_devices} in cluster.env but "
                         f"workflow.rollout_instances x rollout.tensor_parallel = "
                         f"{cfg.workflow.rollout_instances} x {rtp} = {engines}")
-    if not _divides(rtp, cluster.devices_per_node):
+    if cluster is not None and not _divides(rtp, cluster.devices_per_node):
         problems.append(f"{name}: rollout.tensor_parallel={rtp} does not divide DEVICES_PER_NODE="
                         f"{cluster.devices_per_node} (a vLLM engine would span two nodes)")
     data = getattr(cfg, "data", None)
@@ -247,6 +253,8 @@ def _check_devices(name: str, cfg: AsyncFlowConfig, cluster: ClusterSpec) -> lis
     needed, how = cluster.trainer_devices + cluster.rollout_devices, "trainer + rollout"
     if _uses_critic(cfg) and world_size(cfg.critic) != world_size(cfg.trainer):
         needed, how = needed + world_size(cfg.critic), how + " + critic"
+    if cfg.algorithm.kl_coef > 0 and cfg.trainer.reference_placement == "own":
+        needed, how = needed + world_size(cfg.trainer), how + " + reference"
     total = cluster.total_devices
     if needed > total:
         problems.append(f"{name}: too many devices: {how} = {needed} > NODES x DEVICES_PER_NODE = "
@@ -332,13 +340,7 @@ def check_recipe(recipe_dir: str | Path, model_dir: str | Path | None = None,
 def check_loaded(recipe: Recipe, model_dir: str | Path | None = None) -> list[str]:
     """``check_recipe`` of an already read recipe (the planner checks the changes it tries this way)."""
     name, cfg, facts, arch, cluster = recipe.name, recipe.cfg, recipe.facts, recipe.arch, recipe.cluster
-    sizes = {"trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel":
-             cfg.trainer.pipeline_parallel, "trainer.data_parallel": cfg.trainer.data_parallel,
-             "trainer.expert_parallel": _expert_sizes(cfg)[0], "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
-             "trainer.context_parallel": cfg.trainer.context_parallel,
-             "rollout.tensor_parallel": cfg.rollout.tensor_parallel,
-             "workflow.rollout_instances": cfg.workflow.rollout_instances}
-    problems = [f"{name}: {key}={value} must be at least 1" for key, value in sizes.items() if value < 1]
+    problems = _check_sizes(name, cfg)
     if problems:
         return problems
     problems += _check_trainer(name, cfg, arch, cluster)
@@ -349,6 +351,83 @@ def check_loaded(recipe: Recipe, model_dir: str | Path | None = None) -> list[st
     if model_dir is not None:
         problems += _compare_checkpoint(name, facts, Path(model_dir))
     return problems
+
+
+def _check_sizes(name: str, cfg: AsyncFlowConfig) -> list[str]:
+    sizes = {"trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel":
+             cfg.trainer.pipeline_parallel, "trainer.data_parallel": cfg.trainer.data_parallel,
+             "trainer.expert_parallel": _expert_sizes(cfg)[0], "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
+             "trainer.context_parallel": cfg.trainer.context_parallel,
+             "rollout.tensor_parallel": cfg.rollout.tensor_parallel,
+             "workflow.rollout_instances": cfg.workflow.rollout_instances}
+    return [f"{name}: {key}={value} must be at least 1" for key, value in sizes.items() if value < 1]
+
+
+def check_model_path(cfg: AsyncFlowConfig) -> list[str]:
+    """``model.path`` must hold a Hugging Face ``config.json``, unless a tiny model may be created there."""
+    path = Path(cfg.model.path)
+    if (path / "config.json").is_file() or cfg.model.make_tiny_if_missing:
+        return []
+    what = "does not exist" if not path.exists() else "has no config.json"
+    return [f"model.path {path} {what} (a Hugging Face model directory; the tiny CPU recipes set "
+            "model.make_tiny_if_missing=true to create a random tiny model there)"]
+
+
+def check_layout(name: str, cfg: AsyncFlowConfig, arch) -> list[str]:
+    """The parallel layout of a run that is not a cluster recipe, against the model ``arch`` and, where a local Ray
+    cluster declares its devices (``ray.accelerator`` with ``ray.local_devices``), against those devices."""
+    from asyncflow.workflow.placement import world_size
+
+    problems = _check_sizes(name, cfg)
+    if problems:
+        return problems
+    cluster, acc, sync = None, cfg.ray.accelerator, cfg.workflow.mode == "sync"
+    if acc is not None and cfg.ray.address is None and cfg.ray.local_devices is not None:
+        # Colocated sync gives rollout engines no devices of their own (asyncflow.workflow.placement).
+        rollout = 0 if sync else cfg.workflow.rollout_instances * cfg.rollout.tensor_parallel
+        cluster = ClusterSpec(nodes=1, devices_per_node=cfg.ray.local_devices, trainer_devices=world_size(cfg.trainer),
+                              rollout_devices=rollout, device_resource=acc)
+    problems += _check_trainer(name, cfg, arch, cluster, features=False)
+    problems += _check_rollout(name, cfg, arch, None)
+    if cluster is not None:
+        problems += _check_devices(name, cfg, cluster)
+        # The shared checks speak of cluster.env; here the devices are the local cluster's ray.local_devices.
+        problems = [p.replace("NODES x DEVICES_PER_NODE = 1 x ", "ray.local_devices = ")
+                    .replace("DEVICES_PER_NODE", "ray.local_devices") for p in problems]
+    if acc is not None and sync:
+        engines = cfg.workflow.rollout_instances * cfg.rollout.tensor_parallel
+        if engines != world_size(cfg.trainer):
+            problems.append(f"{name}: workflow.mode=sync on devices shares every device between training and "
+                            f"generation: workflow.rollout_instances x rollout.tensor_parallel = {engines} must equal "
+                            f"the trainer's TP x PP x CP x DP = {world_size(cfg.trainer)}")
+    return problems
+
+
+def check_run(cfg: AsyncFlowConfig, config_path: str | Path | None = None,
+              overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Every problem ``asyncflow train`` can find before it starts anything (empty: go ahead).
+
+    ``model.path`` must exist (``check_model_path``; when it is missing and a tiny model may be made, the layout
+    checks wait for the run to create it). A cluster recipe's ``config.yaml`` (beside ``cluster.env`` and
+    ``model_arch.json``) gets ``check_recipe`` with the same overrides and the model compared; any other config
+    gets ``check_layout`` against the model's ``config.json``.
+    """
+    from asyncflow.models.arch import GPTArch
+
+    problems = check_model_path(cfg)
+    model_dir = Path(cfg.model.path)
+    if problems or not (model_dir / "config.json").is_file():
+        return problems
+    if config_path is not None:
+        recipe = Path(config_path).parent
+        if Path(config_path).name == "config.yaml" and all((recipe / f).is_file() for f in RECIPE_FILES):
+            return check_recipe(recipe, model_dir, overrides)
+    name = Path(config_path).name if config_path is not None else "config"
+    try:
+        arch = GPTArch.from_pretrained(model_dir)
+    except (ValueError, KeyError) as exc:
+        return [f"{name}: {model_dir / 'config.json'}: unsupported model: {exc}"]
+    return check_layout(name, cfg, arch)
 
 
 def main(argv: list[str] | None = None) -> int:
