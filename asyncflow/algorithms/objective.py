@@ -52,8 +52,10 @@ def make_objective(cfg: AlgorithmConfig, max_response_tokens: int) -> Callable:
         fresh = fresh * mask
         if "token_lag" in mb:  # how many of them sit in rows that began on an older version
             metrics["fresh_spanning_tokens"] = (fresh * (mb["lag"] > 0).float()[:, None]).sum()
-        gap = (old - mb["behaviour_logprobs"]).abs() * fresh
-        metrics["fresh_logprob_gap_max"] = gap.max() if fresh.any() else torch.tensor(float("nan"))
+        # Per token, NaN where not checked: the step's mean / p99 / max come from every checked token
+        # (``observability.logprob_gap``), not from per-micro-batch summaries.
+        gap = (old.detach() - mb["behaviour_logprobs"]).abs()
+        metrics["fresh_logprob_gap"] = torch.where(fresh > 0, gap, torch.full_like(gap, float("nan")))
         metrics["old_logprobs"] = old.detach()
         return loss, metrics
 

@@ -10,6 +10,7 @@ from collections import defaultdict
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.observability import RunObserver, keys
+from asyncflow.observability.logprob_gap import gap_problems, merge_stats
 
 ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries")
 """Metrics that count something: the step's value is the sum over the instances that report it."""
@@ -104,7 +105,8 @@ class Reporter:
         wall = time.time() - self.t_start
         rewards = [h.get(keys.REWARD_MEAN, math.nan) for h in self.history]
         lags = [h.get(keys.LAG_MAX, 0.0) for h in self.history]
-        gaps = [h["check/fresh_logprob_gap_max"] for h in self.history if "check/fresh_logprob_gap_max" in h]
+        gap = merge_stats([{stat: h[f"check/fresh_logprob_gap_{stat}"] for stat in ("mean", "p99", "max", "tokens")}
+                           for h in self.history if "check/fresh_logprob_gap_tokens" in h])
         idle = self.observer.timeline.idle_fractions() if len(self.observer.timeline) else {}
         self.observer.close()
         tail = rewards[-10:]
@@ -119,7 +121,9 @@ class Reporter:
             "first_step_reward_ge_0.8": next((h["step"] for h in self.history if h.get(keys.REWARD_MEAN, 0) >= 0.8),
                                              None),
             "max_version_lag": max(lags) if lags else 0.0,
-            "fresh_logprob_gap_max": max(gaps) if gaps else None,
+            # vLLM vs Megatron on the tokens of the trained version, over the run (``observability.logprob_gap``)
+            **{f"fresh_logprob_gap_{stat}": gap.get(stat) for stat in ("mean", "p99", "max", "tokens")},
+            "fresh_logprob_gap_problems": gap_problems(gap, self.cfg.trainer.params_dtype) if gap else [],
             "samples_per_s": sum(h.get("actor/rows", 0) for h in self.history) / max(wall, 1e-9),
             "tokens_per_s": sum(h.get("rollout/tokens", 0) for h in self.history) / max(wall, 1e-9),
             "idle_fraction": idle,

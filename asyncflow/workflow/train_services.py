@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import AlgorithmConfig, MegatronConfig
+from asyncflow.observability.logprob_gap import gap_stats
 from asyncflow.workflow.batching import (
     ACTOR_FIELDS,
     fit_seq_len,
@@ -427,7 +428,7 @@ def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> di
     first = results[0]["micro"]
     tokens = sum(float(o["tokens"]) for o in first)
     lags = torch.cat([mb["lag"] for mb in cache]).float()
-    gaps = [float(o["fresh_logprob_gap_max"]) for o in first if not torch.isnan(o["fresh_logprob_gap_max"])]
+    gap = gap_stats([o["fresh_logprob_gap"] for o in first if "fresh_logprob_gap" in o])
     metrics = {
         "actor/pg_loss": sum(float(o["pg_sum"]) for o in first) / max(tokens, 1),
         "actor/grad_norm": results[-1]["grad_norm"],
@@ -443,8 +444,8 @@ def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> di
         metrics["actor/entropy"] = sum(float(o["entropy_sum"]) for o in first) / max(tokens, 1)
     if "clip_sum" in first[0]:
         metrics["actor/clip_frac"] = sum(float(o["clip_sum"]) for o in results[-1]["micro"]) / max(tokens, 1)
-    if gaps:
-        metrics["check/fresh_logprob_gap_max"] = max(gaps)
+    for stat, value in gap.items():  # mean, p99, max and the number of checked tokens
+        metrics[f"check/fresh_logprob_gap_{stat}"] = value
     if "fresh_spanning_tokens" in first[0]:
         metrics["check/fresh_spanning_tokens"] = sum(float(o["fresh_spanning_tokens"]) for o in first)
     return metrics
