@@ -71,7 +71,7 @@ class MegatronActor(TrainEngine):
 
     def offload(self) -> int:
         """See ``TrainableEngine.offload`` (``offload.train_state_offloader``: parameters and Adam state to host
-        memory, gradient buffers freed). Built on first use, after the first step, when Adam's moments exist."""
+        memory, gradient buffers freed), collected again at every offload (Adam's moments appear at the first step)."""
         from asyncflow.engines.megatron.offload import train_state_offloader
 
         if self._offloader is None:

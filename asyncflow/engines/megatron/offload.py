@@ -87,9 +87,13 @@ class StorageOffloader:
         """Whether the storages are in host memory now."""
         return bool(self._held)
 
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The managed device storages: kept ones first, then scratch."""
+        return self._keep + self._scratch
+
     def device_bytes(self) -> int:
         """Bytes the managed storages hold on the device now (0 while offloaded)."""
-        return sum(s.nbytes() for s in self._keep + self._scratch)
+        return sum(s.nbytes() for s in self.storages())
 
     def offload(self) -> int:
         """Copy kept storages to host memory and free every managed storage on the device; returns the bytes
@@ -139,12 +143,7 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     return out
 
 
-def train_state_offloader(trainer) -> StorageOffloader:
-    """A ``StorageOffloader`` over a ``MegatronTrainer``'s parameters, gradient buffers and optimizer state.
-
-    Build it after the optimizer has stepped once: Adam allocates its moments lazily, and a storage born
-    later would not be managed. ``ActorService`` builds it on the first offload, after the first step.
-    """
+def _train_state_offloader(trainer) -> StorageOffloader:
     params = list(trainer.model.parameters())
     grads = [getattr(p, "main_grad", None) for p in params]
     if trainer.trainable:  # Megatron DDP's contiguous buffers (a frozen model has none, nor an optimizer)
@@ -154,6 +153,49 @@ def train_state_offloader(trainer) -> StorageOffloader:
     keep = [p for p in params if p is not None]
     keep += optimizer_tensors(trainer.optimizer) if trainer.optimizer is not None else []
     return StorageOffloader(keep, [g for g in grads if g is not None], trainer.device)
+
+
+class TrainStateOffloader:
+    """Offloads a ``MegatronTrainer``'s parameters, gradient buffers and optimizer state, whatever exists then.
+
+    Adam allocates its moments at the first step, and the colocated ``sync`` loop offloads the trainer before
+    it (rollout runs first): the tensors are collected again at every offload, so the moments born later are
+    moved too (an offloader built once, at the first offload, left them resident for the whole run).
+    """
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self._current: StorageOffloader | None = None
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the train state is in host memory now."""
+        return self._current is not None and self._current.offloaded
+
+    def storages(self) -> list[torch.UntypedStorage]:
+        """The device storages an offload would move or free now (parameters, gradients, optimizer state)."""
+        return _train_state_offloader(self.trainer).storages()
+
+    def device_bytes(self) -> int:
+        """Bytes the train state holds on the device now (0 while offloaded)."""
+        return (self._current if self.offloaded else _train_state_offloader(self.trainer)).device_bytes()
+
+    def offload(self) -> int:
+        """Free the train state's device memory (values kept in host memory); returns the bytes freed."""
+        if self.offloaded:
+            return 0
+        self._current = _train_state_offloader(self.trainer)
+        return self._current.offload()
+
+    def onload(self) -> int:
+        """Bring the train state back to the device; returns the bytes."""
+        return self._current.onload() if self.offloaded else 0
+
+
+def train_state_offloader(trainer) -> TrainStateOffloader:
+    """The ``TrainStateOffloader`` of a ``MegatronTrainer`` (``MegatronActor.offload``); it may be built at any
+    time, before or after the optimizer's first step."""
+    return TrainStateOffloader(trainer)
 
 
 class LayerStreamer:
