@@ -214,6 +214,11 @@ class RayConfig:
     machine without them."""
     placement_timeout_s: float = 600.0
     """How long to wait for the placement group (all devices of the run) before failing."""
+    device_fraction: float = 1.0
+    """Share of a device that each device bundle of the placement asks for (and its workers, of their share).
+    Below 1, bundles share devices: 0.5 puts the rollout engine and the trainer of an ``async`` run side by side
+    on one GPU (``tools/gpu_check.py`` on a one-GPU machine), each process seeing that one device; vLLM's memory
+    is then capped by ``rollout.gpu_memory_utilization``. Needs ``rollout.tensor_parallel: 1``."""
 
 
 @dataclass

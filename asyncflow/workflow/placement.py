@@ -20,7 +20,7 @@ Two layouts:
 
 from __future__ import annotations
 
-from asyncflow.config import AsyncFlowConfig, MegatronConfig
+from asyncflow.config import AsyncFlowConfig, ConfigError, MegatronConfig
 
 
 def world_size(mcfg: MegatronConfig) -> int:
@@ -50,6 +50,18 @@ class Placement:
 
     # ----------------------------------------------------------------- device layout
     def _device_bundles(self, critic: bool, reference: bool) -> list[dict]:
+        bundles = self._whole_device_bundles(critic, reference)
+        share = self.cfg.ray.device_fraction
+        if share == 1.0:
+            return bundles
+        if not 0.0 < share < 1.0 or self.cfg.rollout.tensor_parallel != 1:
+            raise ConfigError(f"ray.device_fraction={share}: must be in (0, 1], and below 1 only with "
+                              f"rollout.tensor_parallel=1 (got {self.cfg.rollout.tensor_parallel}): a bundle holds "
+                              "a share of one device")
+        # Fractional bundles: Ray gives every worker in them the one device they share (its CUDA_VISIBLE_DEVICES).
+        return [{**b, self.acc: b[self.acc] * share} for b in bundles]
+
+    def _whole_device_bundles(self, critic: bool, reference: bool) -> list[dict]:
         cfg, cpd, acc = self.cfg, self.cfg.ray.cpus_per_device, self.acc
         n_trainer = world_size(cfg.trainer)
         trainer = [{acc: 1, "CPU": cpd}] * n_trainer
@@ -107,6 +119,7 @@ class Placement:
         opts = {"num_cpus": cpus, "scheduling_strategy": PlacementGroupSchedulingStrategy(
             placement_group=self.pg, placement_group_bundle_index=bundle)}
         if devices:
+            devices *= self.cfg.ray.device_fraction  # of a fractional bundle (``ray.device_fraction``)
             if self.acc == "GPU":
                 opts["num_gpus"] = devices
             else:
