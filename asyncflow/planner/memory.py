@@ -18,13 +18,17 @@ Trainer rank (one pipeline stage; ``trainer_rank`` returns the heaviest):
   score buffer, the MoE all-gather dispatcher's token buffer;
 - the reference model when it shares the trainer's devices (its weights and one forward micro-batch), and a
   critic with the trainer's parallel sizes (which shares them too);
+- the weight relay's send buffer (``weight_sync.backend: nccl``): one ``bucket_mb`` CUDA buffer per exporting
+  rank, through which each staged version streams to the other nodes (``asyncflow.bridge.relay``);
 - runtime reserve: CUDA context, NCCL communicators and allocator fragmentation, an assumed constant per
   process (``RESERVE_GIB``), not a measurement.
 
 Rollout device (one of the ``rollout.tensor_parallel`` devices of a vLLM engine): weights / TP, the
 activation peak of vLLM's profiling forward pass (``max_num_batched_tokens`` tokens), the reserve, and the
 KV cache for ``max_num_seqs`` sequences of ``max_model_len`` tokens: ``layers x 2 x kv_heads/TP x head_dim x
-bytes`` per token. All of it must fit in ``gpu_memory_utilization x`` the device.
+bytes`` per token, and with the NCCL relay the receiving buffers of the node's relay receiver (one ``bucket_mb``
+buffer per exporting trainer rank, on the device of the node's first engine). All of it must fit in
+``gpu_memory_utilization x`` the device.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from asyncflow.bridge.config import WeightSyncConfig
 from asyncflow.config import MegatronConfig, VllmConfig
 from asyncflow.models.arch import GPTArch, padded_vocab_size
 from asyncflow.planner.activations import head_bytes, in_flight, layer_bytes, layer_terms
@@ -166,18 +171,31 @@ def reference_terms(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, stag
             "reference reserve": RESERVE_GIB["forward"] * GIB}
 
 
+def relay_buffers(ws: WeightSyncConfig, mcfg: MegatronConfig) -> tuple[float, float]:
+    """Device bytes of the weight relay: (an exporting trainer rank's send buffer, the receiving buffers on a
+    rollout device: one per exporting rank, TP x PP x EP of them). Zero unless the relay runs on the devices
+    (``backend: nccl``) and may be chosen (``transport`` not ``shm``): gloo's buffers are in host memory."""
+    if ws.backend != "nccl" or ws.transport == "shm":
+        return 0.0, 0.0
+    buffer = ws.bucket_mb * 2**20
+    return buffer, buffer * mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.expert_parallel
+
+
 def trainer_rank(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, *, device_bytes: float,
                  reference: str = "none", critic: MegatronConfig | None = None, reserve: bool = True,
-                 task: str = "trainer rank", head: str = "lm") -> Breakdown:
+                 task: str = "trainer rank", head: str = "lm", relay_bytes: float = 0.0) -> Breakdown:
     """The heaviest pipeline stage of a trainer rank, with what shares its device.
 
     ``reference``: ``colocated`` adds the reference model's weights and forward pass (a second process on the
     device), ``offload`` its streamed layers and forward pass; ``critic``: a critic with the same parallel
-    sizes is colocated too and adds its own rank.
+    sizes is colocated too and adds its own rank; ``relay_bytes``: the weight relay's send buffer
+    (``relay_buffers``).
     """
     best = None
     for stage in range(mcfg.pipeline_parallel):
         terms = trainer_terms(arch, mcfg, shape, stage, head)
+        if relay_bytes:
+            terms["weight relay buffer"] = relay_bytes
         if reference in ("colocated", "offload"):
             terms.update(reference_terms(arch, mcfg, shape, stage, reference))
         if critic is not None:
@@ -217,8 +235,10 @@ def vllm_dtype_bytes(arch: GPTArch, vcfg: VllmConfig) -> int:
     return DTYPE_BYTES.get(arch.torch_dtype if vcfg.dtype == "auto" else vcfg.dtype, 2)
 
 
-def rollout_device(arch: GPTArch, vcfg: VllmConfig, *, device_bytes: float, reserve: bool = True) -> Breakdown:
-    """One device of a vLLM engine (TP ranks are alike): weights, profiling activations, reserve, KV cache."""
+def rollout_device(arch: GPTArch, vcfg: VllmConfig, *, device_bytes: float, reserve: bool = True,
+                   relay_bytes: float = 0.0) -> Breakdown:
+    """One device of a vLLM engine (TP ranks are alike): weights, profiling activations, reserve, KV cache,
+    and ``relay_bytes`` of weight relay receiving buffers (``relay_buffers``; the heaviest device of a node)."""
     tp, p = vcfg.tensor_parallel, vllm_dtype_bytes(arch, vcfg)
     h = arch.hidden_size
     q, kv = arch.num_attention_heads * arch.head_dim, max(1, arch.num_query_groups // tp) * tp * arch.head_dim
@@ -235,6 +255,7 @@ def rollout_device(arch: GPTArch, vcfg: VllmConfig, *, device_bytes: float, rese
         "weights": vllm_params(arch, tp) * p,
         "activations": activations,
         "runtime reserve": RESERVE_GIB["vllm"] * GIB if reserve else 0.0,
+        **({"weight relay buffers": relay_bytes} if relay_bytes else {}),
         "KV cache": vcfg.max_num_seqs * vcfg.max_model_len * kv_token,
     }
     budget = vcfg.gpu_memory_utilization * device_bytes

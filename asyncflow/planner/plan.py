@@ -23,7 +23,15 @@ import itertools
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig, ConfigError, replace_section
-from asyncflow.planner.memory import GIB, Breakdown, TrainShape, reference_rank, rollout_device, trainer_rank
+from asyncflow.planner.memory import (
+    GIB,
+    Breakdown,
+    TrainShape,
+    reference_rank,
+    relay_buffers,
+    rollout_device,
+    trainer_rank,
+)
 from asyncflow.recipes_check import Recipe, check_loaded, load_recipe
 
 REFERENCE_PLACEMENTS = ("colocated", "own", "offload")
@@ -84,9 +92,11 @@ def estimate(recipe: Recipe) -> list[Breakdown]:
     reference = reference_placement(cfg)
     critic = cfg.critic if estimator_scope(cfg.algorithm.advantage) == "critic" else None
     shared_critic = critic if critic is not None and world_size(critic) == world_size(cfg.trainer) else None
+    send, receive = relay_buffers(cfg.weight_sync, cfg.trainer)
     tasks = [trainer_rank(arch, cfg.trainer, shape, device_bytes=device,
-                          reference=reference if reference != "own" else "none", critic=shared_critic)]
-    tasks.append(rollout_device(arch, cfg.rollout, device_bytes=device))
+                          reference=reference if reference != "own" else "none", critic=shared_critic,
+                          relay_bytes=send)]
+    tasks.append(rollout_device(arch, cfg.rollout, device_bytes=device, relay_bytes=receive))
     if reference == "own":
         tasks.append(reference_rank(arch, cfg.trainer, shape, device_bytes=device))
     if critic is not None and shared_critic is None:
