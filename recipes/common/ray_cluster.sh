@@ -7,7 +7,9 @@
 #   4. starts one `ray start --block` per host, the head on this machine (the driver needs a local Ray
 #      node), in a private temp dir and port, records each process it starts, and waits until the
 #      cluster has NODES x DEVICES_PER_NODE devices;
-#   5. runs `asyncflow train RECIPE_DIR/config.yaml model.path=$MODEL_DIR ray.address=HEAD:PORT [overrides]`;
+#   5. runs `asyncflow train RECIPE_DIR/config.yaml model.path=$MODEL_DIR ray.address=HEAD:PORT [overrides]
+#      observability.output_dir=ABS [checkpoint.dir=ABS] [--resume]`: the run's roots as absolute paths, since a
+#      relative one would resolve on each node against that node's own working directory;
 #   6. on any exit (end, error, Ctrl-C, scancel / SIGTERM) stops only what it started: SIGTERM to the
 #      training driver and to each recorded `ray start --block`, which stops the raylet / GCS it spawned.
 #      No `ray stop` (it stops every Ray of this user on the node, other jobs included) and no pkill.
@@ -18,11 +20,12 @@ rc_die() { echo "launch[$RC_NAME]: error: $*" >&2; exit 2; }
 
 rc_usage() {
     cat >&2 <<EOF
-usage: MODEL_DIR=/path/to/checkpoint [HOSTS="host1 host2 ..."] bash recipes/$RC_NAME/launch.sh [section.key=value ...]
+usage: MODEL_DIR=/path/to/checkpoint [HOSTS="host1 host2 ..."] bash recipes/$RC_NAME/launch.sh [--resume] [section.key=value ...]
 
 Starts a Ray cluster of $NODES node(s) x $DEVICES_PER_NODE $DEVICE_RESOURCE (recipes/$RC_NAME/cluster.env), then runs
   asyncflow train recipes/$RC_NAME/config.yaml model.path=\$MODEL_DIR ray.address=<head>:<port> [section.key=value ...]
 and stops the Ray processes it started when training ends or the launcher is interrupted.
+--resume continues from the newest complete checkpoint under checkpoint.dir (asyncflow train --resume).
 
 Hosts: in a Slurm job (sbatch, or a shell on its first node), the allocation's nodes via srun; otherwise HOSTS,
   reached by ssh, whose first entry must be this machine (it runs the head and the driver; 'localhost' is fine).
@@ -30,6 +33,8 @@ Required: MODEL_DIR  Hugging Face checkpoint directory of the recipe's model (co
 Optional: RAY_PORT (default 20000 + job id mod 20000), RAY_TMPDIR (default /tmp/af_ray_<job id>),
   RAY_WAIT_S (300), RAY_NUM_CPUS (Ray's autodetection), LAUNCH_DIR (outputs/launch/$RC_NAME-<job id>),
   PYTHON (python3), ASYNCFLOW (asyncflow), RAY_BIN (ray; the path on every host), SSH_OPTS, SRUN_EXTRA_ARGS.
+Every node's Ray gets this shell's NCCL_*, GLOO_*, HF_*, CUDA_*, LD_LIBRARY_PATH and PYTHONPATH (srun passes the
+  whole environment; ssh gets them on the remote command line).
 EOF
 }
 
@@ -81,6 +86,18 @@ rc_ssh() {  # host command...: run a short command on a host over ssh
     ssh $SSH_OPTS "$host" "$(printf '%q ' "$@")"
 }
 
+# The environment every node's Ray (and so every worker on it) needs from this shell: network interfaces and
+# tuning of NCCL and gloo, the Hugging Face cache and offline switches, device selection and library paths.
+# srun passes the whole environment (--export=ALL); over ssh these go as VAR=value words before the command.
+rc_forwarded_env() {  # prints `VAR=value` words, each quoted for the remote shell
+    local name
+    while IFS= read -r name; do
+        if [[ $name =~ ^(NCCL_|GLOO_|HF_|CUDA_)[A-Za-z0-9_]*$ || $name == LD_LIBRARY_PATH || $name == PYTHONPATH ]]; then
+            printf '%s=%q ' "$name" "${!name}"
+        fi
+    done < <(compgen -e | sort)
+}
+
 # Start `ray start --block ARGS` on a host and record what must be signalled to stop it.
 rc_start_ray() {
     local host=$1 index=$2; shift 2
@@ -94,10 +111,10 @@ rc_start_ray() {
     elif [[ $RC_MODE == slurm ]]; then
         # srun forwards SIGTERM to the remote `ray start --block`; the job step ends with it.
         # shellcheck disable=SC2086
-        srun --nodes=1 --ntasks=1 -w "$host" $SRUN_EXTRA_ARGS "${cmd[@]}" >"$log" 2>&1 </dev/null &
+        srun --nodes=1 --ntasks=1 -w "$host" --export=ALL $SRUN_EXTRA_ARGS "${cmd[@]}" >"$log" 2>&1 </dev/null &
         pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
     else
-        local tmp token_env="RAY_AUTH_MODE=$RAY_AUTH_MODE"
+        local tmp token_env="RAY_AUTH_MODE=$RAY_AUTH_MODE $(rc_forwarded_env)"
         tmp=$(printf '%q' "$RAY_TMPDIR")
         if [[ $RAY_AUTH_MODE == token ]]; then  # the token goes through stdin, never on a command line
             # shellcheck disable=SC2086,SC2029
@@ -237,11 +254,43 @@ rc_cleanup() {
     exit "$status"
 }
 
+# RC_OVERRIDES: the section.key=value arguments; RC_RESUME: (--resume) or ().
+rc_parse_args() {
+    RC_OVERRIDES=() RC_RESUME=()
+    local arg
+    for arg in "$@"; do
+        case "$arg" in
+            -h | --help) rc_usage; exit 0 ;;
+            --resume) RC_RESUME=(--resume) ;;
+            -*) rc_die "unknown option $arg (options: --resume, --help; then section.key=value overrides)" ;;
+            *) RC_OVERRIDES+=("$arg") ;;
+        esac
+    done
+}
+
+# RC_ROOTS: overrides that set the run's output and checkpoint roots (config + overrides) to absolute paths,
+# resolved here: the driver and every worker, on any node, then write to the same (shared) place.
+rc_absolute_roots() {
+    mapfile -t RC_ROOTS < <("$PYTHON" - "$RC_RECIPE_DIR/config.yaml" "${RC_OVERRIDES[@]}" <<'EOF'
+import os
+import sys
+
+from asyncflow.config import load_config
+
+cfg = load_config(sys.argv[1], sys.argv[2:])
+print(f"observability.output_dir={os.path.abspath(cfg.observability.output_dir)}")
+if cfg.checkpoint.dir:
+    print(f"checkpoint.dir={os.path.abspath(cfg.checkpoint.dir)}")
+EOF
+    )
+    (( ${#RC_ROOTS[@]} )) || rc_die "could not read the output and checkpoint roots of $RC_RECIPE_DIR/config.yaml"
+}
+
 rc_main() {
     RC_RECIPE_DIR=$(cd "$1" && pwd); shift
     RC_NAME=$(basename "$RC_RECIPE_DIR")
     rc_load_cluster_env
-    case "${1:-}" in -h | --help) rc_usage; exit 0 ;; esac
+    rc_parse_args "$@"
     if [[ -z "${MODEL_DIR:-}" ]]; then
         rc_usage
         rc_die "MODEL_DIR is not set: the Hugging Face checkpoint directory of the recipe's model"
@@ -253,8 +302,9 @@ rc_main() {
     RAY_TMPDIR=${RAY_TMPDIR:-/tmp/af_ray_$job} LAUNCH_DIR=${LAUNCH_DIR:-outputs/launch/$RC_NAME-$job}
     SSH_OPTS=${SSH_OPTS:--o BatchMode=yes} SRUN_EXTRA_ARGS=${SRUN_EXTRA_ARGS:-}
     rc_require_tools
-    "$PYTHON" -m asyncflow.recipes_check "$RC_RECIPE_DIR" --model-dir "$MODEL_DIR" "$@" ||
+    "$PYTHON" -m asyncflow.recipes_check "$RC_RECIPE_DIR" --model-dir "$MODEL_DIR" "${RC_OVERRIDES[@]}" ||
         rc_die "recipe check failed (messages above); nothing was started"
+    rc_absolute_roots
     rc_hosts
     mkdir -p "$LAUNCH_DIR" "$RAY_TMPDIR"
     : >"$LAUNCH_DIR/started.txt"
@@ -267,7 +317,8 @@ rc_main() {
     rc_wait_for_devices
     # In the background so that a signal to this script reaches the trap at once (bash defers traps while
     # a foreground child runs); the trap then stops the driver by its recorded pid.
-    "$ASYNCFLOW" train "$RC_RECIPE_DIR/config.yaml" model.path="$MODEL_DIR" ray.address="$RC_ADDRESS" "$@" &
+    "$ASYNCFLOW" train "$RC_RECIPE_DIR/config.yaml" model.path="$MODEL_DIR" ray.address="$RC_ADDRESS" \
+        "${RC_OVERRIDES[@]}" "${RC_ROOTS[@]}" "${RC_RESUME[@]}" &
     RC_TRAIN_PID=$!
     echo "$RC_TRAIN_PID" >"$LAUNCH_DIR/train.pid"
     wait "$RC_TRAIN_PID"

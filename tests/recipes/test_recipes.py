@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from asyncflow.cli import main as cli_main
-from asyncflow.config import ConfigError
+from asyncflow.config import ConfigError, load_config
 from asyncflow.planner.plan import plan_recipe, render
 from asyncflow.recipes_check import check_recipe, main, read_cluster_env
 
@@ -337,3 +337,57 @@ def test_launcher_stops_before_ray_when_the_recipe_check_fails(tmp_path):
     assert "recipe check failed" in result.stderr and "nothing was started" in result.stderr
     assert not marker.exists(), marker.read_text()
     assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_cluster_recipes_checkpoint_by_default(recipe):
+    cfg = load_config(recipe / "config.yaml")
+    assert cfg.checkpoint.interval > 0 and cfg.checkpoint.keep_last >= 1
+    assert cfg.checkpoint.interval <= cfg.workflow.steps // 4  # several checkpoints in a run
+
+
+def _source_launcher(script: str, env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` in bash after sourcing the shared launcher (its functions, no cluster)."""
+    lib = ROOT / "recipes/common/ray_cluster.sh"
+    return subprocess.run(["bash", "-c", f"set -euo pipefail; source {lib}; {script}"], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_launcher_passes_the_run_environment_to_every_node(tmp_path):
+    env, marker = _fake_tools(tmp_path)
+    (tmp_path / "bin/ssh").write_text(f"#!/bin/sh\necho ssh \"$@\" >> {marker}\necho 4242\n")  # the remote pid
+    env.update(NCCL_SOCKET_IFNAME="eth9", GLOO_SOCKET_IFNAME="eth9", HF_HOME="/shared/hf cache",
+               LD_LIBRARY_PATH="/opt/lib", PYTHONPATH="/shared/code", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               NOT_FOR_NODES="x", RC_NAME="t", LAUNCH_DIR=str(tmp_path), RAY_BIN="ray", RAY_TMPDIR="/tmp/af_t",
+               RAY_PORT="20000", DEVICE_RESOURCE="GPU", DEVICES_PER_NODE="8", RAY_AUTH_MODE="disabled",
+               SSH_OPTS="", SRUN_EXTRA_ARGS="")
+    result = _source_launcher("RC_MODE=ssh rc_start_ray node2 1 --address=h:1; "
+                              "RC_MODE=slurm rc_start_ray node3 2 --address=h:1; wait", env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    ssh = next(line for line in marker.read_text().splitlines() if line.startswith("ssh"))
+    for word in ("NCCL_SOCKET_IFNAME=eth9", "GLOO_SOCKET_IFNAME=eth9", r"HF_HOME=/shared/hf\ cache",
+                 "LD_LIBRARY_PATH=/opt/lib", "PYTHONPATH=/shared/code", "CUDA_DEVICE_MAX_CONNECTIONS=1"):
+        assert f" {word} " in ssh, (word, ssh)
+    assert "NOT_FOR_NODES" not in ssh
+    srun = next(line for line in marker.read_text().splitlines() if line.startswith("srun"))
+    assert "--export=ALL" in srun.split()  # srun hands the whole environment over
+
+
+def test_launcher_forwards_resume_and_absolute_roots(tmp_path):
+    env, marker = _fake_tools(tmp_path)
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(ROOT / "recipes/qwen2.5-7b/model_arch.json", model_dir / "config.json")
+    env.update(MODEL_DIR=str(model_dir), OMP_NUM_THREADS="1")
+    env.pop("SLURM_JOB_NODELIST")
+    # No cluster can start here: the cluster start and the wait for devices are skipped, the rest is the launcher's.
+    recipe = ROOT / "recipes/qwen2.5-7b"
+    result = _source_launcher(f"rc_start_cluster() {{ RC_ADDRESS=head:1; }}; rc_wait_for_devices() {{ :; }}; "
+                              f"rc_main {recipe} --resume checkpoint.dir=ckpt trainer.lr=1e-6", env, tmp_path)
+    assert result.returncode == 0, result.stderr
+    train = next(line for line in marker.read_text().splitlines() if line.startswith("asyncflow"))
+    words = train.split()
+    assert words[:3] == ["asyncflow", "train", str(recipe / "config.yaml")]
+    assert "trainer.lr=1e-6" in words and words[-1] == "--resume"
+    assert f"observability.output_dir={tmp_path / 'outputs/qwen2.5-7b'}" in words
+    assert [w for w in words if w.startswith("checkpoint.dir=")][-1] == f"checkpoint.dir={tmp_path / 'ckpt'}"
