@@ -72,10 +72,12 @@ class StorageOffloader:
     """
 
     def __init__(self, keep: Iterable[torch.Tensor], scratch: Iterable[torch.Tensor], device: torch.device,
-                 frozen: bool = False):
+                 frozen: bool = False, release: bool = True):
         """``frozen``: the kept values never change (a reference model), so the host copies made at the first
-        offload are reused and later offloads only free the device memory."""
-        self.device, self.frozen, self._hosts = device, frozen, None
+        offload are reused and later offloads only free the device memory. ``release``: hand the freed memory
+        back to the driver (``empty_cache``) for another process (vLLM) to use; a layer streamed in and out
+        many times a step leaves it in torch's cache for the next layer instead."""
+        self.device, self.frozen, self.release, self._hosts = device, frozen, release, None
         keep_storages = _unique_storages(keep, device)
         kept = {(s.device, s.data_ptr()) for s in keep_storages}
         self._keep = keep_storages
@@ -100,17 +102,20 @@ class StorageOffloader:
         freed. A no-op when already offloaded."""
         if self._held:
             return 0
-        hosts = self._hosts if self._hosts is not None else [_host_copy(s) for s in self._keep]
+        copied = self._hosts is None
+        hosts = self._hosts if not copied else [_host_copy(s) for s in self._keep]
         if self.frozen:
             self._hosts = hosts
         held = [_Held(s, s.nbytes(), h) for s, h in zip(self._keep, hosts)]
         held += [_Held(s, s.nbytes(), None) for s in self._scratch]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the copies must land before the device memory is reused
+        if copied and self.device.type == "cuda":
+            # The copies must land before the memory is reused. Without copies no wait is needed: torch's
+            # allocator hands freed memory to later work of the same stream only, which runs after this.
+            torch.cuda.synchronize(self.device)
         for h in held:
             h.storage.resize_(0)
         self._held = held
-        if self.device.type == "cuda":
+        if self.release and self.device.type == "cuda":
             torch.cuda.empty_cache()  # hand the freed blocks back to the driver: vLLM allocates outside torch
         return sum(h.nbytes for h in held)
 
@@ -213,8 +218,9 @@ class LayerStreamer:
         layers = list(layers)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         outer = [p for p in model.parameters() if id(p) not in in_layers]
-        self._outer = StorageOffloader(outer, [], device, frozen=True)
-        self._layers = [StorageOffloader(list(layer.parameters()), [], device, frozen=True) for layer in layers]
+        self._outer = StorageOffloader(outer, [], device, frozen=True, release=False)
+        self._layers = [StorageOffloader(list(layer.parameters()), [], device, frozen=True, release=False)
+                        for layer in layers]
         self._outer.offload()
         for unit in self._layers:
             unit.offload()
