@@ -68,8 +68,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
           f"{summary['reward_last10_mean']:.3f} (mean of the last 10 steps); max version lag "
           f"{summary['max_version_lag']:.0f}", flush=True)
     if summary.get("fresh_logprob_gap_max") is not None:
-        print(f"max |vLLM logprob - Megatron logprob| on samples trained by the weights that generated them: "
-              f"{summary['fresh_logprob_gap_max']:.2e}", flush=True)
+        print(f"|vLLM logprob - Megatron logprob| on the {summary['fresh_logprob_gap_tokens']:.0f} tokens trained by "
+              f"the weights that generated them: mean {summary['fresh_logprob_gap_mean']:.2e}, p99 "
+              f"{summary['fresh_logprob_gap_p99']:.2e}, max {summary['fresh_logprob_gap_max']:.2e}", flush=True)
+        for problem in summary.get("fresh_logprob_gap_problems", []):
+            print(f"asyncflow: warning: {problem}", flush=True)
     return 0
 
 
