@@ -60,6 +60,8 @@ class TwoHost:
     token: str = field(repr=False)
     resource: str = "NPU"
     devices: int = 2
+    devices_b: int | None = None
+    """Devices of host B when it differs from host A's ``devices`` (a layout that pins work to one host)."""
     pids: dict[str, int] = field(default_factory=dict)
     """``ray start --block`` processes this cluster started: "a" (head) and "b" (node in the namespace)."""
     shm_a: list[str] = field(default_factory=list)
@@ -134,14 +136,20 @@ def _ray_bin() -> str:
 
 def _ray_args(cluster: TwoHost, host: str, cpus: int) -> list[str]:
     args = [_ray_bin(), "start", "--block", "--disable-usage-stats", f"--num-cpus={cpus}",
-            f"--resources={json.dumps({cluster.resource: cluster.devices})}", "--object-store-memory=100000000",
+            f"--resources={json.dumps({cluster.resource: _devices(cluster, host)})}",
+            "--object-store-memory=100000000",
             f"--temp-dir={cluster.temp_dir}/{host}"]
     args += [f"{flag}={_free_port()}" for flag in _RAY_PORT_FLAGS]
     worker = _free_port()
     return args + [f"--min-worker-port={worker}", f"--max-worker-port={worker + 200}"]
 
 
-def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 120.0) -> TwoHost:
+def _devices(cluster: TwoHost, host: str) -> int:
+    return cluster.devices_b if host == "b" and cluster.devices_b is not None else cluster.devices
+
+
+def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 120.0,
+       devices_b: int | None = None) -> TwoHost:
     """Create host B, start Ray on both hosts and wait until the cluster has two alive nodes.
 
     On any failure, everything made so far is removed and TwoHostError says why.
@@ -152,7 +160,8 @@ def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 1
     temp_dir = f"/tmp/th-{suffix}"  # short: Ray's socket paths must stay under 108 characters
     cluster = TwoHost(suffix=suffix, netns=f"th-{suffix}", veth_a=f"tha{suffix}", veth_b=f"thb{suffix}",
                       addr_a=addr_a, addr_b=addr_b, hostname_b=f"hostb-{suffix}", temp_dir=temp_dir,
-                      port=_free_port(), token=secrets.token_hex(32), resource=resource, devices=devices)
+                      port=_free_port(), token=secrets.token_hex(32), resource=resource, devices=devices,
+                      devices_b=devices_b)
     os.makedirs(temp_dir, mode=0o700)
     try:
         _make_network(cluster)

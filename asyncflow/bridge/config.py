@@ -14,13 +14,15 @@ class WeightSyncConfig:
     """A vLLM worker materializes one bucket of full-shape tensors of about this size at a time (fused groups
     whole; a layer's routed experts may travel in separate buckets); the whole version is one reload call.
     The trainer stages its whole shard per version regardless."""
-    transport: Literal["shm", "relay"] = "shm"
-    """``shm``: the trainer and the rollout share a host; vLLM workers read the trainer ranks' staging segments.
-    ``relay``: a sender thread per exporting rank broadcasts each version into a mirror segment on every
-    rollout instance's host (one torch.distributed group per exporting rank, created once per run)."""
+    transport: Literal["auto", "shm", "relay"] = "auto"
+    """Decided per pair (exporting trainer rank, rollout instance) from the Ray nodes they run on
+    (``asyncflow.bridge.routes``): on one node the vLLM workers read the trainer rank's staging segment in
+    shared memory; across nodes a sender thread of the rank relays each version into one mirror segment per
+    rollout node, which every rollout instance of that node reads. ``shm`` and ``relay`` force one way for
+    every pair (tests); ``shm`` across nodes is an error."""
     backend: Literal["gloo", "nccl"] = "gloo"
-    """Backend of the relay groups: ``nccl`` on GPU clusters (CUDA staging buffers; untested here), ``gloo``
-    otherwise."""
+    """Backend of the relay groups: ``nccl`` on GPU clusters (a ``bucket_mb`` CUDA buffer per sender and per
+    receiving thread, counted by ``asyncflow plan``; untested here), ``gloo`` otherwise."""
     store_host: str = "127.0.0.1"
     """Address of the relay's rendezvous store, hosted by the driver (set it to the driver's address on a
     multi-node cluster)."""

@@ -1,20 +1,25 @@
-"""Staged versions across hosts: each exporting rank's slot is relayed into a mirror on every rollout host.
+"""Staged versions across hosts: each exporting rank's slot is relayed into one mirror per remote rollout host.
 
-    trainer rank (tp, pp, ep):  stage(v) ──► its slot ──► RelaySender thread ──broadcast──┐
-                                                                                         ▼
-    rollout host r:  RelayReceiver thread ──► mirror segment (same slots and headers) ──► StagingReader
+    trainer rank (tp, pp, ep):  stage(v) ──► its slot ──► RelaySender thread ──broadcast, chunk by chunk──┐
+                                                                                                         ▼
+    rollout host H:  RelayReceiver thread ──► H's mirror segment (same slots and headers) ──► StagingReader
+                     (one per remote source, owned by H's first rollout instance; every instance on H reads)
 
-- One torch.distributed group per exporting rank (group rank 0) and the R receivers (1..R), created once per
-  run on a store the driver hosts (``RelayStore``), apart from Megatron's and vLLM's own groups.
+- Which pairs relay is decided in ``asyncflow.bridge.routes``: only exporting ranks and rollout hosts on
+  different hosts; a host's instances share its one receiver and mirror.
+- One torch.distributed group per exporting rank (group rank 0) and the receivers of its remote hosts (1..R),
+  created once per run on a store the driver hosts (``RelayStore``), apart from Megatron's and vLLM's own
+  groups. Every collective times out at the run's ``workflow.step_timeout_s``.
 - **The trainer never waits.** ``notify(version)`` only wakes the sender thread; if that thread is still busy
   with an older version it later sends only the newest. The receivers run their own threads, so a rollout
   busy generating never delays the broadcast either.
 - **Torn versions are dropped, not applied.** The sender reads the slot without locking it: it broadcasts
   the slot's header, the data, then the header again. A receiver that sees two different headers (the
   trainer rewrote the slot meanwhile) leaves that mirror slot marked empty; the next version follows.
-- Buffers live on the backend's device: CPU tensors for gloo (the slot and the mirror are the buffers), a
-  CUDA staging buffer for NCCL (copied from / into host memory around the broadcast). **The NCCL path is
-  untested on this project (no GPU)**; gloo runs the same code in the tests.
+- **A fixed, bucket-sized buffer on each side.** The slot travels in chunks of ``weight_sync.bucket_mb``
+  through one buffer of that size on the backend's device (a CUDA buffer for NCCL, so a whole-model slot is
+  never allocated on a GPU that vLLM already fills; a CPU buffer for gloo, which runs the same chunked code
+  in the tests). **The NCCL path is untested on this project (no GPU).**
 """
 
 from __future__ import annotations
@@ -40,20 +45,23 @@ class RelayStore:
                                    timeout=datetime.timedelta(seconds=timeout_s))
         self.host, self.port, self.timeout_s = host, self.store.port, timeout_s
 
-    def spec(self, num_receivers: int, backend: str = "gloo") -> dict:
-        """Plain data for ``RelaySender`` / ``RelayReceiver`` (crosses Ray unchanged)."""
-        return {"host": self.host, "port": self.port, "timeout_s": self.timeout_s, "num_receivers": num_receivers,
-                "backend": backend}
+    def spec(self, rollout_hosts: list[str], backend: str = "gloo", chunk_mb: float = 512.0,
+             transport: str = "auto") -> dict:
+        """Plain data for ``RelaySender`` / ``RelayReceiver`` (crosses Ray unchanged): the store, the host key
+        of every rollout instance (``asyncflow.bridge.routes``), the backend and the chunk size."""
+        return {"host": self.host, "port": self.port, "timeout_s": self.timeout_s, "backend": backend,
+                "rollout_hosts": list(rollout_hosts), "chunk_mb": chunk_mb, "transport": transport}
 
 
-def _group(spec: dict, src: MRank, rank: int) -> dist.ProcessGroup:
-    """Source ``src``'s group: the source is rank 0, receiver i is rank i + 1."""
+def _group(spec: dict, src: MRank, rank: int, size: int) -> dist.ProcessGroup:
+    """Source ``src``'s group of ``size``: the source is rank 0, receiver i is rank i + 1."""
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
     store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
     prefix = dist.PrefixStore(f"relay/{source_key(src)}", store)
-    size = spec["num_receivers"] + 1
     if spec["backend"] == "nccl":  # pragma: no cover - CUDA only, untested on this project
-        return dist.ProcessGroupNCCL(prefix, rank, size)
+        nccl = dist.ProcessGroupNCCL.Options()
+        nccl._timeout = timeout
+        return dist.ProcessGroupNCCL(prefix, rank, size, nccl)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
     loopback = spec["host"] in ("127.0.0.1", "localhost")
@@ -65,6 +73,22 @@ def _group(spec: dict, src: MRank, rank: int) -> dist.ProcessGroup:
 def _device(spec: dict) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if spec["backend"] == "nccl" else torch.device("cpu")
 
+
+def chunk_numel(spec: dict, numel: int, dtype: torch.dtype) -> int:
+    """Elements of the relay buffer: ``chunk_mb`` worth, never more than the slot (at least one)."""
+    per = max(1, int(spec.get("chunk_mb", 512.0) * 2**20) // torch.empty((), dtype=dtype).element_size())
+    return max(1, min(numel, per))
+
+
+def buffer_bytes(bucket_mb: float, slot_bytes: float) -> float:
+    """Device bytes of one relay buffer (one per sender, one per receiver thread): ``bucket_mb`` or the slot,
+    whichever is smaller (``asyncflow plan`` counts these)."""
+    return min(bucket_mb * 2**20, slot_bytes)
+
+
+def _chunks(numel: int, step: int):
+    for start in range(0, numel, step):
+        yield start, min(step, numel - start)
 
 class _Loop:
     """A daemon thread running ``body`` until ``stop``; its first error is kept and re-raised by ``check``."""
@@ -88,10 +112,13 @@ class _Loop:
 
 
 class RelaySender:
-    """Trainer side: broadcasts the newest staged version of ``writer``'s slots to every receiver."""
+    """Trainer side: broadcasts the newest staged version of ``writer``'s slots to ``receivers`` receivers."""
 
-    def __init__(self, writer: StagingWriter, spec: dict):
-        self.writer, self.spec = writer, spec
+    def __init__(self, writer: StagingWriter, spec: dict, receivers: int):
+        self.writer, self.spec, self.receivers = writer, spec, receivers
+        data = writer._slots.data[0]
+        self.chunk = chunk_numel(spec, data.numel(), data.dtype)
+        self.buffer_bytes = self.chunk * data.element_size()
         self._newest, self._cond = -1, threading.Condition()
         self._loop = _Loop(f"relay-send-{source_key(writer.rank)}", self._run)
 
@@ -103,11 +130,10 @@ class RelaySender:
             self._cond.notify()
 
     def _run(self) -> None:
-        group = _group(self.spec, self.writer.rank, 0)
+        group = _group(self.spec, self.writer.rank, 0, self.receivers + 1)
         device, sent = _device(self.spec), -1
         slots = self.writer._slots
-        staging = torch.empty(slots.data[0].numel(), dtype=slots.data[0].dtype, device=device) \
-            if device.type != "cpu" else None
+        buffer = torch.empty(self.chunk, dtype=slots.data[0].dtype, device=device)  # the only data buffer
         while True:
             with self._cond:
                 while not (self._newest > sent or self._loop.stopping.is_set()):
@@ -119,11 +145,10 @@ class RelaySender:
             slot = version % SLOTS
             header = slots.headers[slot].clone()
             data = slots.data[slot]
-            if staging is not None:  # pragma: no cover - NCCL only
-                staging.copy_(data)
-                data = staging
             group.broadcast(header.to(device), 0).wait()
-            group.broadcast(data, 0).wait()
+            for start, n in _chunks(data.numel(), self.chunk):
+                buffer[:n].copy_(data[start:start + n])
+                group.broadcast(buffer[:n], 0).wait()
             group.broadcast(slots.headers[slot].clone().to(device), 0).wait()  # unchanged, or the copy is torn
             sent = version
 
@@ -136,24 +161,27 @@ class RelaySender:
 
 
 class RelayReceiver:
-    """Rollout side, one per source: mirrors the source's slots into a local segment, calling
-    ``on_version(version, source_key, segment)`` once a complete, untorn version is mirrored."""
+    """Rollout side, one per remote source on each rollout host: mirrors the source's slots into a local
+    segment, calling ``on_version(version, source_key, segment)`` once a complete, untorn version is mirrored.
+    ``receiver`` is this host's index among the source's ``receivers`` (``routes.remote_hosts``)."""
 
-    def __init__(self, plan: SyncPlan, src: MRank, spec: dict, receiver: int, segment: str,
+    def __init__(self, plan: SyncPlan, src: MRank, spec: dict, receiver: int, receivers: int, segment: str,
                  on_version: Callable[[int, str, str], None]):
-        self.plan, self.src, self.spec, self.receiver = plan, src, spec, receiver
+        self.plan, self.src, self.spec, self.receiver, self.receivers = plan, src, spec, receiver, receivers
         self.segment, self.on_version = segment, on_version
         self._slots = _Slots(Arena.create(segment_bytes(plan, src), segment), plan, src)
         for header in self._slots.headers:
             header[1] = -1
+        data = self._slots.data[0]
+        self.chunk = chunk_numel(spec, data.numel(), plan.dtype)
+        self.buffer_bytes = self.chunk * data.element_size()
         self._loop = _Loop(f"relay-recv-{source_key(src)}", self._run)
 
     def _run(self) -> None:
-        group = _group(self.spec, self.src, self.receiver + 1)
+        group = _group(self.spec, self.src, self.receiver + 1, self.receivers + 1)
         device = _device(self.spec)
         head, tail = torch.zeros(2, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
-        buffer = torch.empty(self._slots.data[0].numel(), dtype=self.plan.dtype, device=device) \
-            if device.type != "cpu" else None
+        buffer = torch.empty(self.chunk, dtype=self.plan.dtype, device=device)  # the only data buffer
         while True:
             group.broadcast(head, 0).wait()
             seq, version = (int(x) for x in head.cpu())
@@ -163,9 +191,9 @@ class RelayReceiver:
             mirror, target = self._slots.headers[slot], self._slots.data[slot]
             mirror[0] += 1  # odd: readers of this mirror slot start over
             mirror[1] = -1
-            group.broadcast(buffer if buffer is not None else target, 0).wait()
-            if buffer is not None:  # pragma: no cover - NCCL only
-                target.copy_(buffer)
+            for start, n in _chunks(target.numel(), self.chunk):
+                group.broadcast(buffer[:n], 0).wait()
+                target[start:start + n].copy_(buffer[:n])
             group.broadcast(tail, 0).wait()
             complete = torch.equal(head.cpu(), tail.cpu()) and seq % 2 == 0 and version >= 0
             mirror[1] = version if complete else -1

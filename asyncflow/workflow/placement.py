@@ -12,13 +12,17 @@ Two layouts:
   Megatron groups take turns on them); a reference placed ``own`` and a critic of another shape get
   devices of their own. In ``sync`` (the colocated baseline) rollout engines have no devices of their
   own either: engine i takes turns on trainer devices i*TP .. i*TP+TP-1 (``rollout_devices``).
-  The ``PACK`` strategy keeps consecutive ranks (a tensor-parallel group) on
-  one node; the recipe checker makes sure TP fits a node. Megatron groups rendezvous at the node of their
-  rank 0, so a group may span nodes. Not run on real devices here (no GPU on the CI machines); the
-  layout is tested on a local Ray cluster that declares devices it does not have.
+  Ranks are given bundles node by node from the placement group's bundle-to-node map
+  (``ranks_by_node``), so the consecutive ranks of a tensor-parallel (TP x EP) group always share a node,
+  whatever order Ray put the bundles in; a node holding part of a group is a clear error. Megatron groups
+  rendezvous at the node of their rank 0, so a data- or pipeline-parallel group may span nodes. Not run on
+  real devices here (no GPU on the CI machines); the layout is tested on a local Ray cluster that declares
+  devices it does not have, and across the two hosts of ``tools/two_host.py``.
 """
 
 from __future__ import annotations
+
+import math
 
 from asyncflow.config import AsyncFlowConfig, ConfigError, MegatronConfig
 
@@ -26,6 +30,32 @@ from asyncflow.config import AsyncFlowConfig, ConfigError, MegatronConfig
 def world_size(mcfg: MegatronConfig) -> int:
     """Ranks of a Megatron group: TP x PP x CP x DP."""
     return mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.context_parallel * mcfg.data_parallel
+
+
+def node_unit(mcfg: MegatronConfig) -> int:
+    """Consecutive ranks that must share a node: a TP group, or with EP > 1 the TP x EP ranks its expert
+    groups span (Megatron orders ranks tp-cp-ep-dp-pp, and expert groups etp-ep-dp-pp with ETP = TP)."""
+    return mcfg.tensor_parallel * max(mcfg.expert_parallel, 1)
+
+
+def ranks_by_node(bundle_nodes: dict[int, str], bundles: list[int], unit: int, what: str) -> list[int]:
+    """The bundle of each rank of a group whose ranks may use ``bundles`` (one per rank), given the placement
+    group's ``bundle index -> node id`` map: ranks fill one node's bundles before the next node's (nodes in
+    the order of their first bundle), so every run of ``unit`` consecutive ranks lies on one node.
+
+    Raises ``ConfigError`` when a node holds a number of the group's bundles that is not a multiple of
+    ``unit``: a group of ``unit`` ranks would then span nodes (``what`` names the group and its sizes).
+    """
+    per_node: dict[str, list[int]] = {}
+    for b in bundles:
+        per_node.setdefault(bundle_nodes[b], []).append(b)
+    split = {node: len(held) for node, held in per_node.items() if len(held) % unit}
+    if split:
+        raise ConfigError(
+            f"{what} needs {unit} consecutive ranks on one node, but the placement group put "
+            f"{', '.join(f'{n} of its {len(bundles)} devices on node {node[:12]}' for node, n in split.items())}: "
+            f"choose parallel sizes whose tensor-parallel (x expert-parallel) group fits the devices of a node")
+    return [b for held in per_node.values() for b in held]
 
 
 class Placement:
@@ -43,8 +73,17 @@ class Placement:
         else:
             bundles = self._device_bundles(critic, reference)
         self.bundles, self._device_ids = bundles, None
-        self.pg = placement_group(bundles, strategy="PACK")
+        labels = {}
+        selector = cfg.ray.rollout_label_selector
+        if selector and self.acc is not None and not self.colocated:  # rollout bundles first, one per engine
+            n = cfg.workflow.rollout_instances
+            labels = {"bundle_label_selector": [dict(selector)] * n + [{}] * (len(bundles) - n)}
+        self.pg = placement_group(bundles, strategy="PACK", **labels)
         ray.get(self.pg.ready(), timeout=cfg.ray.placement_timeout_s)
+        from ray.util import placement_group_table
+
+        self.bundle_nodes = {int(b): n for b, n in placement_group_table(self.pg)["bundles_to_node_id"].items()}
+        self.order = self._rank_bundles(critic, reference) if self.acc is not None else {}
         if self.acc is not None and self.colocated:
             self.rollout_devices(0)  # look the device ids up before any worker takes its share
 
@@ -94,6 +133,65 @@ class Placement:
             self.fraction.setdefault(name, 1.0)
         return rollout + trainer + extra
 
+    def _rank_bundles(self, critic: bool, reference: bool) -> dict[str, list[int]]:
+        """Each Megatron group's bundle per rank, node by node (``ranks_by_node``)."""
+        cfg, n_trainer = self.cfg, world_size(self.cfg.trainer)
+        unit = node_unit(cfg.trainer)
+        what = (f"trainer TP {cfg.trainer.tensor_parallel} x EP {cfg.trainer.expert_parallel} "
+                f"over {n_trainer} devices")
+        if self.colocated:  # rollout engine i takes turns on trainer ranks i*TP .. i*TP+TP-1: one node too
+            unit = math.lcm(unit, cfg.rollout.tensor_parallel)
+            what += f" (sharing them with rollout TP {cfg.rollout.tensor_parallel})"
+        first = self.first["actor"]
+        trainer = ranks_by_node(self.bundle_nodes, list(range(first, first + n_trainer)), unit, what)
+        order = {name: trainer for name in self.fraction if self.first.get(name) == first}
+        for name, mcfg, wanted in (("reference", cfg.trainer, reference), ("critic", cfg.critic, critic)):
+            if wanted and name not in order and name in self.first:  # devices of its own
+                start, n = self.first[name], world_size(mcfg)
+                order[name] = ranks_by_node(self.bundle_nodes, list(range(start, start + n)), node_unit(mcfg),
+                                            f"{name} TP {mcfg.tensor_parallel} x EP {mcfg.expert_parallel}")
+        return order
+
+    def node_of(self, bundle: int) -> str:
+        """The Ray node id of ``bundle``."""
+        return self.bundle_nodes[bundle]
+
+    def rollout_nodes(self) -> list[str]:
+        """The Ray node id of each rollout instance."""
+        return [self.node_of(self._rollout_bundle(i)) for i in range(self.cfg.workflow.rollout_instances)]
+
+    def megatron_nodes(self, group: str) -> list[str]:
+        """The Ray node id of each rank of Megatron group ``group``."""
+        mcfg = self.cfg.critic if group == "critic" else self.cfg.trainer
+        return [self.node_of(self._megatron_bundle(group, r)) for r in range(world_size(mcfg))]
+
+    def weight_routes(self) -> dict:
+        """How weights travel (``asyncflow.bridge.routes``): ``relay`` (whether any pair crosses hosts),
+        ``rollout_hosts`` (each rollout instance's host key) and ``lines`` (each pair's way and why).
+        ``weight_sync.transport: shm`` with a trainer rank and a rollout instance on different nodes is an error."""
+        from asyncflow.bridge import routes
+
+        transport = self.cfg.weight_sync.transport
+        trainer, rollout = self.megatron_nodes("actor"), self.rollout_nodes()
+        if transport == "shm" and len(set(trainer) | set(rollout)) > 1:
+            raise ConfigError("weight_sync.transport=shm needs the trainer and rollout on one node, but the "
+                              f"placement spans {len(set(trainer) | set(rollout))} nodes: use auto (the default)")
+        return {"relay": routes.needs_relay(transport, trainer, rollout),
+                "rollout_hosts": [routes.host_key(transport, n, "rollout") for n in rollout],
+                "lines": routes.describe(transport, trainer, rollout)}
+
+    def _rollout_bundle(self, instance: int) -> int:
+        if self.acc is None:
+            return 0
+        if self.colocated:
+            return self.order["actor"][self.cfg.rollout.tensor_parallel * instance]
+        return instance
+
+    def _megatron_bundle(self, group: str, rank: int) -> int:
+        if self.acc is None:
+            return 0 if (self.colocated or group == "reference") else 1
+        return self.order[group][rank]
+
     def rollout_devices(self, instance: int) -> list[str] | None:
         """Colocated ``sync`` on devices: the device ids of rollout engine ``instance`` (the trainer's devices
         it takes turns on), for its ``CUDA_VISIBLE_DEVICES``. None otherwise (Ray assigns them).
@@ -111,7 +209,7 @@ class Placement:
             refs = [probe.options(**self._options(b, 0, 0.01)).remote(self.acc) for b in range(len(self.bundles))]
             self._device_ids = [ids[0] if ids else None for ids in ray.get(refs)]
         tp = self.cfg.rollout.tensor_parallel
-        return [str(d) for d in self._device_ids[instance * tp:(instance + 1) * tp]]
+        return [str(self._device_ids[b]) for b in self.order["actor"][instance * tp:(instance + 1) * tp]]
 
     def _options(self, bundle: int, cpus: float, devices: float = 0.0) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -133,7 +231,7 @@ class Placement:
             cpus = list(range(self.cores)) if self.colocated else [0]
             return self._options(0, 1 if instance == 0 else 0), cpus
         if self.colocated:  # a share of the first of its devices; rollout_devices names all of them
-            return self._options(self.cfg.rollout.tensor_parallel * instance, 1, self.fraction["rollout"]), None
+            return self._options(self._rollout_bundle(instance), 1, self.fraction["rollout"]), None
         return self._options(instance, 1, self.cfg.rollout.tensor_parallel), None
 
     def light(self) -> dict:
@@ -154,7 +252,7 @@ class Placement:
             # Only the actor's rank 0 reserves a CPU: every rank of a group must be scheduled at once (they
             # rendezvous in their constructors) and a 2-core machine has no CPU to reserve per rank.
             return self._options(bundle, 1 if group == "actor" and rank == 0 else 0), cpus
-        return self._options(self.first[group] + rank, 0, self.fraction[group]), None
+        return self._options(self._megatron_bundle(group, rank), 0, self.fraction[group]), None
 
     def rendezvous(self, group: str) -> tuple[str, int]:
         """``(address, port)`` where rank 0 of ``group`` listens for the group's torch.distributed rendezvous.
@@ -168,7 +266,7 @@ class Placement:
 
         if self.acc is None:
             return "127.0.0.1", free_port()  # one machine: never listen beyond it
-        opts = self._options(self.first[group], 0)
+        opts = self._options(self._megatron_bundle(group, 0), 0)
         return tuple(ray.get(ray.remote(_node_address_and_free_port).options(**opts).remote()))
 
 

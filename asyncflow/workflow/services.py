@@ -170,8 +170,13 @@ class RolloutService(TaskService):
         self.apply_stats: dict = {}  # how the version admitted for the current step was applied
         self.max_stale_retries = 5
         self.model_dir, self.relay, self.receivers = model_dir, relay, []
-        # Where this instance reads staged versions: the trainer's own segments, or its relay's mirrors.
-        self.domain = "local" if relay is None else f"rollout{self.worker}"
+        # Where this instance reads staged versions: its host's domain on the board, holding the segments of
+        # the exporting ranks on this host and this host's relay mirrors of the others (bridge/routes.py).
+        from asyncflow.bridge import routes
+
+        self.domain = routes.LOCAL if relay is None else relay["rollout_hosts"][self.worker]
+        self.owns_receiver = relay is not None and routes.receiver_owner(relay["rollout_hosts"], self.worker)
+        self.relay_started = False
 
     def shutdown(self) -> None:
         """Stop the vLLM engine first: with TP > 1 its workers are separate processes."""
@@ -194,17 +199,19 @@ class RolloutService(TaskService):
             return self.engine.sleep()
 
     def _start_relay(self) -> None:
-        """Mirror every exporting rank's slots on this host (``weight_sync.transport: relay``)."""
+        """This host's relay receiver (its first rollout instance runs it): mirror the slots of every exporting
+        rank on another host; the ranks on this host publish their own segments here."""
         import uuid
 
         import ray
 
+        from asyncflow.bridge import routes
         from asyncflow.bridge.relay import RelayReceiver
         from asyncflow.bridge.shards import MRank
         from asyncflow.bridge.sync import plan_from_dict
         from asyncflow.models.arch import GPTArch
 
-        info = ray.get(self.board.wait_for_plan.remote(self.timeout_s))
+        info = ray.get(self.board.wait_for_plan.remote(self.timeout_s, hosts=True))
         plan = plan_from_dict(GPTArch.from_pretrained(self.model_dir), info["plan"])
         tag = uuid.uuid4().hex[:8]
 
@@ -212,9 +219,19 @@ class RolloutService(TaskService):
             self.board.publish.remote(version, source, segment, self.domain)
 
         for key in info["sources"]:
+            remote = routes.remote_hosts(info["hosts"][key], self.relay["rollout_hosts"])
+            if self.domain not in remote:  # the rank is on this host: its own segment is read here
+                continue
             src = MRank(*(int(x) for x in key.split(".")))
-            self.receivers.append(RelayReceiver(plan, src, self.relay, self.worker,
+            self.receivers.append(RelayReceiver(plan, src, self.relay, remote.index(self.domain), len(remote),
                                                 f"afq-{os.getpid()}-wr{tag}-{key}", announce))
+        self.relay_started = True
+
+    def relay_state(self) -> dict:
+        """This instance's part of the weight path: its host key, and the mirrors it owns (only the first
+        instance of a host owns any)."""
+        return {"host": self.domain, "owner": self.owns_receiver, "mirrors": [r.segment for r in self.receivers],
+                "buffer_bytes": [r.buffer_bytes for r in self.receivers]}
 
     def _admit(self, step: int) -> int:
         """Wait until weights recent enough for ``step`` are staged, apply the newest; return its version."""
@@ -222,7 +239,7 @@ class RolloutService(TaskService):
 
         from asyncflow.workflow.board import admitted_version
 
-        if self.relay is not None and not self.receivers:
+        if self.owns_receiver and not self.relay_started:
             self._start_relay()
         for receiver in self.receivers:
             receiver.check()

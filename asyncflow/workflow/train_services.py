@@ -217,18 +217,26 @@ class ActorService(MegatronService):
         self.restore(resume_dir, start_version)
         # The loop's weight path: this rank's staging writer over its live shards (None if it sends nothing).
         self.stager, self.plan = self.engine.weight_stager(bucket_mb, staging_session)
-        self.relay = None
+        self.relay, self.domain, self.routes = None, None, {}
         if self.stager is not None:
             import ray
 
+            from asyncflow.bridge import routes
             from asyncflow.bridge.staging import source_key
 
             sources = sorted({source_key(src) for b in self.stager.plan.buckets for src in b.sources})
-            ray.get(self.board.set_plan.remote(self.plan, sources))
-            if relay is not None:  # other hosts: a thread broadcasts each staged version to their mirrors
+            host, remote = routes.LOCAL, []
+            if relay is not None:  # decided per rollout host: same host reads the segment, others the relay
+                host = routes.host_key(relay["transport"], ray.get_runtime_context().get_node_id(), "trainer")
+                remote = routes.remote_hosts(host, relay["rollout_hosts"])
+            self.domain = host if relay is None or host in relay["rollout_hosts"] else None
+            ray.get(self.board.set_plan.remote(self.plan, sources, {source_key(self.stager.rank): host}))
+            if remote:  # a thread broadcasts each staged version to one receiver per remote rollout host
                 from asyncflow.bridge.relay import RelaySender
 
-                self.relay = RelaySender(self.stager, relay)
+                self.relay = RelaySender(self.stager, relay, len(remote))
+            self.routes = {"host": host, "sends_to": remote,
+                           "buffer_bytes": 0 if self.relay is None else self.relay.buffer_bytes}
         self.stage_stats: dict = {}
 
         self.algo = algo
@@ -261,9 +269,15 @@ class ActorService(MegatronService):
             stats = self.stager.stage(version)
             if self.relay is not None:
                 self.relay.notify(version)  # returns at once; the receivers announce the version
-            else:
-                ray.get(self.board.publish.remote(version, source_key(self.stager.rank), self.stager.segment))
+            if self.domain is not None:  # rollout instances on this host read the segment itself
+                ray.get(self.board.publish.remote(version, source_key(self.stager.rank), self.stager.segment,
+                                                  self.domain))
         self.stage_stats = {"weights/stage_s": stats.seconds, "weights/staged_mb": stats.bytes / 2**20}
+
+    def relay_state(self) -> dict:
+        """This rank's part of the weight path: its host key, the rollout hosts it relays to and its relay
+        buffer's bytes (empty on ranks that export nothing)."""
+        return dict(self.routes)
 
     def shutdown(self) -> None:
         """Remove this rank's staging segment too."""

@@ -47,3 +47,16 @@ def test_waiters_wake_when_the_last_source_arrives():
         assert (await waiter)[0] == 2
 
     asyncio.run(scenario())
+
+
+def test_receivers_wait_until_every_exporting_rank_said_where_it_runs():
+    async def scenario():
+        board = VersionBoard()
+        await board.set_plan({"tp": 2}, ["0.0.0", "1.0.0"], {"0.0.0": "node-a"})
+        waiter = asyncio.create_task(board.wait_for_plan(timeout_s=2, hosts=True))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # rank 1.0.0's host is unknown: a receiver could not tell whether to mirror it
+        await board.set_plan({"tp": 2}, ["0.0.0", "1.0.0"], {"1.0.0": "node-b"})
+        assert (await waiter)["hosts"] == {"0.0.0": "node-a", "1.0.0": "node-b"}
+
+    asyncio.run(scenario())

@@ -1,0 +1,90 @@
+"""Weights and ranks across the two hosts of ``tools/two_host.py`` (host A: 2 devices, host B: 4).
+
+The tiny recipe with trainer TP2 x DP2 over both hosts and two rollout instances pinned to host B
+(``ray.rollout_label_selector``): every TP group lies on one host (from the ranks' node ids); each exporting
+rank on host A relays into host B's one receiver and one mirror, which both instances of host B read; an
+exporting rank on host B is read from its own segment there (``weight_sync.transport: auto``, per pair); the
+live logprob gap stays within 1e-5 at every step.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.conftest import load_two_host
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def hosts_2_4():
+    two_host = load_two_host()
+    try:
+        cluster = two_host.up(devices=2, devices_b=4)
+    except two_host.TwoHostError as exc:
+        message = f"the two-host cluster cannot be made here: {exc}"
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
+    try:
+        yield cluster
+    finally:
+        two_host.down(cluster)
+
+
+def _node_ids(cluster) -> dict[str, str]:
+    probe = ("import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
+             "print(json.dumps({n['NodeManagerAddress']: n['NodeID'] for n in ray.nodes() if n['Alive']}))")
+    proc = subprocess.run([sys.executable, "-c", probe, cluster.address], capture_output=True, text=True,
+                          env=cluster.env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_path):
+    nodes = _node_ids(hosts_2_4)
+    node_a, node_b = nodes[hosts_2_4.addr_a], nodes[hosts_2_4.addr_b]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}", "model.make_tiny_if_missing=true",
+           f"ray.address={hosts_2_4.address}", "ray.accelerator=NPU", "ray.cpus_per_device=1",
+           f"ray.rollout_label_selector={json.dumps({'ray.io/node-id': node_b})}",
+           "trainer.tensor_parallel=2", "trainer.data_parallel=2", "trainer.micro_batch_size=4",
+           "workflow.rollout_instances=2", "workflow.steps=3", "workflow.prompts_per_step=4",
+           "workflow.samples_per_prompt=4", "workflow.rollout_chunk=8", "workflow.score_chunk=8",
+           "algorithm.kl_coef=0"]
+    env = hosts_2_4.env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1500, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    layout = json.loads((out / "layout.json").read_text())
+
+    # Each TP group (ranks 2g, 2g+1) on one host; the group's two ranks really share that host.
+    actor = layout["actor"]
+    groups = [{actor[2 * g]["node"], actor[2 * g + 1]["node"]} for g in range(2)]
+    assert all(len(g) == 1 for g in groups), groups
+    assert {n for g in groups for n in g} == {node_a, node_b}  # the trainer spans both hosts
+
+    # Both rollout instances on host B, sharing one receiver: the first owns the mirrors, the second none.
+    rollout = layout["rollout"]
+    assert [r["node"] for r in rollout] == [node_b, node_b]
+    assert [r["weights"]["host"] for r in rollout] == [node_b, node_b]
+    assert [r["weights"]["owner"] for r in rollout] == [True, False] and rollout[1]["weights"]["mirrors"] == []
+
+    # Per pair: exporting ranks on A relay to B; those on B publish their own segment (no relay).
+    exporting = [a for a in actor if a["weights"]]
+    assert exporting, actor
+    on_a = [a for a in exporting if a["node"] == node_a]
+    for a in exporting:
+        assert a["weights"]["sends_to"] == ([node_b] if a["node"] == node_a else []), a
+    assert len(rollout[0]["weights"]["mirrors"]) == len(on_a)
+    assert all(0 < b <= 512 * 2**20 for b in rollout[0]["weights"]["buffer_bytes"])
+    assert any("relay (different nodes)" in line for line in layout["weight_routes"]) == bool(on_a)
+
+    # The live logprob gap at every step (vLLM on host B vs Megatron on both hosts).
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["check/fresh_logprob_gap_max"] for r in records if r.get("check/fresh_logprob_gap_tokens")]
+    assert gaps and max(gaps) <= 1e-5, gaps
