@@ -28,9 +28,13 @@ def _split_config_and_overrides(items: list[str]) -> tuple[str | None, list[str]
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
     from asyncflow.config_loader import dump_yaml
+    from asyncflow.workflow.network import rule
 
     path, overrides = _split_config_and_overrides(args.items)
-    print(dump_yaml(load_config(path, overrides)), end="")
+    cfg = load_config(path, overrides)
+    print(dump_yaml(cfg), end="")
+    # Not settings: what the run decides at start from the Ray cluster it finds (printed again then, as chosen).
+    print("# resolved at start:\n" + "".join(f"#   {line}\n" for line in rule(cfg)), end="")
     return 0
 
 

@@ -219,6 +219,9 @@ class RayConfig:
     Below 1, bundles share devices: 0.5 puts the rollout engine and the trainer of an ``async`` run side by side
     on one GPU (``tools/gpu_check.py`` on a one-GPU machine), each process seeing that one device; vLLM's memory
     is then capped by ``rollout.gpu_memory_utilization``. Needs ``rollout.tensor_parallel: 1``."""
+    placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
+    """Ray placement-group strategy of the workers' bundles: ``PACK`` (as few nodes as possible) or ``SPREAD``
+    (bundles over different nodes where possible, e.g. rollout and trainer on different hosts)."""
     rollout_label_selector: dict[str, str] | None = None
     """Ray node labels the rollout engines' devices must carry in ``async`` on devices (``ray start --labels``;
     every node has ``ray.io/node-id``), e.g. rollout on nodes of its own; None: where the placement packs them."""

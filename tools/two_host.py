@@ -2,7 +2,8 @@
 
 Host A is this machine's root namespace; host B is a network namespace with its own mount namespace (a private
 tmpfs on /dev/shm, so no shared-memory segment of host A is visible there) and its own hostname. Their addresses
-are a /30 out of 198.51.100.0/24 (a documentation range, routed nowhere). A Ray head listens on host A's veth
+are a /30 out of 198.51.100.0/24 (a documentation range, routed nowhere); host B's default route points at
+host A, which does not forward, so B reaches A's own addresses and nothing beyond. A Ray head listens on host A's veth
 address and a Ray node runs in host B; each declares ``devices`` units of a custom resource (``NPU``: recipes set
 ``ray.accelerator: NPU``; engines still compute on the CPU). Ray token authentication is always on, with a fresh
 token per cluster (Ray turns it on by itself when ``~/.ray/auth_token`` exists; every process then needs it).
@@ -172,7 +173,11 @@ def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 1
         node = shlex.join(_ray_args(cluster, "b", cpus) + [f"--address={cluster.address}",
                                                            f"--node-ip-address={addr_b}"])
         # A private tmpfs on /dev/shm and another hostname: host B shares no segment with host A.
-        inner = (f"mount -t tmpfs -o size=8g,mode=1777 tmpfs /dev/shm && hostname {cluster.hostname_b} && "
+        # Its hostname resolves to its own address there, as on a real cluster host (gloo looks it up).
+        hosts = Path(temp_dir) / "hosts_b"
+        hosts.write_text(f"127.0.0.1 localhost\n{addr_b} {cluster.hostname_b}\n")
+        inner = (f"mount -t tmpfs -o size=8g,mode=1777 tmpfs /dev/shm && mount --bind {hosts} /etc/hosts && "
+                 f"hostname {cluster.hostname_b} && "
                  f"echo $$ > {temp_dir}/b_inner.pid && exec {node}")
         cluster.pids["b"] = _spawn(["ip", "netns", "exec", cluster.netns, "unshare", "-mu", "--fork",
                                     "--kill-child=SIGTERM", "sh", "-c", inner], env, Path(temp_dir) / "ray_b.log")
@@ -191,7 +196,7 @@ def _make_network(c: TwoHost) -> None:
     _run("ip", "addr", "add", f"{c.addr_a}/30", "dev", c.veth_a)
     _run("ip", "link", "set", c.veth_a, "up")
     for cmd in (("addr", "add", f"{c.addr_b}/30", "dev", c.veth_b), ("link", "set", c.veth_b, "up"),
-                ("link", "set", "lo", "up")):
+                ("link", "set", "lo", "up"), ("route", "add", "default", "via", c.addr_a)):
         _run("ip", "-n", c.netns, *cmd)
 
 

@@ -121,6 +121,8 @@ class AsyncTransferQueueClient:
         self._controller = AsyncConnection(self._ctx, address, self._signer, "controller",
                                            self.config.max_message_bytes)
         self._units: dict[int, UnitHandle] = {}
+        self.moved_bytes = {"shm": 0, "socket": 0}
+        """Payload bytes this client put and got through mapped arenas (same host) and through sockets."""
         self._rids = RequestIds()
 
     async def _call(self, header: dict, timeout_s: float | None = None) -> dict:
@@ -198,7 +200,9 @@ class AsyncTransferQueueClient:
             waits = []
             for uid, items in write_plan(reply["chunks"], encoded).items():
                 unit = await self._unit(uid)
-                if self._use_shm(unit, sum(p.nbytes for _, p in items)):
+                nbytes = sum(p.nbytes for _, p in items)
+                self.moved_bytes["shm" if self._use_shm(unit, nbytes) else "socket"] += nbytes
+                if self._use_shm(unit, nbytes):
                     for offset, piece in items:
                         check_lease(reply["put"], lease_end)
                         copy_bytes(unit.arena.view[offset:offset + piece.nbytes], piece)
@@ -249,7 +253,9 @@ class AsyncTransferQueueClient:
         reads = []
         for uid, items in plan.by_unit.items():
             unit = await self._unit(uid)
-            if self._use_shm(unit, sum(size for _, size, _ in items)):
+            nbytes = sum(size for _, size, _ in items)
+            self.moved_bytes["shm" if self._use_shm(unit, nbytes) else "socket"] += nbytes
+            if self._use_shm(unit, nbytes):
                 for offset, size, dst in items:
                     copy_bytes(dst, unit.arena.view[offset:offset + size])
             else:

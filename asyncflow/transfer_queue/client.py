@@ -22,7 +22,7 @@ from .config import TransferQueueConfig
 from .errors import BadRequestError, ServerUnavailableError, StalePutError, TransferQueueError
 from .protocol import RequestIds, Signer
 from .schema import FieldSpec
-from .shm import Arena, can_open
+from .shm import Arena, can_open, host_id
 from .transport import Connection
 
 _RPC_GRACE_S = 5.0  # a parked request's reply may arrive this long after its server-side timeout
@@ -160,12 +160,14 @@ class UnitHandle:
     """How a client reaches one storage unit: its mapped arena (same host) and/or a connection."""
 
     def __init__(self, uid: int, address: str, arena_name: str | None, size: int, use_shm: bool,
-                 incarnation: int = 0):
+                 incarnation: int = 0, shm_host: str = ""):
         self.id = uid
         self.incarnation = incarnation
         self.address = address
         self.arena: Arena | None = None
-        if use_shm and arena_name and can_open(arena_name):
+        # Same host only by identity, not because a file of that name exists here: another host's /dev/shm
+        # may hold a different segment of the same name.
+        if use_shm and arena_name and shm_host == host_id() and can_open(arena_name):
             try:
                 self.arena = Arena.attach(arena_name, size)
             except OSError:
@@ -182,13 +184,13 @@ class UnitHandle:
 def refresh_units(units: dict[int, UnitHandle], listed: list, use_shm: bool) -> None:
     """Update a client's unit handles from ``hello``: a unit that registered again (it rejoined after
     being declared dead, or its process was restarted with a new arena) gets a new handle."""
-    for uid, address, arena, size, _alive, incarnation in listed:
+    for uid, address, arena, size, _alive, incarnation, shm_host in listed:
         old = units.get(uid)
         if old is not None and old.incarnation == incarnation:
             continue
         if old is not None:
             old.close()
-        units[uid] = UnitHandle(uid, address, arena, size, use_shm, incarnation)
+        units[uid] = UnitHandle(uid, address, arena, size, use_shm, incarnation, shm_host)
 
 
 def stale_units(units: dict[int, UnitHandle], incarnations: dict | None) -> bool:
@@ -216,6 +218,8 @@ class TransferQueueClient:
         self._waiters = threading.local()
         self._waiter_conns: list[Connection] = []
         self._units: dict[int, UnitHandle] = {}
+        self.moved_bytes = {"shm": 0, "socket": 0}
+        """Payload bytes this client put and got through mapped arenas (same host) and through sockets."""
         self._closed = False
         self._hello()
 
@@ -341,7 +345,9 @@ class TransferQueueClient:
         pending = []
         for uid, items in plan.items():
             unit = self._unit(uid)
-            if self._use_shm(unit, sum(p.nbytes for _, p in items)):
+            nbytes = sum(p.nbytes for _, p in items)
+            self.moved_bytes["shm" if self._use_shm(unit, nbytes) else "socket"] += nbytes
+            if self._use_shm(unit, nbytes):
                 view = unit.arena.view
                 for offset, piece in items:
                     check_lease(put_id, lease_end)  # never start a copy into a range that may be reused
@@ -393,7 +399,9 @@ class TransferQueueClient:
             pending = []
             for uid, items in plan.by_unit.items():
                 unit = self._unit(uid)
-                if self._use_shm(unit, sum(size for _, size, _ in items)):
+                nbytes = sum(size for _, size, _ in items)
+                self.moved_bytes["shm" if self._use_shm(unit, nbytes) else "socket"] += nbytes
+                if self._use_shm(unit, nbytes):
                     view = unit.arena.view
                     for offset, size, dst in items:
                         copy_bytes(dst, view[offset:offset + size])

@@ -44,6 +44,7 @@ class Unit:
     alloc: RangeAllocator
     registered: float
     incarnation: int = 0
+    shm_host: str = ""  # the unit's ``shm.host_id()``: clients map its arena only when theirs is the same
     alive: bool = True
     link: object = None  # zmq DEALER to the unit, for fences
     link_id: bytes = b""
@@ -100,7 +101,7 @@ class MembershipHandlers:
     """Mixin of ``Controller``: hello, register_unit, unit deaths (uses its units, server, partitions)."""
 
     def _op_hello(self, req: Request):
-        units = [[u.id, u.address, u.arena, u.size, u.alive, u.incarnation] for u in self.units.values()]
+        units = [[u.id, u.address, u.arena, u.size, u.alive, u.incarnation, u.shm_host] for u in self.units.values()]
         return {"units": units, "expected_units": self.config.num_storage_units,
                 "ready": len(self.units) >= self.config.num_storage_units}
 
@@ -120,7 +121,10 @@ class MembershipHandlers:
         old = self.units.get(uid)
         if old is not None and old.alive:
             raise BadRequestError(f"storage unit {uid} is already registered")
-        unit = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic(), next(self._ids))
+        shm_host = h.get("shm_host", "")
+        if not isinstance(shm_host, str):
+            raise BadRequestError("shm_host must be a string")
+        unit = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic(), next(self._ids), shm_host)
         if old is not None:
             self._unlink_unit(old)
             if old.arena == arena and old.address == address:

@@ -4,7 +4,8 @@ Bundle 0 holds the controller, bundles 1..n the storage units; with the default 
 units land on different nodes when there are several, which spreads memory and bandwidth. Clients on
 any node connect by the controller's address, exactly as in local mode. On the same node, clients
 still move data through the units' shared-memory arenas. Across nodes the servers must bind a
-reachable interface (``host="0.0.0.0"``), and then a shared secret is required.
+reachable interface (``host="0.0.0.0"``), and then a shared secret is required; each server then advertises
+its node's address as Ray knows it (unless ``advertise_host`` is set).
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ class _ServerActor:
         from ._server import config_from_dict
 
         cfg = config_from_dict(config)
+        if cfg.host in ("0.0.0.0", "*", "") and not cfg.advertise_host:
+            import dataclasses
+
+            import ray
+
+            # Bound to every interface: clients elsewhere dial this node's address as Ray knows it (the
+            # hostname may not resolve on other nodes, or resolve to loopback).
+            cfg = dataclasses.replace(cfg, advertise_host=ray.util.get_node_ip_address())
         if role == "controller":
             from .controller import Controller
 

@@ -130,6 +130,30 @@ def remove_stale() -> int:
     return removed
 
 
+_HOST_ID: str | None = None
+
+
+def host_id() -> str:
+    """Identity of the shared-memory filesystem this process sees: hostname, kernel boot id and the device of
+    /dev/shm. Two processes may share an arena only when these agree; a file of the same name in another
+    host's (or another mount namespace's) /dev/shm is a different segment."""
+    global _HOST_ID
+    if _HOST_ID is None:
+        import socket
+
+        try:
+            with open("/proc/sys/kernel/random/boot_id") as f:
+                boot = f.read().strip()
+        except OSError:  # not Linux: the hostname and the device still tell hosts apart
+            boot = "?"
+        try:
+            dev = os.stat(SHM_DIR).st_dev
+        except OSError:
+            dev = -1
+        _HOST_ID = f"{socket.gethostname()}/{boot}/{dev}"
+    return _HOST_ID
+
+
 def can_open(name: str) -> bool:
     """True when this process sees the same /dev/shm as the process that created ``name``."""
     return valid_arena_name(name) and os.path.exists(os.path.join(SHM_DIR, name))

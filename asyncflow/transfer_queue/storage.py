@@ -18,7 +18,7 @@ import zmq
 from .config import TransferQueueConfig
 from .errors import BadRequestError, StalePutError
 from .protocol import Signer, decode, encode
-from .shm import Arena
+from .shm import Arena, host_id
 from .transport import Request, RpcServer
 from .validation import check_int
 
@@ -148,7 +148,7 @@ class UnitMembership:
             self._reg = self._socket(self.unit.controller_address)
         u = self.unit
         header = {"op": "register_unit", "id": 1, "unit": u.unit_id, "address": u.address,
-                  "arena": u.arena.name, "size": u.arena.size}
+                  "arena": u.arena.name, "size": u.arena.size, "shm_host": host_id()}
         self._reg.send_multipart(encode(u.signer, header))
         deadline = time.monotonic() + self.config.rpc_timeout_s
         while time.monotonic() < deadline:

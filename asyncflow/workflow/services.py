@@ -126,6 +126,14 @@ class TaskService:
                 "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT"),
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
+    def transfers(self) -> dict:
+        """This worker's node, the TransferQueue address it was given and the payload bytes its client moved
+        through shared memory (same host) and through sockets."""
+        import ray
+
+        return {"node_ip": ray.util.get_node_ip_address(), "tq_address": self.tq.address,
+                "moved_bytes": dict(self.tq.moved_bytes)}
+
     def shutdown(self) -> None:
         """Release what the service holds beyond its own process (before the actor is killed)."""
         self.tq.close()
