@@ -34,6 +34,7 @@ import torch.distributed as dist
 from asyncflow.bridge.buckets import SyncPlan
 from asyncflow.bridge.shards import MRank
 from asyncflow.bridge.staging import SLOTS, StagingWriter, _Slots, segment_bytes, source_key
+from asyncflow.models.parallel import local_address_towards
 from asyncflow.transfer_queue.shm import Arena
 
 
@@ -64,9 +65,9 @@ def _group(spec: dict, src: MRank, rank: int, size: int) -> dist.ProcessGroup:
         return dist.ProcessGroupNCCL(prefix, rank, size, nccl)
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    loopback = spec["host"] in ("127.0.0.1", "localhost")
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if loopback
-                     else dist.ProcessGroupGloo.create_default_device()]
+    # Listen on the address that reaches the store's node: gloo's default device advertises what the hostname
+    # resolves to, often 127.0.0.1, which a peer on another node cannot connect to.
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(spec["host"]))]
     return dist.ProcessGroupGloo(prefix, rank, size, opts)
 
 

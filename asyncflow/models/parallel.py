@@ -48,6 +48,13 @@ def init_megatron(
         if init_method is None:
             init_method = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{free_port()}"
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ and not _loopback(master):
+            # gloo advertises what the hostname resolves to, often 127.0.0.1 (cloud images, containers): peers on
+            # other nodes could not connect. Use the interface that reaches the rendezvous node instead.
+            interface = interface_towards(master)
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
         timeout = datetime.timedelta(minutes=10) if timeout_s is None else datetime.timedelta(seconds=timeout_s)
         for attempt in range(5):
             try:
@@ -111,3 +118,27 @@ def _ephemeral_range() -> tuple[int, int]:
         return int(low), int(high)
     except (OSError, ValueError):
         return 32768, 60999
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on its route to ``host`` (a UDP connect only picks the route; nothing is sent)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.connect((host, 9))
+        return sock.getsockname()[0]
+
+
+def interface_towards(host: str) -> str | None:
+    """The network interface whose address this machine uses to reach ``host`` (None if none carries it)."""
+    import psutil
+
+    address = local_address_towards(host)
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None

@@ -38,10 +38,13 @@ def node_unit(mcfg: MegatronConfig) -> int:
     return mcfg.tensor_parallel * max(mcfg.expert_parallel, 1)
 
 
-def ranks_by_node(bundle_nodes: dict[int, str], bundles: list[int], unit: int, what: str) -> list[int]:
+def ranks_by_node(bundle_nodes: dict[int, str], bundles: list[int], unit: int, what: str,
+                  node_rank: dict[str, object] | None = None) -> list[int]:
     """The bundle of each rank of a group whose ranks may use ``bundles`` (one per rank), given the placement
-    group's ``bundle index -> node id`` map: ranks fill one node's bundles before the next node's (nodes in
-    the order of their first bundle), so every run of ``unit`` consecutive ranks lies on one node.
+    group's ``bundle index -> node id`` map: ranks fill one node's bundles before the next node's, so every run
+    of ``unit`` consecutive ranks lies on one node. Nodes go in ``node_rank`` order (the placement passes node
+    addresses: the same layout gives the same ranks to the same hosts in every run), else in the order of
+    their first bundle.
 
     Raises ``ConfigError`` when a node holds a number of the group's bundles that is not a multiple of
     ``unit``: a group of ``unit`` ranks would then span nodes (``what`` names the group and its sizes).
@@ -55,7 +58,8 @@ def ranks_by_node(bundle_nodes: dict[int, str], bundles: list[int], unit: int, w
             f"{what} needs {unit} consecutive ranks on one node, but the placement group put "
             f"{', '.join(f'{n} of its {len(bundles)} devices on node {node[:12]}' for node, n in split.items())}: "
             f"choose parallel sizes whose tensor-parallel (x expert-parallel) group fits the devices of a node")
-    return [b for held in per_node.values() for b in held]
+    order = sorted(per_node, key=lambda n: node_rank[n]) if node_rank is not None else list(per_node)
+    return [b for node in order for b in per_node[node]]
 
 
 class Placement:
@@ -78,11 +82,12 @@ class Placement:
         if selector and self.acc is not None and not self.colocated:  # rollout bundles first, one per engine
             n = cfg.workflow.rollout_instances
             labels = {"bundle_label_selector": [dict(selector)] * n + [{}] * (len(bundles) - n)}
-        self.pg = placement_group(bundles, strategy="PACK", **labels)
+        self.pg = placement_group(bundles, strategy=cfg.ray.placement_strategy, **labels)
         ray.get(self.pg.ready(), timeout=cfg.ray.placement_timeout_s)
         from ray.util import placement_group_table
 
         self.bundle_nodes = {int(b): n for b, n in placement_group_table(self.pg)["bundles_to_node_id"].items()}
+        self.node_rank = {n["NodeID"]: _address_key(n["NodeManagerAddress"]) for n in ray.nodes()}
         self.order = self._rank_bundles(critic, reference) if self.acc is not None else {}
         if self.acc is not None and self.colocated:
             self.rollout_devices(0)  # look the device ids up before any worker takes its share
@@ -143,13 +148,14 @@ class Placement:
             unit = math.lcm(unit, cfg.rollout.tensor_parallel)
             what += f" (sharing them with rollout TP {cfg.rollout.tensor_parallel})"
         first = self.first["actor"]
-        trainer = ranks_by_node(self.bundle_nodes, list(range(first, first + n_trainer)), unit, what)
+        trainer = ranks_by_node(self.bundle_nodes, list(range(first, first + n_trainer)), unit, what, self.node_rank)
         order = {name: trainer for name in self.fraction if self.first.get(name) == first}
         for name, mcfg, wanted in (("reference", cfg.trainer, reference), ("critic", cfg.critic, critic)):
             if wanted and name not in order and name in self.first:  # devices of its own
                 start, n = self.first[name], world_size(mcfg)
                 order[name] = ranks_by_node(self.bundle_nodes, list(range(start, start + n)), node_unit(mcfg),
-                                            f"{name} TP {mcfg.tensor_parallel} x EP {mcfg.expert_parallel}")
+                                            f"{name} TP {mcfg.tensor_parallel} x EP {mcfg.expert_parallel}",
+                                            self.node_rank)
         return order
 
     def node_of(self, bundle: int) -> str:
@@ -268,6 +274,17 @@ class Placement:
             return "127.0.0.1", free_port()  # one machine: never listen beyond it
         opts = self._options(self._megatron_bundle(group, 0), 0)
         return tuple(ray.get(ray.remote(_node_address_and_free_port).options(**opts).remote()))
+
+
+def _address_key(address: str) -> tuple:
+    """Sort key of a node address (numeric for IP addresses)."""
+    import ipaddress
+
+    try:
+        ip = ipaddress.ip_address(address)
+        return (ip.version, int(ip), address)
+    except ValueError:
+        return (9, 0, address)
 
 
 def _accelerator_ids(resource: str) -> list[str]:

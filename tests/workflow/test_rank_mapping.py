@@ -42,3 +42,10 @@ def test_tp_larger_than_a_node_is_a_clear_error():
     bundle_nodes = {0: "A", 1: "A", 2: "B", 3: "B"}
     with pytest.raises(ConfigError, match=r"trainer TP 4 needs 4 consecutive ranks on one node.*2 of its 4 devices"):
         ranks_by_node(bundle_nodes, [0, 1, 2, 3], unit=4, what="trainer TP 4")
+
+
+def test_nodes_follow_the_given_order():
+    # The placement orders nodes by address: the same hosts get the same ranks in every run.
+    bundle_nodes = {0: "B", 1: "B", 2: "A", 3: "A"}
+    order = ranks_by_node(bundle_nodes, [0, 1, 2, 3], unit=2, what="trainer TP 2", node_rank={"A": 1, "B": 2})
+    assert order == [2, 3, 0, 1]
