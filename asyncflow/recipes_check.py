@@ -385,7 +385,9 @@ def check_layout(name: str, cfg: AsyncFlowConfig, arch) -> list[str]:
     if acc is not None and cfg.ray.address is None and cfg.ray.local_devices is not None:
         # Colocated sync gives rollout engines no devices of their own (asyncflow.workflow.placement).
         rollout = 0 if sync else cfg.workflow.rollout_instances * cfg.rollout.tensor_parallel
-        cluster = ClusterSpec(nodes=1, devices_per_node=cfg.ray.local_devices, trainer_devices=world_size(cfg.trainer),
+        # Bundles of ray.device_fraction of a device: 1 / fraction of them fit on each device.
+        slots = int(cfg.ray.local_devices / cfg.ray.device_fraction + 1e-9)
+        cluster = ClusterSpec(nodes=1, devices_per_node=slots, trainer_devices=world_size(cfg.trainer),
                               rollout_devices=rollout, device_resource=acc)
     problems += _check_trainer(name, cfg, arch, cluster, features=False)
     problems += _check_rollout(name, cfg, arch, None)

