@@ -15,7 +15,7 @@ import sys
 
 from asyncflow.config import ConfigError, load_config
 from asyncflow.workflow.checkpoints import CheckpointError
-from asyncflow.workflow.errors import WeightApplyError, WorkerDiedError
+from asyncflow.workflow.errors import NodePathError, WeightApplyError, WorkerDiedError
 from asyncflow.workflow.sampling import SamplingBudgetError
 
 
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncflow: config error: {exc}", file=sys.stderr)
         return 2
-    except (SamplingBudgetError, CheckpointError, WeightApplyError, WorkerDiedError) as exc:
+    except (SamplingBudgetError, CheckpointError, WeightApplyError, WorkerDiedError, NodePathError) as exc:
         # The message says what failed or what to change; no traceback. Errors raised inside a Ray actor come
         # wrapped: print the service's own message.
         print(f"asyncflow: error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)

@@ -10,3 +10,8 @@ class WeightApplyError(RuntimeError):
 class WorkerDiedError(RuntimeError):
     """A service's process died; the message names the worker group, the instance or rank, and for rollout the
     weight version it was applying."""
+
+
+class NodePathError(RuntimeError):
+    """A path the run needs (model, tokenizer, checkpoint root) is not visible on a node of the Ray cluster; the
+    message names the node and the path."""

@@ -14,6 +14,7 @@ from asyncflow.config import AsyncFlowConfig
 from asyncflow.workflow import network, services, train_services
 from asyncflow.workflow.board import VersionBoard
 from asyncflow.workflow.errors import WorkerDiedError
+from asyncflow.workflow.node_check import check_nodes
 from asyncflow.workflow.services import partition_name
 
 
@@ -254,6 +255,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     critic = estimator_scope(algo.advantage) == "critic"
     reference = algo.kl_coef > 0
     connect_ray(cfg)
+    check_nodes(cfg, model_dir)
     net = network.resolve_connected(cfg)
     tq = transfer_queue.start(net.tq)
     print(f"{net.log_line()}; controller at {tq.address}", flush=True)
