@@ -30,6 +30,7 @@ class MegatronActor(TrainEngine):
         self.version = 0
         self._offloader = None
         self.streamer = None
+        self._logprobs = self.trainer.logprobs  # layer_major.logprobs once the weights stream from host memory
 
     @property
     def arch(self):
@@ -44,7 +45,7 @@ class MegatronActor(TrainEngine):
         pad = (-rows) % mbs if rows > mbs else 0
         if pad:
             tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)], dim=0)
-        out = self.trainer.logprobs(tokens)
+        out = self._logprobs(tokens)
         return None if out is None else out[:rows]
 
     def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
@@ -84,13 +85,20 @@ class MegatronActor(TrainEngine):
             self._offloader.onload()
 
     def stream_weights_from_host(self) -> None:
-        """See ``TrainEngine.stream_weights_from_host`` (``offload.LayerStreamer``; frozen engines only)."""
+        """See ``TrainEngine.stream_weights_from_host`` (``offload.LayerStreamer``; frozen engines only). With one
+        pipeline stage each layer is loaded once per ``compute_logprobs`` call (``layer_major``), else once per
+        micro-batch."""
+        import functools
+
+        from asyncflow.engines.megatron import layer_major
         from asyncflow.engines.megatron.offload import LayerStreamer
 
         if self.trainer.trainable:
             raise ValueError("only a frozen engine (trainable=False) streams its weights from host memory")
         module = self.trainer.module
         self.streamer = LayerStreamer(module, module.decoder.layers, self.trainer.device)
+        if layer_major.supported(self.trainer):
+            self._logprobs = functools.partial(layer_major.logprobs, self.trainer, self.streamer)
 
     def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Hugging Face-named tensors of this rank's shard (the bridge assembles vLLM layouts)."""

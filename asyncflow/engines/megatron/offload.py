@@ -7,7 +7,9 @@
 - ``LayerStreamer``: the reference model with ``trainer.reference_placement: offload``. Its frozen
   weights live in host memory; each transformer layer's weights are copied in just before the layer
   runs and dropped right after, so the device holds the embedding and output layer plus one layer at a
-  time (the planner counts two, for the copy of the next layer under way).
+  time (the planner counts two, for the copy of the next layer under way). With one pipeline stage the
+  reference runs layer-major (``layer_major``): each layer is copied in once per ``compute_logprobs`` call
+  and runs over every micro-batch, instead of once per micro-batch.
 
 Both work on *storages*, not parameters: Megatron's DDP and distributed optimizer keep parameters and
 gradients as views into large contiguous buffers, and freeing a storage in place
@@ -22,6 +24,7 @@ code that runs on a GPU. Untested here: pinned host buffers, ``non_blocking`` co
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterable
 
@@ -210,11 +213,16 @@ class LayerStreamer:
     when the model's forward starts and dropped when it ends; each ``TransformerLayer`` is loaded by a
     forward pre-hook and dropped by a forward hook. Forward only (the reference model): no autograd graph
     keeps a dropped weight alive.
+
+    Through the hooks a layer is loaded once per forward pass, i.e. once per micro-batch. A caller that
+    runs the model layer by layer (``layer_major.logprobs``) loads each layer once for all micro-batches
+    instead: inside ``held()`` the hooks do nothing and ``layer(i)`` loads and drops layer ``i``.
     """
 
     def __init__(self, model: torch.nn.Module, layers: Iterable[torch.nn.Module], device: torch.device):
         self.device = device
         self.loads = 0  # layer loads so far (the test counts them)
+        self._manual = False  # inside ``held()``: the caller loads the layers, the hooks stand aside
         layers = list(layers)
         in_layers = {id(p) for layer in layers for p in layer.parameters()}
         outer = [p for p in model.parameters() if id(p) not in in_layers]
@@ -232,12 +240,36 @@ class LayerStreamer:
             self._hooks.append(layer.register_forward_hook(lambda *_, u=unit: self._drop(u)))
 
     def _load(self, unit: StorageOffloader, count: bool = True) -> None:
-        unit.onload()
-        self.loads += count
+        if not self._manual:
+            unit.onload()
+            self.loads += count
 
-    @staticmethod
-    def _drop(unit: StorageOffloader) -> None:
-        unit.offload()
+    def _drop(self, unit: StorageOffloader) -> None:
+        if not self._manual:
+            unit.offload()
+
+    @contextlib.contextmanager
+    def held(self):
+        """The weights outside the decoder layers on the device, and the hooks off, for the block; decoder
+        layers come and go with ``layer(i)``."""
+        self._outer.onload()
+        self._manual = True
+        try:
+            yield
+        finally:
+            self._manual = False
+            self._outer.offload()
+
+    @contextlib.contextmanager
+    def layer(self, index: int):
+        """Decoder layer ``index`` on the device for the block (inside ``held()``)."""
+        unit = self._layers[index]
+        unit.onload()
+        self.loads += 1
+        try:
+            yield
+        finally:
+            unit.offload()
 
     def device_bytes(self) -> int:
         """Weight bytes on the device now (0 between forward passes)."""

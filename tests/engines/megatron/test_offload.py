@@ -6,7 +6,8 @@ On one gloo process with the real Megatron engine (DDP grad buffers, Megatron's 
   left), ``onload`` brings them back, and training continues bit-identically to a run that never offloaded;
 - a frozen engine (``trainable=False``, the reference) has no optimizer or gradient buffers;
 - ``LayerStreamer`` (``reference_placement: offload``) gives bit-identical logprobs, loads each layer once
-  per forward pass and holds no weight on the device between passes.
+  per ``compute_logprobs`` call (layer-major, ``layer_major``; at TP1 and TP2) and holds no weight on the
+  device between calls.
 
 The engine's device is the CPU here, so the memory freed is host memory; the code is the GPU path's.
 float32 only: Megatron's mixed-precision optimizer (bf16 weights with fp32 master copies, which
@@ -73,7 +74,18 @@ def _offload_before_the_first_step(model_dir: str) -> dict:
     return out
 
 
-def _reference(model_dir: str) -> dict:
+def _padded_batch():
+    """Seven rows of one width, each padded (id 0) from a different position: four micro-batches of 2 after
+    ``compute_logprobs`` repeats the last row."""
+    from tests.engines.megatron.dist_harness import fixed_batch
+
+    tokens, _ = fixed_batch(batch=7, seq=12)
+    for row, length in enumerate([12, 3, 9, 5, 12, 7, 1]):
+        tokens[row, length:] = 0
+    return tokens
+
+
+def _reference(model_dir: str, tp: int = 1, out_dir: str | None = None, rank: int = 0) -> dict:
     import torch
 
     from asyncflow.config import MegatronConfig
@@ -82,26 +94,48 @@ def _reference(model_dir: str) -> dict:
     from tests.engines.megatron.dist_harness import fixed_batch
 
     torch.set_num_threads(1)
-    cfg = MegatronConfig(micro_batch_size=2)
+    cfg = MegatronConfig(micro_batch_size=2, tensor_parallel=tp)
     ref = MegatronActor(cfg, model_dir, trainable=False)
-    tokens, _ = fixed_batch()
-    resident = ref.compute_logprobs(tokens)
+    batches = [fixed_batch()[0], _padded_batch()]
+    resident = [ref.compute_logprobs(t) for t in batches]
     weight_bytes = sum(p.numel() * p.element_size() for p in ref.trainer.module.parameters())
     ref.stream_weights_from_host()
     between = ref.streamer.device_bytes()
-    streamed = ref.compute_logprobs(tokens)
+    streamed, loads = [], []
+    for t in batches:  # layer-major (one pipeline stage): each layer loaded once per call
+        before = ref.streamer.loads
+        streamed.append(ref.compute_logprobs(t))
+        loads.append(ref.streamer.loads - before)
+    # The per-micro-batch path (kept for PP > 1: Megatron's schedule with the streamer's hooks).
+    before = ref.streamer.loads
+    hooked = ref.trainer.logprobs(batches[0])
     out = {"no_optimizer": ref.trainer.optimizer is None,
            "no_grad": not any(p.requires_grad for p in ref.trainer.module.parameters()),
-           "equal": torch.equal(resident, streamed), "between": between, "after": ref.streamer.device_bytes(),
-           "weight_bytes": weight_bytes, "loads": ref.streamer.loads,
-           "layers": len(ref.trainer.module.decoder.layers), "micro_batches": tokens.shape[0] // 2}
+           "equal": [torch.equal(a, b) for a, b in zip(resident, streamed)],
+           "max_diff": max(float((a - b).abs().max()) for a, b in zip(resident, streamed)),
+           "hooked_equal": torch.equal(resident[0], hooked), "hooked_loads": ref.streamer.loads - before,
+           "between": between, "after": ref.streamer.device_bytes(), "weight_bytes": weight_bytes,
+           "loads": loads, "layers": len(ref.trainer.module.decoder.layers),
+           "micro_batches": [batches[0].shape[0] // 2, (batches[1].shape[0] + 1) // 2]}
     try:
         ref.trainer.zero_grad()
         out["train_refused"] = False
     except RuntimeError:
         out["train_refused"] = True
     destroy_megatron()
+    if out_dir is not None:
+        import json
+        from pathlib import Path
+
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
     return out
+
+
+def _reference_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _reference(model_dir, tp=world, out_dir=out_dir, rank=rank)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +162,33 @@ def test_adam_moments_born_after_the_first_offload_are_offloaded(results):
     assert early["moments_back"]
 
 
-def test_reference_is_frozen_and_streams_its_layers(results):
-    ref = results["reference"]
+def _check_reference(ref: dict) -> None:
     assert ref["no_optimizer"] and ref["no_grad"] and ref["train_refused"]
-    assert ref["equal"]
     assert ref["between"] == 0 and ref["after"] == 0 and ref["weight_bytes"] > 0
-    assert ref["loads"] == ref["layers"] * ref["micro_batches"]
+    # Bit-identical to the resident model over several micro-batches, rows padded from different positions.
+    assert ref["equal"] == [True, True], ref["max_diff"]
+    # Layer-major: each layer visits the device once per call, not once per micro-batch (4 of them here).
+    assert all(m > 1 for m in ref["micro_batches"])
+    assert ref["loads"] == [ref["layers"], ref["layers"]]
+    # The per-micro-batch path (PP > 1) still streams through the hooks, with the same results.
+    assert ref["hooked_equal"] and ref["hooked_loads"] == ref["layers"] * ref["micro_batches"][0]
+
+
+def test_reference_is_frozen_and_streams_each_layer_once_per_call(results):
+    _check_reference(results["reference"])
+
+
+def test_layer_major_reference_at_tensor_parallel_2(tiny_model_dir, tmp_path):
+    """Two gloo ranks of one TP group: each streams its shard of every layer once per call, and the
+    collectives inside the layers (run layer-major, in the same order on both ranks) give the resident
+    model's logprobs."""
+    import json
+
+    import torch.multiprocessing as tmp
+
+    from asyncflow.models.parallel import free_port
+
+    tmp.start_processes(_reference_rank, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2,
+                        join=True, start_method="spawn")
+    for rank in range(2):
+        _check_reference(json.loads((tmp_path / f"rank{rank}.json").read_text()))
