@@ -68,6 +68,22 @@ def test_megatron_documented_bytes_per_parameter(dtype, distributed, dp, per_par
     assert static == pytest.approx(per_param * params, rel=1e-12)
 
 
+def test_streamed_reference_counts_the_hidden_states_of_a_whole_call():
+    # layer_major keeps every row's hidden states of one compute_logprobs call between layers (one pipeline
+    # stage only): 128 rows x 5120 tokens x 3584 x 2 bytes, split over TP2 by sequence parallelism.
+    from asyncflow.planner.memory import reference_terms
+
+    shape = TrainShape(seq=5120, reference_rows=128)
+    key = "reference hidden states (all rows of a call)"
+    cfg = MegatronConfig(params_dtype="bfloat16", tensor_parallel=2, micro_batch_size=1)
+    assert reference_terms(QWEN25_7B, cfg, shape, 0, "offload")[key] == 128 * 5120 * 3584 * 2
+    sp = MegatronConfig(params_dtype="bfloat16", tensor_parallel=2, micro_batch_size=1, sequence_parallel=True)
+    assert reference_terms(QWEN25_7B, sp, shape, 0, "offload")[key] == 128 * 5120 * 3584 * 2 / 2
+    pp = MegatronConfig(params_dtype="bfloat16", tensor_parallel=2, pipeline_parallel=2, micro_batch_size=1)
+    assert key not in reference_terms(QWEN25_7B, pp, shape, 0, "offload")  # per micro-batch under PP
+    assert key not in reference_terms(QWEN25_7B, cfg, shape, 0, "colocated")
+
+
 def test_qwen25_7b_layer_by_hand():
     # bf16, TE norms, flash attention. Per token: replicated = 2 norms x (input + output) x 2 bytes = 8h = 28672;
     # split = (Q 3584 + K 512 + V 512 + projection input 3584) x 2 + 5 x 18944 x 2 = 205824.

@@ -67,7 +67,7 @@ def train_shape(cfg: AsyncFlowConfig) -> TrainShape:
     tr = cfg.trainer
     rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
     return TrainShape(seq=seq, num_microbatches=max(1, rows // (tr.micro_batch_size * tr.data_parallel)),
-                      entropy=cfg.algorithm.entropy_coef > 0)
+                      entropy=cfg.algorithm.entropy_coef > 0, reference_rows=cfg.workflow.score_chunk)
 
 
 def reference_placement(cfg: AsyncFlowConfig) -> str:
