@@ -15,6 +15,8 @@ SHARED_GROUPS = {
     "tests/engines/vllm/test_vllm_rollout.py": "vllm_child",
     "tests/engines/vllm/test_moe_reload.py": "vllm_child",
     "tests/agents/test_agent_loop.py": "vllm_child",
+    "tests/cluster/test_two_host.py": "two_hosts",
+    "tests/cluster/test_across_hosts.py": "two_hosts",
 }
 
 # Files whose tests measure this machine (the simulator's calibration and its held-out run): under pytest-xdist they

@@ -43,6 +43,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", list(LAYOUTS))
 def test_tiny_recipe_trains_across_hosts(two_hosts, tmp_path, mode):
     proc = train(two_hosts, tmp_path, mode, *LAYOUTS[mode])
@@ -87,6 +88,7 @@ def test_tiny_recipe_trains_across_hosts(two_hosts, tmp_path, mode):
                       "weights": layout["weight_routes"]}))
 
 
+@pytest.mark.slow
 def test_a_path_missing_on_one_node_is_named(two_hosts, tmp_path):
     """The model under host A's /dev/shm: host B has its own /dev/shm, so the run stops before starting anything,
     naming host B and the path."""

@@ -2,6 +2,8 @@
 
 import subprocess
 
+import pytest
+
 from tests.cluster.conftest import load_two_host
 
 
@@ -41,14 +43,13 @@ print(json.dumps(out))
         os.unlink(marker)
 
 
+@pytest.mark.slow
 def test_down_removes_everything_it_made():
     two_host = load_two_host()
     try:
         cluster = two_host.up()
     except two_host.TwoHostError as exc:
         import os
-
-        import pytest
 
         (pytest.fail if os.environ.get("CI") else pytest.skip)(f"the two-host cluster cannot be made here: {exc}")
     own = two_host._own_host_a_pids(cluster)
