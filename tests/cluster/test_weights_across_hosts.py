@@ -89,3 +89,23 @@ def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     gaps = [r["check/fresh_logprob_gap_max"] for r in records if r.get("check/fresh_logprob_gap_tokens")]
     assert len(gaps) == 3 and max(gaps) <= 1e-5, gaps  # versions 0, 1, 2: each applied from host B's mirror
+
+
+@pytest.mark.slow
+def test_a_tp_group_larger_than_a_node_is_a_clear_error(hosts_2_4, tmp_path):
+    """Trainer TP 4 where host A has 2 devices and host B 2 left beside the rollout engines: no layout keeps
+    the TP group on one node, and the run stops with a config error naming the sizes, before any worker."""
+    from asyncflow.tiny_model import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", hidden_size=128, num_heads=4, num_kv_heads=4)  # TP 4 can split it
+    node_b = _node_ids(hosts_2_4)[hosts_2_4.addr_b]
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+           f"model.path={tmp_path / 'model'}", f"observability.output_dir={tmp_path / 'run'}",
+           "model.make_tiny_if_missing=false", f"ray.address={hosts_2_4.address}", "ray.accelerator=NPU",
+           "ray.cpus_per_device=1", f"ray.rollout_label_selector={json.dumps({'ray.io/node-id': node_b})}",
+           "trainer.tensor_parallel=4", "workflow.rollout_instances=2", "algorithm.kl_coef=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env=hosts_2_4.env())
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "asyncflow: config error: trainer TP 4 x EP 1 over 4 devices needs 4 consecutive ranks on one node" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "layout.json").exists()  # stopped before any worker started
