@@ -17,6 +17,7 @@ SHARED_GROUPS = {
     "tests/agents/test_agent_loop.py": "vllm_child",
     "tests/cluster/test_two_host.py": "two_hosts",
     "tests/cluster/test_across_hosts.py": "two_hosts",
+    "tests/cluster/test_tq_two_hosts.py": "two_hosts",
 }
 
 # Files whose tests measure this machine (the simulator's calibration and its held-out run): under pytest-xdist they
