@@ -64,6 +64,17 @@ class MegatronService(TaskService):
         self._fingerprints: list[torch.Tensor] = []
         self.reporter = self.writer and self.dp_rank == 0
 
+    def where(self) -> dict:
+        """``TaskService.where`` and the timeout this rank's process group was created with (the run's
+        ``workflow.step_timeout_s``; None where the backend does not say)."""
+        out = super().where()
+        try:
+            backend = torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
+            out["group_timeout_s"] = backend.options._timeout.total_seconds()
+        except (RuntimeError, AttributeError):  # a CUDA-only (NCCL) default group has no CPU backend to ask
+            out["group_timeout_s"] = None
+        return out
+
     def acquire_device(self) -> None:
         """Copy parameters and optimizer state back to the device (colocated ``sync`` on devices)."""
         if self.share_device:

@@ -55,7 +55,8 @@ def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_
            "trainer.tensor_parallel=2", "trainer.data_parallel=2", "trainer.micro_batch_size=4",
            "workflow.rollout_instances=2", "workflow.steps=3", "workflow.prompts_per_step=4",
            "workflow.samples_per_prompt=4", "workflow.rollout_chunk=8", "workflow.score_chunk=8",
-           "workflow.max_staleness=0", "algorithm.kl_coef=0"]  # on-policy: every step checks the live gap
+           "workflow.max_staleness=0", "algorithm.kl_coef=0",  # on-policy: every step checks the live gap
+           "workflow.step_timeout_s=1234"]
     env = hosts_2_4.env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1500, env=env)
@@ -67,6 +68,7 @@ def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_
     groups = [{actor[2 * g]["node"], actor[2 * g + 1]["node"]} for g in range(2)]
     assert all(len(g) == 1 for g in groups), groups
     assert {n for g in groups for n in g} == {node_a, node_b}  # the trainer spans both hosts
+    assert [a["group_timeout_s"] for a in actor] == [1234.0] * 4  # the run's step timeout, not torch's 10 min
 
     # Both rollout instances on host B, sharing one receiver: the first owns the mirrors, the second none.
     rollout = layout["rollout"]
