@@ -37,6 +37,10 @@ from asyncflow.bridge.staging import SLOTS, StagingWriter, _Slots, segment_bytes
 from asyncflow.models.parallel import local_address_towards
 from asyncflow.transfer_queue.shm import Arena
 
+MIN_CHUNK_MB = 1.0
+"""Smallest relay chunk: ``bucket_mb`` may be tiny (tests use one fused group per bucket), and a broadcast of a
+few elements costs a round trip each."""
+
 
 class RelayStore:
     """The rendezvous store of a run's relay groups, hosted by the driver (``host:port`` from the placement)."""
@@ -49,9 +53,10 @@ class RelayStore:
     def spec(self, rollout_hosts: list[str], backend: str = "gloo", chunk_mb: float = 512.0,
              transport: str = "auto") -> dict:
         """Plain data for ``RelaySender`` / ``RelayReceiver`` (crosses Ray unchanged): the store, the host key
-        of every rollout instance (``asyncflow.bridge.routes``), the backend and the chunk size."""
+        of every rollout instance (``asyncflow.bridge.routes``), the backend and the chunk size (``chunk_mb``,
+        at least ``MIN_CHUNK_MB``)."""
         return {"host": self.host, "port": self.port, "timeout_s": self.timeout_s, "backend": backend,
-                "rollout_hosts": list(rollout_hosts), "chunk_mb": chunk_mb, "transport": transport}
+                "rollout_hosts": list(rollout_hosts), "chunk_mb": max(chunk_mb, MIN_CHUNK_MB), "transport": transport}
 
 
 def _group(spec: dict, src: MRank, rank: int, size: int) -> dist.ProcessGroup:
@@ -79,12 +84,6 @@ def chunk_numel(spec: dict, numel: int, dtype: torch.dtype) -> int:
     """Elements of the relay buffer: ``chunk_mb`` worth, never more than the slot (at least one)."""
     per = max(1, int(spec.get("chunk_mb", 512.0) * 2**20) // torch.empty((), dtype=dtype).element_size())
     return max(1, min(numel, per))
-
-
-def buffer_bytes(bucket_mb: float, slot_bytes: float) -> float:
-    """Device bytes of one relay buffer (one per sender, one per receiver thread): ``bucket_mb`` or the slot,
-    whichever is smaller (``asyncflow plan`` counts these)."""
-    return min(bucket_mb * 2**20, slot_bytes)
 
 
 def _chunks(numel: int, step: int):

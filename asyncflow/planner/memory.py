@@ -185,9 +185,11 @@ def relay_buffers(ws: WeightSyncConfig, mcfg: MegatronConfig) -> tuple[float, fl
     """Device bytes of the weight relay: (an exporting trainer rank's send buffer, the receiving buffers on a
     rollout device: one per exporting rank, TP x PP x EP of them). Zero unless the relay runs on the devices
     (``backend: nccl``) and may be chosen (``transport`` not ``shm``): gloo's buffers are in host memory."""
+    from asyncflow.bridge.relay import MIN_CHUNK_MB
+
     if ws.backend != "nccl" or ws.transport == "shm":
         return 0.0, 0.0
-    buffer = ws.bucket_mb * 2**20
+    buffer = max(ws.bucket_mb, MIN_CHUNK_MB) * 2**20
     return buffer, buffer * mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.expert_parallel
 
 

@@ -29,7 +29,7 @@ def test_relay_mirrors_each_version_chunk_by_chunk_through_a_fixed_buffer():
     plan, shards, writers = _writers(arch, layout, hf_state, 1 << 12)
     store = RelayStore("127.0.0.1", timeout_s=120)
     chunk_mb = 1000 * 4 / 2**20  # 1000 float32 elements
-    spec = store.spec(["host-b", "host-c"], chunk_mb=chunk_mb)
+    spec = {**store.spec(["host-b", "host-c"]), "chunk_mb": chunk_mb}  # below the floor a run gets, to test it
     mirrored: dict[int, dict[int, dict[str, str]]] = {0: {}, 1: {}}  # receiver -> version -> source -> segment
     lock = threading.Lock()
 
@@ -46,6 +46,7 @@ def test_relay_mirrors_each_version_chunk_by_chunk_through_a_fixed_buffer():
     slot_numel = {key: w._slots.data[0].numel() for key, w in writers.items()}
     assert all(s.chunk == 1000 and s.buffer_bytes == 4000 for s in senders + receivers)
     assert max(slot_numel.values()) > 2 * 1000 and any(n % 1000 for n in slot_numel.values()), slot_numel
+    assert store.spec(["b"], chunk_mb=1e-6)["chunk_mb"] == 1.0  # a tiny bucket_mb never means per-element broadcasts
 
     def wait_for(version):
         deadline = time.time() + 60
