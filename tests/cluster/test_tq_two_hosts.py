@@ -29,8 +29,11 @@ for i in range(6):  # several puts: rows land on every unit
     rows = torch.arange(4096.0).reshape(64, 64) + i
     client.put(f"p{i}", {"x": rows})
     same &= bool(torch.equal(client.get(f"p{i}", "t", ["x"], 64)["x"], rows))
+import time
+time.sleep(2 * net.tq.heartbeat_timeout_s)  # host B's unit reaches the controller's heartbeat port too
+alive = all(u["alive"] for u in client.status()["units"].values())
 units = {str(u.id): {"address": u.address, "mapped": u.arena is not None} for u in client._units.values()}
-print(json.dumps({"units": units, "same": same, "moved": client.moved_bytes, "bind": net.tq.host}))
+print(json.dumps({"units": units, "same": same, "alive": alive, "moved": client.moved_bytes, "bind": net.tq.host}))
 client.close()
 tq.shutdown()
 """
@@ -44,7 +47,7 @@ def test_ray_deployment_advertises_each_units_node(two_hosts):
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["same"] and out["bind"] == "0.0.0.0"
+    assert out["same"] and out["alive"] and out["bind"] == "0.0.0.0"
     hosts = {(u["address"].split("//")[1].rsplit(":", 1)[0], u["mapped"]) for u in out["units"].values()}
     # 4 actors (controller + 3 units) spread over 2 nodes: units on both hosts, each advertising its own node.
     # The driver is on host A: it maps the arenas of the units there and reaches host B's by socket.
