@@ -217,8 +217,12 @@ def _wait_nodes(c: TwoHost, wait_s: float) -> None:
             if not _alive(c.pids[name]):
                 log = (Path(c.temp_dir) / f"ray_{name}.log").read_text()[-2000:]
                 raise TwoHostError(f"ray start on host {name.upper()} exited:\n{log}")
-        proc = subprocess.run([sys.executable, "-c", probe, c.address], capture_output=True, text=True,
-                              env=c.env(), timeout=wait_s)
+        try:
+            proc = subprocess.run([sys.executable, "-c", probe, c.address], capture_output=True, text=True,
+                                  env=c.env(), timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            last = "the probe did not connect"
+            continue
         last = proc.stdout.strip().splitlines()[-1:] or proc.stderr[-500:]
         if proc.returncode == 0 and last == ["2"]:
             return
@@ -290,9 +294,10 @@ def down(c: TwoHost) -> None:
     """Remove everything ``up`` made (safe on a half-made cluster and when called twice)."""
     own_a = _own_host_a_pids(c)
     c.shm_a = sorted(set(c.shm_a) | {n for n in _mapped_shm(own_a) if not n.startswith("sem.")})
-    # Each `ray start --block` stops the raylet / GCS it spawned; then whatever is left of ours.
-    _stop([p for k, p in c.pids.items() if k in ("a", "b")])
-    _stop(_netns_pids(c) + _own_host_a_pids(c), grace_s=5.0)
+    # Each `ray start --block` stops the raylet / GCS it spawned; then whatever is left of ours. Host B's is
+    # signalled itself: `unshare --fork` above it ignores SIGTERM and exits with its child.
+    _stop([p for p in (c.pids.get("a"), c.pids.get("b_inner") or c.pids.get("b")) if p])
+    _stop(_netns_pids(c) + _own_host_a_pids(c) + [p for k, p in c.pids.items() if k == "b"], grace_s=5.0)
     for pid in (c.pids.get("a"), c.pids.get("b")):
         if pid:
             try:
