@@ -52,6 +52,7 @@ def test_tiny_recipe_trains_across_hosts(two_hosts, tmp_path, mode):
     out = tmp_path / mode
     a, b = two_hosts.addr_a, two_hosts.addr_b
     assert "network: 2 Ray nodes: TransferQueue binds 0.0.0.0" in proc.stdout
+    assert f"relay store on the driver's node address {a};" in proc.stdout  # not 127.0.0.1 of host A
     layout = json.loads((out / "layout.json").read_text())
     tq = layout["transfer_queue"]
     # Servers bind every interface and advertise host A's veth address; every worker got that address.
