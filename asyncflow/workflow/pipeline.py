@@ -255,6 +255,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     critic = estimator_scope(algo.advantage) == "critic"
     reference = algo.kl_coef > 0
     connect_ray(cfg)
+    model_dir = Path(model_dir).resolve()  # workers on other nodes start in other folders: never a relative path
     check_nodes(cfg, model_dir)
     net = network.resolve_connected(cfg)
     tq = transfer_queue.start(net.tq)
