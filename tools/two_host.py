@@ -15,7 +15,8 @@ namespace and the shared-memory segments its host-A processes had mapped. Needs 
 
 Library: ``cluster = up(); ...; down(cluster)``; ``cluster.env()`` is the environment a driver needs
 (``ray.init(address=cluster.address)`` or ``asyncflow train ... ray.address=<cluster.address>``).
-CLI: ``python tools/two_host.py up`` (prints the state file), ``status STATE``, ``down STATE``.
+CLI: ``python tools/two_host.py up`` (prints the state file), ``status STATE``, ``down STATE``; ``table LAYOUT``
+prints a run's bytes per transport per host from its ``layout.json`` (``bytes_table``).
 """
 
 from __future__ import annotations
@@ -323,6 +324,40 @@ def status(c: TwoHost) -> dict:
             "netns_pids": len(_netns_pids(c))}
 
 
+def weight_reads(layout: dict) -> list[dict]:
+    """Every (rollout instance, exporting rank) pair of a run's ``layout.json``: both nodes, the way the bytes
+    came (``shm``: the rank's own staging segment; ``relay``: the rollout host's mirror) and the bytes the
+    instance's vLLM ranks read, over every applied version."""
+    source_ip = {a["weights"]["source"]: a["node_ip"] for a in layout["actor"] if a["weights"].get("source")}
+    return [{"rollout": i, "rollout_ip": r["node_ip"], "source": key, "source_ip": source_ip.get(key),
+             "via": read["via"], "bytes": read["bytes"]}
+            for i, r in enumerate(layout["rollout"]) for key, read in sorted(r["weights"]["read_by_source"].items())]
+
+
+def bytes_table(layout: dict) -> list[tuple[str, str, int]]:
+    """``(host, transport, bytes)`` per host of a run's ``layout.json``: the weights rollout read from same-host
+    staging segments and from relay mirrors, the bytes the host's relay receivers took off the network, and the
+    TransferQueue payload its clients moved by shared memory and by socket."""
+    hosts = sorted({r["node_ip"] for r in layout["rollout"]} | {a["node_ip"] for a in layout["actor"]} |
+                   {w["node_ip"] for w in layout["transfer_queue"]["workers"]})
+    rows = []
+    for host in hosts:
+        rollout = [r["weights"] for r in layout["rollout"] if r["node_ip"] == host]
+        tq = [w["moved_bytes"] for w in layout["transfer_queue"]["workers"] if w["node_ip"] == host]
+        rows += [(host, "weights: shm staging read", sum(w["read_bytes"].get("shm", 0) for w in rollout)),
+                 (host, "weights: relay mirror read", sum(w["read_bytes"].get("relay", 0) for w in rollout)),
+                 (host, "weights: relay network received", sum(w["relay_received_bytes"] for w in rollout)),
+                 (host, "transfer queue: shm", sum(m["shm"] for m in tq)),
+                 (host, "transfer queue: socket", sum(m["socket"] for m in tq))]
+    return rows
+
+
+def format_table(rows: list[tuple[str, str, int]]) -> str:
+    """``bytes_table`` as a Markdown table."""
+    lines = ["| host | transport | bytes |", "|---|---|---:|"]
+    return "\n".join(lines + [f"| {h} | {t} | {b:,} |" for h, t, b in rows])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -331,9 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     p_up.add_argument("--cpus", type=int, default=4)
     for name in ("status", "down"):
         sub.add_parser(name).add_argument("state", type=Path)
+    sub.add_parser("table", help="bytes per transport per host of a run's layout.json").add_argument(
+        "layout", type=Path)
     args = parser.parse_args(argv)
     try:
-        if args.cmd == "up":
+        if args.cmd == "table":
+            print(format_table(bytes_table(json.loads(args.layout.read_text()))))
+        elif args.cmd == "up":
             cluster = up(args.devices, args.cpus)
             state = Path(cluster.temp_dir) / "state.json"
             cluster.save(state)

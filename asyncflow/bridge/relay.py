@@ -175,6 +175,9 @@ class RelayReceiver:
         data = self._slots.data[0]
         self.chunk = chunk_numel(spec, data.numel(), plan.dtype)
         self.buffer_bytes = self.chunk * data.element_size()
+        # Bytes that came over the network into this mirror (headers and data, torn versions included) and the
+        # complete versions mirrored: written by the thread only, read by the owner (``layout.json``).
+        self.received_bytes, self.versions = 0, 0
         self._loop = _Loop(f"relay-recv-{source_key(src)}", self._run)
 
     def _run(self) -> None:
@@ -184,6 +187,7 @@ class RelayReceiver:
         buffer = torch.empty(self.chunk, dtype=self.plan.dtype, device=device)  # the only data buffer
         while True:
             group.broadcast(head, 0).wait()
+            self.received_bytes += head.numel() * head.element_size()
             seq, version = (int(x) for x in head.cpu())
             if version == -2:
                 return
@@ -194,11 +198,14 @@ class RelayReceiver:
             for start, n in _chunks(target.numel(), self.chunk):
                 group.broadcast(buffer[:n], 0).wait()
                 target[start:start + n].copy_(buffer[:n])
+                self.received_bytes += n * buffer.element_size()
             group.broadcast(tail, 0).wait()
+            self.received_bytes += tail.numel() * tail.element_size()
             complete = torch.equal(head.cpu(), tail.cpu()) and seq % 2 == 0 and version >= 0
             mirror[1] = version if complete else -1
             mirror[0] += 1
             if complete:
+                self.versions += 1
                 self.on_version(version, source_key(self.src), self.segment)
 
     def check(self) -> None:

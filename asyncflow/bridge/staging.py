@@ -47,11 +47,12 @@ class StaleStagingError(RuntimeError):
 
 @dataclasses.dataclass
 class StageStats:
-    """What one side did for one version."""
+    """What one side did for one version (``bytes_by_source``: a reader's bytes per ``source_key``)."""
 
     seconds: float = 0.0
     bytes: int = 0
     buckets: int = 0
+    bytes_by_source: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def as_dict(self) -> dict:
         """Plain data (crosses Ray and vLLM's rpc)."""
@@ -229,7 +230,10 @@ class StagingReader:
                 numel = torch.Size(c.shape).numel()
                 piece = self._slots[c.src].data[slot][c.start : c.start + numel].view(c.shape)
                 full[c.hf][index(c.dst)].copy_(piece[index(c.rel)])
-                self.stats.bytes += torch.Size([hi - lo for lo, hi in c.dst]).numel() * self._item
+                n = torch.Size([hi - lo for lo, hi in c.dst]).numel() * self._item
+                self.stats.bytes += n
+                key = source_key(c.src)
+                self.stats.bytes_by_source[key] = self.stats.bytes_by_source.get(key, 0) + n
             self._check(version, seqs)  # the bucket was copied from one unchanged version
             for slots in self._slots.values():
                 slots.release_pages()
@@ -295,7 +299,9 @@ class StagingReader:
             for src in (s for s in bucket.sources if s in self._slots):  # the sources this rank needs
                 start = self._slots[src].starts[b]
                 buffers[src] = self._slots[src].data[slot][start : start + bucket.numel(src)].clone()
-                stats.bytes += buffers[src].numel() * self._item
+                n = buffers[src].numel() * self._item
+                stats.bytes += n
+                stats.bytes_by_source[source_key(src)] = stats.bytes_by_source.get(source_key(src), 0) + n
             self._check(version, seqs)
             apply(b, buffers)
             stats.buckets += 1

@@ -44,7 +44,7 @@ class VersionBoard:
         return self._cond
 
     def _domain(self, name: str) -> dict:
-        return self._domains.setdefault(name, {"version": -1, "segments": {}, "parts": {}})
+        return self._domains.setdefault(name, {"version": -1, "segments": {}, "via": {}, "parts": {}})
 
     async def set_plan(self, plan: dict, sources: list[str], hosts: dict[str, str] | None = None) -> None:
         """The trainer's ``SyncPlan`` (plain data) and its exporting ranks (``"tp.pp.ep"``); each exporting
@@ -69,8 +69,9 @@ class VersionBoard:
                 raise RuntimeError(f"run aborted before the trainer described its weights: {self._aborted}")
             return self._plan
 
-    async def publish(self, version: int, source: str, segment: str, domain: str = "local") -> None:
-        """Exporting rank ``source`` (``"tp.pp.ep"``) staged ``version`` in ``segment``, readable in ``domain``.
+    async def publish(self, version: int, source: str, segment: str, domain: str = "local", via: str = "shm") -> None:
+        """Exporting rank ``source`` (``"tp.pp.ep"``) staged ``version`` in ``segment``, readable in ``domain``;
+        ``via`` says what the segment is: the rank's own staging segment (``shm``) or a relay mirror (``relay``).
         The version becomes the domain's newest once every exporting rank staged it there."""
         cond = self._condition()
         async with cond:
@@ -81,6 +82,7 @@ class VersionBoard:
                 raise ValueError(f"version {version} staged in {domain} after {state['version']}: versions must "
                                  f"increase")
             state["segments"][source] = segment
+            state["via"][source] = via
             parts = state["parts"].setdefault(version, set())
             parts.add(source)
             if len(parts) < len(self._plan["sources"]):
@@ -105,7 +107,8 @@ class VersionBoard:
                 ) from None
             if self._aborted and state["version"] < min_version:
                 raise RuntimeError(f"run aborted while waiting for weight version {min_version}: {self._aborted}")
-            return state["version"], {"plan": self._plan["plan"], "segments": dict(state["segments"])}
+            return state["version"], {"plan": self._plan["plan"], "segments": dict(state["segments"]),
+                                      "via": dict(state["via"])}
 
     async def rollout_state(self, instance: int, serving: int, applying: int | None = None) -> None:
         """Rollout ``instance`` serves version ``serving`` (-1: none complete) and is applying ``applying``."""

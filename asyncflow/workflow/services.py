@@ -185,6 +185,11 @@ class RolloutService(TaskService):
         self.domain = routes.LOCAL if relay is None else relay["rollout_hosts"][self.worker]
         self.owns_receiver = relay is not None and routes.receiver_owner(relay["rollout_hosts"], self.worker)
         self.relay_started = False
+        # Weight bytes this instance's vLLM ranks read, cumulative over versions: by the way the segment came
+        # (``shm``: an exporting rank's own staging segment on this host; ``relay``: this host's mirror of a
+        # rank on another host) and by source (``layout.json``, beside the TransferQueue's ``moved_bytes``).
+        self.weight_bytes = {"shm": 0, "relay": 0}
+        self.weight_sources: dict[str, dict] = {}
 
     def shutdown(self) -> None:
         """Stop the vLLM engine first: with TP > 1 its workers are separate processes."""
@@ -224,7 +229,7 @@ class RolloutService(TaskService):
         tag = uuid.uuid4().hex[:8]
 
         def announce(version: int, source: str, segment: str) -> None:
-            self.board.publish.remote(version, source, segment, self.domain)
+            self.board.publish.remote(version, source, segment, self.domain, via="relay")
 
         for key in info["sources"]:
             remote = routes.remote_hosts(info["hosts"][key], self.relay["rollout_hosts"])
@@ -239,7 +244,25 @@ class RolloutService(TaskService):
         """This instance's part of the weight path: its host key, and the mirrors it owns (only the first
         instance of a host owns any)."""
         return {"host": self.domain, "owner": self.owns_receiver, "mirrors": [r.segment for r in self.receivers],
-                "buffer_bytes": [r.buffer_bytes for r in self.receivers]}
+                "buffer_bytes": [r.buffer_bytes for r in self.receivers],
+                "read_bytes": dict(self.weight_bytes), "read_by_source": {k: dict(v) for k, v in
+                                                                          self.weight_sources.items()},
+                "relay_received_bytes": sum(r.received_bytes for r in self.receivers),
+                "relay_versions": sum(r.versions for r in self.receivers)}
+
+    def _count_read(self, staging: dict, stats: dict) -> dict[str, int]:
+        """Add this version's bytes (every vLLM rank's, by source) to the counters; returns them by way."""
+        now = {"shm": 0, "relay": 0}
+        via = staging.get("via", {})
+        for rank in stats.get("ranks", []):
+            for source, n in rank.get("bytes_by_source", {}).items():
+                way = via.get(source, "shm")
+                now[way] = now.get(way, 0) + n
+                entry = self.weight_sources.setdefault(source, {"via": way, "bytes": 0})
+                entry["via"], entry["bytes"] = way, entry["bytes"] + n
+        for way, n in now.items():
+            self.weight_bytes[way] = self.weight_bytes.get(way, 0) + n
+        return now
 
     def _admit(self, step: int) -> int:
         """Wait until weights recent enough for ``step`` are staged, apply the newest; return its version."""
@@ -294,9 +317,11 @@ class RolloutService(TaskService):
                       f"retrying with the newest version", flush=True)
             version, staging = ray.get(self.board.wait_for_version.remote(newer, self.timeout_s, self.domain))
         ray.get(self.board.rollout_state.remote(self.worker, version, None))
+        read = self._count_read(staging, stats)
         self.apply_stats = {"weights/apply_s": time.perf_counter() - t0, "weights/buckets": float(stats["buckets"]),
                             "weights/stale_retries": float(stale),
-                            "weights/received_mb_per_rank": max(stats["bytes_per_rank"]) / 2**20}
+                            "weights/received_mb_per_rank": max(stats["bytes_per_rank"]) / 2**20,
+                            "weights/read_shm_mb": read["shm"] / 2**20, "weights/read_relay_mb": read["relay"] / 2**20}
 
     def run(self, first: int, last: int) -> int:
         if not self.continuous:

@@ -246,7 +246,7 @@ class ActorService(MegatronService):
                 from asyncflow.bridge.relay import RelaySender
 
                 self.relay = RelaySender(self.stager, relay, len(remote))
-            self.routes = {"host": host, "sends_to": remote,
+            self.routes = {"host": host, "source": source_key(self.stager.rank), "sends_to": remote,
                            "buffer_bytes": 0 if self.relay is None else self.relay.buffer_bytes}
         self.stage_stats: dict = {}
 

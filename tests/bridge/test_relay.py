@@ -77,6 +77,10 @@ def test_relay_mirrors_each_version_chunk_by_chunk_through_a_fixed_buffer():
                     for box in boxes:
                         torch.testing.assert_close(seen[name][index(box)], sign * hf_state[name][index(box)],
                                                    rtol=0, atol=0)
+        # Each receiver counts what came over the network: both versions' slot data and headers, once each.
+        for receiver, key in zip(receivers, list(writers) * 2):
+            assert receiver.versions == 2
+            assert receiver.received_bytes == 2 * (slot_numel[key] * 4 + 2 * 2 * 8), (key, receiver.received_bytes)
     finally:
         for sender in senders:
             sender.close()

@@ -67,6 +67,10 @@ def test_each_reader_gets_exactly_its_boxes(arch_id, layout, vllm_tp, bucket_byt
             reader.close()
             assert sorted(seen) == sorted(hf_state)  # every tensor, in full shape, for vLLM's loaders
             assert len(buckets) == len(plan.buckets) == stats.buckets
+            # Bytes by source (how the rollout side counts shm vs relay bytes): they add up, only staged sources.
+            assert sum(stats.bytes_by_source.values()) == stats.bytes and set(stats.bytes_by_source) <= set(segments)
+            if vllm_tp == 1:  # one reader takes every source's pieces whole
+                assert stats.bytes_by_source == {k: w.nbytes for k, w in writers.items() if w.nbytes}
             for name, boxes in _needed(arch, vllm_tp, rank).items():
                 for box in boxes:
                     torch.testing.assert_close(seen[name][index(box)], hf_state[name][index(box)], rtol=0, atol=0)

@@ -15,15 +15,17 @@ def test_version_visible_once_every_source_staged_it_in_that_domain():
         assert await board.version() == -1  # half a model is never handed out
         await board.publish(0, "1.0.0", "seg-b")
         version, staging = await board.wait_for_version(0, timeout_s=1)
-        assert version == 0 and staging == {"plan": {"tp": 2}, "segments": {"0.0.0": "seg-a", "1.0.0": "seg-b"}}
+        assert version == 0 and staging == {"plan": {"tp": 2}, "segments": {"0.0.0": "seg-a", "1.0.0": "seg-b"},
+                                            "via": {"0.0.0": "shm", "1.0.0": "shm"}}
         # A relay domain has its own segments and its own pace.
         assert await board.version("rollout0") == -1
         with pytest.raises(TimeoutError, match="weight version 0"):
             await board.wait_for_version(0, timeout_s=0.05, domain="rollout0")
         for src in ("0.0.0", "1.0.0"):
-            await board.publish(1, src, f"mirror-{src}", domain="rollout0")
+            await board.publish(1, src, f"mirror-{src}", domain="rollout0", via="relay")
         version, staging = await board.wait_for_version(1, timeout_s=1, domain="rollout0")
         assert version == 1 and set(staging["segments"].values()) == {"mirror-0.0.0", "mirror-1.0.0"}
+        assert staging["via"] == {"0.0.0": "relay", "1.0.0": "relay"}  # readers count bytes by the way they came
         with pytest.raises(ValueError, match="must increase"):
             await board.publish(1, "0.0.0", "mirror-0.0.0", domain="rollout0")
         await board.abort("trainer died")
