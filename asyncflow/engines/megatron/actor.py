@@ -85,9 +85,9 @@ class MegatronActor(TrainEngine):
             self._offloader.onload()
 
     def stream_weights_from_host(self) -> None:
-        """See ``TrainEngine.stream_weights_from_host`` (``offload.LayerStreamer``; frozen engines only). With one
-        pipeline stage each layer is loaded once per ``compute_logprobs`` call (``layer_major``), else once per
-        micro-batch."""
+        """See ``TrainEngine.stream_weights_from_host`` (``offload.LayerStreamer``; frozen engines only). Each layer
+        is loaded once per ``compute_logprobs`` call (``layer_major``, at any TP and PP), or once per micro-batch in
+        the layouts ``layer_major.supported`` leaves to Megatron's schedule (context parallelism, ...)."""
         import functools
 
         from asyncflow.engines.megatron import layer_major

@@ -7,8 +7,8 @@
 - ``LayerStreamer``: the reference model with ``trainer.reference_placement: offload``. Its frozen
   weights live in host memory; each transformer layer's weights are copied in just before the layer
   runs and dropped right after, so the device holds the embedding and output layer plus one layer at a
-  time (the planner counts two, for the copy of the next layer under way). With one pipeline stage the
-  reference runs layer-major (``layer_major``): each layer is copied in once per ``compute_logprobs`` call
+  time (the planner counts two, for the copy of the next layer under way). The reference runs layer-major
+  (``layer_major``, on every pipeline stage): each layer is copied in once per ``compute_logprobs`` call
   and runs over every micro-batch, instead of once per micro-batch.
 
 Both work on *storages*, not parameters: Megatron's DDP and distributed optimizer keep parameters and

@@ -6,8 +6,9 @@ On one gloo process with the real Megatron engine (DDP grad buffers, Megatron's 
   left), ``onload`` brings them back, and training continues bit-identically to a run that never offloaded;
 - a frozen engine (``trainable=False``, the reference) has no optimizer or gradient buffers;
 - ``LayerStreamer`` (``reference_placement: offload``) gives bit-identical logprobs, loads each layer once
-  per ``compute_logprobs`` call (layer-major, ``layer_major``; at TP1 and TP2) and holds no weight on the
-  device between calls.
+  per ``compute_logprobs`` call (layer-major, ``layer_major``; at TP1, TP2 and PP2, where each stage loads its
+  own layers once and hands every micro-batch's hidden states to the next) and holds no weight on the device
+  between calls.
 
 The engine's device is the CPU here, so the memory freed is host memory; the code is the GPU path's.
 float32 only: Megatron's mixed-precision optimizer (bf16 weights with fp32 master copies, which
@@ -85,35 +86,41 @@ def _padded_batch():
     return tokens
 
 
-def _reference(model_dir: str, tp: int = 1, out_dir: str | None = None, rank: int = 0) -> dict:
+def _reference(model_dir: str, tp: int = 1, out_dir: str | None = None, rank: int = 0, pp: int = 1) -> dict:
     import torch
+    from megatron.core import parallel_state as ps
 
     from asyncflow.config import MegatronConfig
     from asyncflow.engines.megatron.actor import MegatronActor
     from asyncflow.models.parallel import destroy_megatron
     from tests.engines.megatron.dist_harness import fixed_batch
 
+    def same(a, b):  # None on a stage before the last, on both paths
+        return a is None and b is None if a is None or b is None else torch.equal(a, b)
+
     torch.set_num_threads(1)
-    cfg = MegatronConfig(micro_batch_size=2, tensor_parallel=tp)
+    cfg = MegatronConfig(micro_batch_size=2, tensor_parallel=tp, pipeline_parallel=pp)
     ref = MegatronActor(cfg, model_dir, trainable=False)
+    last = ps.is_pipeline_last_stage()
     batches = [fixed_batch()[0], _padded_batch()]
     resident = [ref.compute_logprobs(t) for t in batches]
     weight_bytes = sum(p.numel() * p.element_size() for p in ref.trainer.module.parameters())
     ref.stream_weights_from_host()
     between = ref.streamer.device_bytes()
     streamed, loads = [], []
-    for t in batches:  # layer-major (one pipeline stage): each layer loaded once per call
+    for t in batches:  # layer-major: each of this stage's layers loaded once per call
         before = ref.streamer.loads
         streamed.append(ref.compute_logprobs(t))
         loads.append(ref.streamer.loads - before)
-    # The per-micro-batch path (kept for PP > 1: Megatron's schedule with the streamer's hooks).
+    # The per-micro-batch path (Megatron's schedule with the streamer's hooks), for comparison.
     before = ref.streamer.loads
     hooked = ref.trainer.logprobs(batches[0])
-    out = {"no_optimizer": ref.trainer.optimizer is None,
+    pairs = list(zip(resident, streamed))
+    out = {"no_optimizer": ref.trainer.optimizer is None, "last": last,
            "no_grad": not any(p.requires_grad for p in ref.trainer.module.parameters()),
-           "equal": [torch.equal(a, b) for a, b in zip(resident, streamed)],
-           "max_diff": max(float((a - b).abs().max()) for a, b in zip(resident, streamed)),
-           "hooked_equal": torch.equal(resident[0], hooked), "hooked_loads": ref.streamer.loads - before,
+           "equal": [same(a, b) for a, b in pairs],
+           "max_diff": max((float((a - b).abs().max()) for a, b in pairs if a is not None), default=0.0),
+           "hooked_equal": same(resident[0], hooked), "hooked_loads": ref.streamer.loads - before,
            "between": between, "after": ref.streamer.device_bytes(), "weight_bytes": weight_bytes,
            "loads": loads, "layers": len(ref.trainer.module.decoder.layers),
            "micro_batches": [batches[0].shape[0] // 2, (batches[1].shape[0] + 1) // 2]}
@@ -131,11 +138,11 @@ def _reference(model_dir: str, tp: int = 1, out_dir: str | None = None, rank: in
     return out
 
 
-def _reference_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def _reference_rank(rank: int, world: int, port: int, model_dir: str, out_dir: str, pp: int = 1) -> None:
     import os
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _reference(model_dir, tp=world, out_dir=out_dir, rank=rank)
+    _reference(model_dir, tp=world // pp, out_dir=out_dir, rank=rank, pp=pp)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +177,7 @@ def _check_reference(ref: dict) -> None:
     # Layer-major: each layer visits the device once per call, not once per micro-batch (4 of them here).
     assert all(m > 1 for m in ref["micro_batches"])
     assert ref["loads"] == [ref["layers"], ref["layers"]]
-    # The per-micro-batch path (PP > 1) still streams through the hooks, with the same results.
+    # Megatron's per-micro-batch schedule still streams through the hooks, with the same results.
     assert ref["hooked_equal"] and ref["hooked_loads"] == ref["layers"] * ref["micro_batches"][0]
 
 
@@ -192,3 +199,24 @@ def test_layer_major_reference_at_tensor_parallel_2(tiny_model_dir, tmp_path):
                         join=True, start_method="spawn")
     for rank in range(2):
         _check_reference(json.loads((tmp_path / f"rank{rank}.json").read_text()))
+
+
+def test_layer_major_reference_at_pipeline_parallel_2(tmp_path):
+    """Two gloo ranks, one pipeline stage each, two layers a stage: each stage loads its own layers once per call
+    (the stage's layers, not layers x micro-batches), the first hands every micro-batch's hidden states to the
+    second, and the last stage's logprobs are the resident PP2 reference's (None on the first stage, as there)."""
+    import json
+
+    import torch.multiprocessing as tmp
+
+    from asyncflow.models.parallel import free_port
+    from asyncflow.tiny_model import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "qwen2", family="qwen2", num_layers=4, seed=0)
+    tmp.start_processes(_reference_rank, args=(2, free_port(), str(model_dir), str(tmp_path), 2), nprocs=2,
+                        join=True, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    assert [r["last"] for r in ranks] == [False, True]
+    for ref in ranks:
+        assert ref["layers"] == 2
+        _check_reference(ref)
