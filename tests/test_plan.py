@@ -69,8 +69,8 @@ def test_megatron_documented_bytes_per_parameter(dtype, distributed, dp, per_par
 
 
 def test_streamed_reference_counts_the_hidden_states_of_a_whole_call():
-    # layer_major keeps every row's hidden states of one compute_logprobs call between layers (one pipeline
-    # stage only): 128 rows x 5120 tokens x 3584 x 2 bytes, split over TP2 by sequence parallelism.
+    # layer_major keeps every row's hidden states of one compute_logprobs call between layers, on every pipeline
+    # stage: 128 rows x 5120 tokens x 3584 x 2 bytes, split over TP2 by sequence parallelism.
     from asyncflow.planner.memory import reference_terms
 
     shape = TrainShape(seq=5120, reference_rows=128)
@@ -80,7 +80,10 @@ def test_streamed_reference_counts_the_hidden_states_of_a_whole_call():
     sp = MegatronConfig(params_dtype="bfloat16", tensor_parallel=2, micro_batch_size=1, sequence_parallel=True)
     assert reference_terms(QWEN25_7B, sp, shape, 0, "offload")[key] == 128 * 5120 * 3584 * 2 / 2
     pp = MegatronConfig(params_dtype="bfloat16", tensor_parallel=2, pipeline_parallel=2, micro_batch_size=1)
-    assert key not in reference_terms(QWEN25_7B, pp, shape, 0, "offload")  # per micro-batch under PP
+    for stage in (0, 1):  # the first stage embeds them, the second receives them: the same bytes on each
+        assert reference_terms(QWEN25_7B, pp, shape, stage, "offload")[key] == 128 * 5120 * 3584 * 2
+    cp = MegatronConfig(params_dtype="bfloat16", context_parallel=2, micro_batch_size=1)
+    assert key not in reference_terms(QWEN25_7B, cp, shape, 0, "offload")  # per micro-batch under CP
     assert key not in reference_terms(QWEN25_7B, cfg, shape, 0, "colocated")
 
 

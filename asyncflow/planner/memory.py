@@ -69,8 +69,8 @@ class TrainShape:
     entropy: bool = False
     """The loss reads the policy's entropy (``algorithm.entropy_coef > 0``)."""
     reference_rows: int = 0
-    """Rows of one reference ``compute_logprobs`` call (``workflow.score_chunk``): a streamed reference with one
-    pipeline stage keeps the hidden states of all of them on the device (``engines.megatron.layer_major``)."""
+    """Rows of one reference ``compute_logprobs`` call (``workflow.score_chunk``): a streamed reference keeps the
+    hidden states of all of them on the device of every pipeline stage (``engines.megatron.layer_major``)."""
 
 
 @dataclasses.dataclass
@@ -154,8 +154,8 @@ def reference_terms(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, stag
                     placement: str) -> dict[str, float]:
     """Bytes the reference model adds to a device: ``colocated`` / ``own`` (weights and one forward
     micro-batch: the logits of its log-prob pass, or one layer's activations on other stages), ``offload``
-    (weights in host memory: the embedding and output layer plus two layers' weights on the device; with one
-    pipeline stage, also the hidden states of a whole call's rows, run layer-major), ``none``."""
+    (weights in host memory: the embedding and output layer plus two layers' weights on the device, and the
+    hidden states of a whole call's rows, run layer-major on every pipeline stage), ``none``."""
     if placement == "none":
         return {}
     p = DTYPE_BYTES[mcfg.params_dtype]
@@ -172,8 +172,9 @@ def reference_terms(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, stag
         layer = sum(layer_params(arch, tp, mcfg.expert_parallel, _etp(mcfg)))
         weights = (params.total - arch.num_layers // pp * layer + 2 * layer) * p
     terms = {"reference weights": weights, "reference forward": forward}
-    if placement == "offload" and pp == 1 and mcfg.context_parallel == 1:
-        # layer_major: rows (padded to whole micro-batches) x seq x hidden, split over TP by sequence parallelism.
+    if placement == "offload" and mcfg.context_parallel == 1:
+        # layer_major, on each stage (a later stage receives them all before its first layer): rows (padded to
+        # whole micro-batches) x seq x hidden, split over TP by sequence parallelism.
         rows = math.ceil(shape.reference_rows / mcfg.micro_batch_size) * mcfg.micro_batch_size
         split = tp if mcfg.sequence_parallel else 1
         terms["reference hidden states (all rows of a call)"] = rows * shape.seq * arch.hidden_size * p / split
