@@ -201,10 +201,12 @@ def test_layer_major_reference_at_tensor_parallel_2(tiny_model_dir, tmp_path):
         _check_reference(json.loads((tmp_path / f"rank{rank}.json").read_text()))
 
 
-def test_layer_major_reference_at_pipeline_parallel_2(tmp_path):
-    """Two gloo ranks, one pipeline stage each, two layers a stage: each stage loads its own layers once per call
-    (the stage's layers, not layers x micro-batches), the first hands every micro-batch's hidden states to the
-    second, and the last stage's logprobs are the resident PP2 reference's (None on the first stage, as there)."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_layer_major_reference_at_pipeline_parallel_2(tmp_path, tp):
+    """Gloo ranks of two pipeline stages (TP1: one rank a stage; TP2: two, each exchanging with its own peer), two
+    layers a stage: each stage loads its own layers once per call (the stage's layers, not layers x
+    micro-batches), the first hands every micro-batch's hidden states to the second, and the last stage's
+    logprobs are the resident PP2 reference's (None on the first stage, as there)."""
     import json
 
     import torch.multiprocessing as tmp
@@ -213,10 +215,11 @@ def test_layer_major_reference_at_pipeline_parallel_2(tmp_path):
     from asyncflow.tiny_model import make_tiny_model
 
     model_dir = make_tiny_model(tmp_path / "qwen2", family="qwen2", num_layers=4, seed=0)
-    tmp.start_processes(_reference_rank, args=(2, free_port(), str(model_dir), str(tmp_path), 2), nprocs=2,
+    world = 2 * tp
+    tmp.start_processes(_reference_rank, args=(world, free_port(), str(model_dir), str(tmp_path), 2), nprocs=world,
                         join=True, start_method="spawn")
-    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
-    assert [r["last"] for r in ranks] == [False, True]
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
+    assert [r["last"] for r in ranks] == [False] * tp + [True] * tp  # Megatron's order: TP inside PP
     for ref in ranks:
         assert ref["layers"] == 2
         _check_reference(ref)
