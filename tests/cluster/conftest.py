@@ -43,3 +43,27 @@ def two_hosts():
         yield cluster
     finally:
         two_host.down(cluster)
+
+
+def check_weight_bytes(layout: dict) -> str:
+    """Assert how the weights reached every rollout host of a run's ``layout.json`` and return the bytes per
+    transport per host as a Markdown table (``two_host.bytes_table``).
+
+    Counted where they were read: a rollout instance read an exporting rank's own staging segment only on the
+    rank's host (no byte of another host's shared memory), and the relay mirror of every rank on another host;
+    a host's relay receiver took bytes off the network exactly when some exporting rank is elsewhere.
+    """
+    two_host = load_two_host()
+    reads = two_host.weight_reads(layout)
+    assert reads and all(r["source_ip"] and r["bytes"] > 0 for r in reads), reads
+    assert sum(r["bytes"] for r in reads if r["via"] == "shm" and r["source_ip"] != r["rollout_ip"]) == 0, reads
+    for r in reads:
+        assert r["via"] == ("shm" if r["source_ip"] == r["rollout_ip"] else "relay"), r
+    table = {(h, t): n for h, t, n in two_host.bytes_table(layout)}
+    for host in {r["rollout_ip"] for r in reads}:
+        local = any(r["source_ip"] == host for r in reads if r["rollout_ip"] == host)
+        remote = any(r["source_ip"] != host for r in reads if r["rollout_ip"] == host)
+        assert (table[host, "weights: shm staging read"] > 0) == local, (host, table)
+        assert (table[host, "weights: relay mirror read"] > 0) == remote, (host, table)
+        assert (table[host, "weights: relay network received"] > 0) == remote, (host, table)
+    return two_host.format_table(two_host.bytes_table(layout))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cluster.conftest import check_weight_bytes
 from tests.recipe_runs import REPO, SMALL
 
 STEPS = 3
@@ -74,6 +75,12 @@ def test_tiny_recipe_trains_across_hosts(two_hosts, tmp_path, mode):
     assert all(w["moved_bytes"]["shm"] == 0 for w in on_b) and sum(w["moved_bytes"]["socket"] for w in on_b) > 0
     assert all(w["moved_bytes"]["socket"] == 0 for w in on_a) and sum(w["moved_bytes"]["shm"] for w in on_a) > 0
     assert any("relay (different nodes)" in line for line in layout["weight_routes"])
+    # Weights by the way they came: rollout on a host without an exporting rank only through its relay mirror,
+    # rollout beside the exporting rank (sync) from that rank's own segment (shared memory).
+    table = check_weight_bytes(layout)
+    exporting = {r["node_ip"] for r in layout["actor"] if r["weights"].get("source")}
+    remote = [r["weights"] for r in layout["rollout"] if r["node_ip"] not in exporting]
+    assert remote and all(w["read_bytes"]["shm"] == 0 and w["read_bytes"]["relay"] > 0 for w in remote)
     # Every version's weights reached the rollout engines exactly.
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(records) == STEPS
@@ -86,6 +93,7 @@ def test_tiny_recipe_trains_across_hosts(two_hosts, tmp_path, mode):
     print(json.dumps({"mode": mode, "steps": len(records), "gap_max": max(gaps),
                       "reward": [round(r["reward/mean"], 3) for r in records], "tq_bytes_by_host": per_host,
                       "weights": layout["weight_routes"]}))
+    print(f"bytes per transport per host ({mode}, {STEPS} steps):\n{table}")
 
 
 @pytest.mark.slow

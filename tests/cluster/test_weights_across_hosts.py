@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import load_two_host
+from tests.cluster.conftest import check_weight_bytes, load_two_host
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,6 +86,13 @@ def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_
     assert len(rollout[0]["weights"]["mirrors"]) == len(on_a)
     assert all(0 < b <= 512 * 2**20 for b in rollout[0]["weights"]["buffer_bytes"])
     assert any("relay (different nodes)" in line for line in layout["weight_routes"]) == bool(on_a)
+    # Bytes as read: host B's two instances took the ranks on A from the one mirror (the receiver's bytes came
+    # over the network once for both), never from A's shared memory.
+    table = check_weight_bytes(layout)
+    reads = load_two_host().weight_reads(layout)
+    assert {(r["rollout"], r["via"]) for r in reads} == {(0, "relay"), (1, "relay")}, reads
+    assert rollout[0]["weights"]["relay_received_bytes"] > 0 and rollout[1]["weights"]["relay_received_bytes"] == 0
+    print(f"bytes per transport per host (TP2 x DP2, rollout x2 on host B):\n{table}")
 
     # The live logprob gap at every step (vLLM on host B vs Megatron on both hosts).
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
