@@ -105,10 +105,15 @@ def _run(*cmd: str) -> str:
     return proc.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def _free_port(avoid: range = range(0)) -> int:
+    """A port free now, outside ``avoid`` (Ray refuses a component port inside its worker-port range)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        if port not in avoid:
+            return port
+    raise TwoHostError(f"no free port outside {avoid}")
 
 
 def _pick_subnet() -> tuple[str, str]:
@@ -141,8 +146,9 @@ def _ray_args(cluster: TwoHost, host: str, cpus: int) -> list[str]:
             f"--resources={json.dumps({cluster.resource: _devices(cluster, host)})}",
             "--object-store-memory=100000000",
             f"--temp-dir={cluster.temp_dir}/{host}"]
-    args += [f"{flag}={_free_port()}" for flag in _RAY_PORT_FLAGS]
     worker = _free_port()
+    workers = range(worker, worker + 201)
+    args += [f"{flag}={_free_port(workers)}" for flag in _RAY_PORT_FLAGS]
     return args + [f"--min-worker-port={worker}", f"--max-worker-port={worker + 200}"]
 
 
@@ -336,16 +342,19 @@ def weight_reads(layout: dict) -> list[dict]:
 
 def bytes_table(layout: dict) -> list[tuple[str, str, int]]:
     """``(host, transport, bytes)`` per host of a run's ``layout.json``: the weights rollout read from same-host
-    staging segments and from relay mirrors, the bytes the host's relay receivers took off the network, and the
+    staging segments and from relay mirrors, the bytes the host's exporting ranks broadcast and its relay
+    receivers took off the network, and the
     TransferQueue payload its clients moved by shared memory and by socket."""
     hosts = sorted({r["node_ip"] for r in layout["rollout"]} | {a["node_ip"] for a in layout["actor"]} |
                    {w["node_ip"] for w in layout["transfer_queue"]["workers"]})
     rows = []
     for host in hosts:
         rollout = [r["weights"] for r in layout["rollout"] if r["node_ip"] == host]
+        sent = sum(a["weights"].get("relay_sent_bytes", 0) for a in layout["actor"] if a["node_ip"] == host)
         tq = [w["moved_bytes"] for w in layout["transfer_queue"]["workers"] if w["node_ip"] == host]
         rows += [(host, "weights: shm staging read", sum(w["read_bytes"].get("shm", 0) for w in rollout)),
                  (host, "weights: relay mirror read", sum(w["read_bytes"].get("relay", 0) for w in rollout)),
+                 (host, "weights: relay network sent", sent),
                  (host, "weights: relay network received", sum(w["relay_received_bytes"] for w in rollout)),
                  (host, "transfer queue: shm", sum(m["shm"] for m in tq)),
                  (host, "transfer queue: socket", sum(m["socket"] for m in tq))]

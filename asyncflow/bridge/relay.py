@@ -119,6 +119,7 @@ class RelaySender:
         data = writer._slots.data[0]
         self.chunk = chunk_numel(spec, data.numel(), data.dtype)
         self.buffer_bytes = self.chunk * data.element_size()
+        self.sent_bytes = 0  # broadcast by this rank (headers and data, each byte once whatever the receivers)
         self._newest, self._cond = -1, threading.Condition()
         self._loop = _Loop(f"relay-send-{source_key(writer.rank)}", self._run)
 
@@ -149,7 +150,9 @@ class RelaySender:
             for start, n in _chunks(data.numel(), self.chunk):
                 buffer[:n].copy_(data[start:start + n])
                 group.broadcast(buffer[:n], 0).wait()
+                self.sent_bytes += n * buffer.element_size()
             group.broadcast(slots.headers[slot].clone().to(device), 0).wait()  # unchanged, or the copy is torn
+            self.sent_bytes += 2 * header.numel() * header.element_size()
             sent = version
 
     def close(self) -> None:

@@ -286,9 +286,9 @@ class ActorService(MegatronService):
         self.stage_stats = {"weights/stage_s": stats.seconds, "weights/staged_mb": stats.bytes / 2**20}
 
     def relay_state(self) -> dict:
-        """This rank's part of the weight path: its host key, the rollout hosts it relays to and its relay
-        buffer's bytes (empty on ranks that export nothing)."""
-        return dict(self.routes)
+        """This rank's part of the weight path: its host key, the rollout hosts it relays to, its relay
+        buffer's bytes and the bytes it broadcast so far (empty on ranks that export nothing)."""
+        return {**self.routes, **({"relay_sent_bytes": self.relay.sent_bytes} if self.relay is not None else {})}
 
     def shutdown(self) -> None:
         """Remove this rank's staging segment too."""

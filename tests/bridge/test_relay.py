@@ -81,6 +81,7 @@ def test_relay_mirrors_each_version_chunk_by_chunk_through_a_fixed_buffer():
         for receiver, key in zip(receivers, list(writers) * 2):
             assert receiver.versions == 2
             assert receiver.received_bytes == 2 * (slot_numel[key] * 4 + 2 * 2 * 8), (key, receiver.received_bytes)
+        assert [s.sent_bytes for s in senders] == [2 * (slot_numel[k] * 4 + 2 * 2 * 8) for k in writers]
     finally:
         for sender in senders:
             sender.close()

@@ -66,4 +66,9 @@ def check_weight_bytes(layout: dict) -> str:
         assert (table[host, "weights: shm staging read"] > 0) == local, (host, table)
         assert (table[host, "weights: relay mirror read"] > 0) == remote, (host, table)
         assert (table[host, "weights: relay network received"] > 0) == remote, (host, table)
+    # The sending side: a host's exporting ranks broadcast bytes exactly when one of them relays to another host
+    # (the totals are not compared: the last version may still be in flight when the layout is recorded).
+    for host in {a["node_ip"] for a in layout["actor"]}:
+        relays = any(a["weights"].get("sends_to") for a in layout["actor"] if a["node_ip"] == host)
+        assert (table[host, "weights: relay network sent"] > 0) == relays, (host, table)
     return two_host.format_table(two_host.bytes_table(layout))
