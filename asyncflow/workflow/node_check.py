@@ -14,6 +14,7 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.workflow.errors import NodePathError
+from asyncflow.workflow.network import alive_nodes
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -50,7 +51,7 @@ def check_nodes(cfg: AsyncFlowConfig, model_dir: Path, timeout_s: float = 120.0)
 
     paths = required_paths(cfg, model_dir)
     probe = ray.remote(_missing)
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    nodes = alive_nodes()
     if len(nodes) == 1 and nodes[0]["NodeManagerAddress"] == ray.util.get_node_ip_address():
         return  # the driver's own node: it has just read these paths itself
     refs = [probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))

@@ -322,13 +322,19 @@ def test_launcher_help_exits_zero(tmp_path):
     assert not marker.exists()
 
 
-def test_launcher_stops_before_ray_when_the_recipe_check_fails(tmp_path):
+def _launcher_env(tmp_path):
+    """Fake cluster tools, a 7B-shaped model folder as MODEL_DIR, and no Slurm allocation (the ssh path)."""
     env, marker = _fake_tools(tmp_path)
     model_dir = tmp_path / "model"
     model_dir.mkdir()
     shutil.copy(ROOT / "recipes/qwen2.5-7b/model_arch.json", model_dir / "config.json")
     env.update(MODEL_DIR=str(model_dir), OMP_NUM_THREADS="1")
     env.pop("SLURM_JOB_NODELIST")
+    return env, marker
+
+
+def test_launcher_stops_before_ray_when_the_recipe_check_fails(tmp_path):
+    env, marker = _launcher_env(tmp_path)
     # The launcher checks the config with the overrides it will train with: TP 8 does not divide 28 heads.
     result = subprocess.run(["bash", str(ROOT / "recipes/qwen2.5-7b/launch.sh"), "trainer.tensor_parallel=8"],
                             env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
@@ -374,12 +380,7 @@ def test_launcher_passes_the_run_environment_to_every_node(tmp_path):
 
 
 def test_launcher_forwards_resume_and_absolute_roots(tmp_path):
-    env, marker = _fake_tools(tmp_path)
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    shutil.copy(ROOT / "recipes/qwen2.5-7b/model_arch.json", model_dir / "config.json")
-    env.update(MODEL_DIR=str(model_dir), OMP_NUM_THREADS="1")
-    env.pop("SLURM_JOB_NODELIST")
+    env, marker = _launcher_env(tmp_path)
     # No cluster can start here: the cluster start and the wait for devices are skipped, the rest is the launcher's.
     recipe = ROOT / "recipes/qwen2.5-7b"
     result = _source_launcher(f"rc_start_cluster() {{ RC_ADDRESS=head:1; }}; rc_wait_for_devices() {{ :; }}; "
