@@ -123,3 +123,16 @@ def make_tiny_model(
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
+
+
+def ensure_model(model_cfg) -> Path:
+    """The model folder of ``model_cfg`` (the config's ``model`` section), with a tiny random model written there
+    first when it has no ``config.json`` and ``make_tiny_if_missing`` is set; an error when neither holds."""
+    model_dir = Path(model_cfg.path)
+    if not (model_dir / "config.json").is_file():
+        if not model_cfg.make_tiny_if_missing:
+            raise FileNotFoundError(f"model.path {model_dir} has no config.json (model.make_tiny_if_missing=true "
+                                    "creates a random tiny model there)")
+        make_tiny_model(model_dir, family=model_cfg.tiny_family, charset=model_cfg.tiny_charset)
+        print(f"created a tiny {model_cfg.tiny_family} model at {model_dir}", flush=True)
+    return model_dir
