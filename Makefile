@@ -8,10 +8,12 @@ STAMP := $(VENV)/.asyncflow-installed
 CONSTRAINTS := requirements/cpu-constraints.txt
 PYTEST_ARGS ?=
 # Two pytest-xdist workers: a run of the loop leaves a core idle for a fifth of its time (imports, start-up, waits),
-# which the other worker's tests fill. tests/conftest.py keeps each file, and each shared fixture's users, on one worker.
+# which the other worker's tests fill. A worker takes whole files (--dist loadfile), in the order tests/conftest.py
+# gives them (files with slow tests first; --no-loadscope-reorder keeps that order).
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: venv demo demo-slice test lint bench-e2e bench-tq bench-weight-sync gpu-check clean-venv
+.PHONY: venv demo demo-slice test test-fast lint bench-e2e bench-tq bench-weight-sync gpu-check clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +35,14 @@ demo-slice: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 
+# Every test, the real-stack runs (vLLM, Megatron, Ray, the two-host cluster) included; fails if a test leaves a
+# segment in /dev/shm. One file: $(PY) -m pytest tests/path/test_x.py -p no:xdist
 test: venv lint
-	$(PY) -m pytest tests -n $(TEST_WORKERS) --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
+
+# The edit-test loop: unit tests and the workflow tests on fake engines (every test not marked slow).
+test-fast: venv
+	$(PY) -m pytest tests $(XDIST) -m "not slow" $(PYTEST_ARGS)
 
 bench-e2e: venv
 	$(PY) bench/e2e.py

@@ -1,31 +1,26 @@
 """Shared fixtures: a tiny Hugging Face model, one spawned vLLM process and the demo recipe's run, each made once per
-session; and how the suite is split over pytest-xdist's workers (``make test`` runs two)."""
+session; the order of the suite's files; and the session-end check that no test left a shared-memory segment.
+
+``make test`` runs two pytest-xdist workers with ``--dist loadfile``: a worker takes a whole file, so a session
+fixture is made once per worker that runs one of its files. The costliest ones (``ONE_FILE_FIXTURES``) are used by
+one file only, which keeps them to one build; ``vllm_child`` may be made once on each worker.
+"""
 
 import multiprocessing as mp
 import os
+import time
+from pathlib import Path
 
 import pytest
 
-# The test files that use a session fixture costly enough to make only once: under pytest-xdist each of these groups
-# runs on one worker (a session fixture is made once per worker). Checked at collection.
-SHARED_GROUPS = {
-    "tests/workflow/test_e2e.py": "demo_run",
-    "tests/simulator/test_calibration.py": "demo_run",
-    "tests/engines/vllm/test_stream.py": "vllm_child",
-    "tests/engines/vllm/test_vllm_rollout.py": "vllm_child",
-    "tests/engines/vllm/test_moe_reload.py": "vllm_child",
-    "tests/agents/test_agent_loop.py": "vllm_child",
-    "tests/cluster/test_two_host.py": "two_hosts",
-    "tests/cluster/test_across_hosts.py": "two_hosts",
-    "tests/cluster/test_tq_two_hosts.py": "two_hosts",
-}
+# Session fixtures too costly to build once per worker: each may be used by one test file only. xdist's own
+# ``loadgroup`` marks cannot keep several files on one worker under pytest 9 (its worker renames ``item._nodeid``,
+# which pytest 9 no longer reads), so files sharing such a fixture are merged instead.
+ONE_FILE_FIXTURES = {"demo_run", "two_hosts"}
 
-# Files whose tests measure this machine (the simulator's calibration and its held-out run): under pytest-xdist they
-# run first, with the other worker held until they end (``GroupScheduling``), as calibration assumes the machine is
-# its own. Their group (``SHARED_GROUPS``) goes first in the collection.
-# The worker-kill test too: beside another worker's runs, its run once did not stop within 120 s of the kill
-# (2026-12-02, cause unknown; alone it stopped in 13-14 s every time).
-QUIET_MODULES = {"tests/simulator/test_calibration.py", "tests/workflow/test_weight_failure.py"}
+SHM = Path("/dev/shm")
+_SHM_BEFORE = pytest.StashKey[set]()
+_SHM_LEFT = pytest.StashKey[list]()
 
 # Keep the 2-core CI machine responsive when several processes compute at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,8 +47,8 @@ def tiny_model_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_child():
     """One spawned process, for the session, for the tests that drive an in-process vLLM engine (each test's
-    function builds and closes its own engine there): vLLM's import is paid once instead of per test file, about
-    15 s of a fresh process on 2 cores, and its process-wide settings never reach pytest's own process."""
+    function builds and closes its own engine there): vLLM's import is paid once per worker instead of per test
+    file, about 15 s of a fresh process on 2 cores, and its process-wide settings never reach pytest's own process."""
     with mp.get_context("spawn").Pool(1) as pool:
         yield pool
 
@@ -61,91 +56,93 @@ def vllm_child():
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The demo recipe's async GRPO run (its own sizes, 32 prompts x 8 samples), 70 steps; made once and read
-    by the end-to-end checks and by the simulator's held-out prediction. Its summary, with ``_out``."""
+    by the end-to-end checks. Its summary, with ``_out``."""
     from tests.recipe_runs import LEARN_STEPS, run_recipe
 
     return run_recipe(tmp_path_factory.mktemp("demo_run"), "async", 1, "async",
                       sizes=[f"workflow.steps={LEARN_STEPS}"])
 
 
-def _module(nodeid: str) -> str:
-    return nodeid.split("::", 1)[0]
-
-
-def _group(nodeid: str) -> str:
-    """The unit of work a worker takes whole: the test's file (its module fixtures are made once), or the
-    file's shared group."""
-    module = _module(nodeid)
-    return SHARED_GROUPS.get(module, module)
+def _file(item) -> str:
+    return item.nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    """Check ``SHARED_GROUPS``, then put the groups that hold a slow test first: xdist hands out whole groups
-    in collection order (``--no-loadscope-reorder``), so the long runs of the loop start early and the short
-    tests fill in at the end, instead of one worker idling while the other finishes a long run."""
+    """Check ``ONE_FILE_FIXTURES``, then put the files that hold a slow test first (stable: a file's tests stay
+    together and in order). ``make test`` passes ``--no-loadscope-reorder``, so xdist hands out files in this
+    order: the long runs of the loop start early and the short files fill in at the end, instead of one worker
+    idling while the other finishes a long run."""
+    users: dict[str, set[str]] = {}
     for item in items:
-        for name in set(item.fixturenames) & set(SHARED_GROUPS.values()):
-            if SHARED_GROUPS.get(_module(item.nodeid)) != name:
-                raise pytest.UsageError(f"{_module(item.nodeid)} uses the session fixture {name}: add it to "
-                                        "SHARED_GROUPS in tests/conftest.py, so that xdist runs it beside the "
-                                        "fixture's other users")
-    slow = {_group(item.nodeid) for item in items if item.get_closest_marker("slow")}
-    shared = set(SHARED_GROUPS.values())
-    quiet = {_group(module) for module in QUIET_MODULES}
-    # Stable: a file's tests stay together and in order. The quiet groups first, a shared one last among them (its
-    # quiet files first in it: the other worker starts when they end, while the rest of that group runs); then the
-    # shared groups (the longest), then the other slow ones.
-    items.sort(key=lambda item: (_group(item.nodeid) not in quiet, _group(item.nodeid) in shared and
-                                 _group(item.nodeid) in quiet, _group(item.nodeid) not in shared,
-                                 _group(item.nodeid) not in slow, _module(item.nodeid) not in QUIET_MODULES))
+        for name in ONE_FILE_FIXTURES & set(item.fixturenames):
+            users.setdefault(name, set()).add(_file(item))
+    for name, files in users.items():
+        if len(files) > 1:
+            raise pytest.UsageError(f"the session fixture {name} is used by {sorted(files)}: it is built once per "
+                                    "xdist worker that runs one of them, so keep its tests in one file "
+                                    "(ONE_FILE_FIXTURES in tests/conftest.py)")
+    slow = {_file(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _file(item) not in slow)
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown to a pytest without it
-def pytest_xdist_make_scheduler(config, log):
-    """Whole groups to a worker (``_group``), and the tests of ``QUIET_MODULES`` alone on the machine. xdist's own
-    ``loadgroup`` marks do not take under pytest 9, whose node ids no longer come from the attribute xdist
-    rewrites, so the grouping is this scheduler's."""
-    from xdist.scheduler import LoadScopeScheduling
+# The shared-memory check. It runs in the process that holds the session (the xdist controller, or pytest itself
+# without xdist): workers and the runs they start come and go inside it.
 
-    class GroupScheduling(LoadScopeScheduling):
-        quiet_node = None  # the worker running the quiet tests; the others get no work until they end
 
-        def _split_scope(self, nodeid: str) -> str:
-            return _group(nodeid)
+def _is_controller(config) -> bool:
+    return not hasattr(config, "workerinput")
 
-        def _quiet_left(self) -> bool:
-            units = list(self.workqueue.values()) + [u for work in self.assigned_work.values() for u in work.values()]
-            return any(not done and _module(nodeid) in QUIET_MODULES for u in units for nodeid, done in u.items())
 
-        def _assign_work_unit(self, node) -> None:
-            if self._quiet_left():
-                if self.quiet_node is None:
-                    self.quiet_node = node  # takes the first unit: the quiet group, collected first
-                elif node is not self.quiet_node:
-                    return  # held: the quiet tests run alone
-            super()._assign_work_unit(node)
+def _in_use() -> set[str]:
+    """Names under /dev/shm that a live process maps or holds open (a segment of a run that is still stopping, or
+    of another session on the same machine: not left behind, or not this session's)."""
+    used = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+            fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        used.update(line.split("/dev/shm/", 1)[1].split(" ")[0] for line in maps.splitlines() if "/dev/shm/" in line)
+        used.update(path[len("/dev/shm/"):].split(" ")[0] for path in fds if path.startswith("/dev/shm/"))
+    return used
 
-        def remove_node(self, node):
-            """A worker that crashed: its test is reported failed and not run again (xdist's scope schedulers
-            requeue it, and a test that kills its worker every time then leaves the session hanging). If it held
-            the quiet tests, their requeued group goes first again and the next worker to ask takes it."""
-            if node is self.quiet_node:
-                self.quiet_node = None
-            crashed = super().remove_node(node)  # requeues the node's unfinished groups, at the end
-            for scope, unit in list(self.workqueue.items()):
-                if crashed in unit:
-                    unit[crashed] = True
-                if any(_module(nodeid) in QUIET_MODULES for nodeid in unit):
-                    self.workqueue.move_to_end(scope, last=False)
-            return crashed
 
-        def mark_test_complete(self, node, item_index: int, duration: float = 0) -> None:
-            quiet_before = self._quiet_left()
-            super().mark_test_complete(node, item_index, duration)
-            if quiet_before and not self._quiet_left():  # the held workers start now
-                for other in self.nodes:
-                    if other is not node:  # two units, as xdist starts a worker: it runs a test once it has the next
-                        self._reschedule(other)
-                        self._reschedule(other)
+def left_in_shm(before: set[str], wait_s: float = 10.0) -> list[str]:
+    """Entries of /dev/shm that are not in ``before`` and that no live process uses, after up to ``wait_s`` for
+    processes still exiting to remove theirs."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = sorted(set(os.listdir(SHM)) - before - _in_use())
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(1.0)
 
-    return GroupScheduling(config, log)
+
+def pytest_sessionstart(session):
+    if _is_controller(session.config) and SHM.is_dir():
+        session.config.stash[_SHM_BEFORE] = set(os.listdir(SHM))
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures' teardown (pytest's runner does it in this hook)
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when a segment made during it is left in /dev/shm (psm_*, vllm_dist_*, sem.mp-*, a
+    TransferQueue arena or a weight staging segment that a killed process never unlinked)."""
+    before = session.config.stash.get(_SHM_BEFORE, None)
+    if before is None:
+        return
+    left = left_in_shm(before)
+    session.config.stash[_SHM_LEFT] = left
+    if left and session.exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    left = config.stash.get(_SHM_LEFT, [])
+    if left:
+        terminalreporter.section("shared memory left behind", sep="=", red=True, bold=True)
+        terminalreporter.line(f"{len(left)} segment(s) made during this session are still in /dev/shm and no "
+                              f"process uses them (the suite fails):")
+        for name in left:
+            terminalreporter.line(f"  /dev/shm/{name}")
+

@@ -6,6 +6,7 @@ root, so a skip there would hide that the cross-host tests never ran) and skip w
 """
 
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -72,3 +73,43 @@ def check_weight_bytes(layout: dict) -> str:
         relays = any(a["weights"].get("sends_to") for a in layout["actor"] if a["node_ip"] == host)
         assert (table[host, "weights: relay network sent"] > 0) == relays, (host, table)
     return two_host.format_table(two_host.bytes_table(layout))
+
+
+def check_tq_and_weights_across_hosts(cluster, stdout: str, out: Path, steps: int) -> dict:
+    """Assert what every run of the loop across the two hosts must show, from its stdout and output folder:
+    the TransferQueue binds every interface and every worker got host A's veth address (never 127.0.0.1 of
+    host A), clients on host A move bytes only by shared memory and those on host B only by socket, weights
+    reach a host without an exporting rank only through its relay mirror (``check_weight_bytes``), every
+    step's weights came over from the trainer and vLLM's logprobs equal Megatron's at every version.
+    Returns the run's ``layout.json``."""
+    a, b = cluster.addr_a, cluster.addr_b
+    assert "network: 2 Ray nodes: TransferQueue binds 0.0.0.0" in stdout
+    assert f"relay store on the driver's node address {a};" in stdout  # not 127.0.0.1 of host A
+    layout = json.loads((out / "layout.json").read_text())
+    tq = layout["transfer_queue"]
+    assert tq["bind"] == "0.0.0.0" and tq["advertise"] == a
+    assert tq["controller"].startswith(f"tcp://{a}:") and all(u.startswith(f"tcp://{a}:") for u in tq["units"])
+    assert {w["tq_address"] for w in tq["workers"]} == {tq["controller"]}
+    # The storage units live on host A: clients there use shared memory, clients on host B only sockets.
+    on_b = [w for w in tq["workers"] if w["node_ip"] == b]
+    on_a = [w for w in tq["workers"] if w["node_ip"] == a]
+    assert on_b and on_a
+    assert all(w["moved_bytes"]["shm"] == 0 for w in on_b) and sum(w["moved_bytes"]["socket"] for w in on_b) > 0
+    assert all(w["moved_bytes"]["socket"] == 0 for w in on_a) and sum(w["moved_bytes"]["shm"] for w in on_a) > 0
+    assert any("relay (different nodes)" in line for line in layout["weight_routes"])
+    table = check_weight_bytes(layout)
+    exporting = {r["node_ip"] for r in layout["actor"] if r["weights"].get("source")}
+    remote = [r["weights"] for r in layout["rollout"] if r["node_ip"] not in exporting]
+    assert remote and all(w["read_bytes"]["shm"] == 0 and w["read_bytes"]["relay"] > 0 for w in remote)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == steps
+    # On-policy runs (max_staleness 0): every version is checked.
+    gaps = [r["check/fresh_logprob_gap_max"] for r in records if r.get("check/fresh_logprob_gap_tokens")]
+    assert len(gaps) == steps and max(gaps) <= 1e-5, gaps
+    assert all(r["rollout/weight_buckets"] > 0 for r in records[1:]), [r["rollout/weight_buckets"] for r in records]
+    per_host = {ip: {kind: sum(w["moved_bytes"][kind] for w in tq["workers"] if w["node_ip"] == ip)
+                     for kind in ("shm", "socket")} for ip in (a, b)}
+    print(json.dumps({"steps": len(records), "gap_max": max(gaps), "tq_bytes_by_host": per_host,
+                      "weights": layout["weight_routes"]}))
+    print(f"bytes per transport per host:\n{table}")
+    return layout

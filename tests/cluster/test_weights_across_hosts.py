@@ -1,10 +1,12 @@
-"""Weights and ranks across the two hosts of ``tools/two_host.py`` (host A: 2 devices, host B: 4).
+"""The async recipe across the two hosts of ``tools/two_host.py`` (host A: 2 devices, host B: 4), and its teardown.
 
 The tiny recipe with trainer TP2 x DP2 over both hosts and two rollout instances pinned to host B
 (``ray.rollout_label_selector``): every TP group lies on one host (from the ranks' node ids); each exporting
 rank on host A relays into host B's one receiver and one mirror, which both instances of host B read; an
 exporting rank on host B is read from its own segment there (``weight_sync.transport: auto``, per pair); the
-live logprob gap stays within 1e-5 at every step (on-policy, so every step checks it).
+live logprob gap stays within 1e-5 at every step (on-policy, so every step checks it). The same run is the
+async layout's check of the TransferQueue and the weight paths across hosts (``check_tq_and_weights_across_hosts``).
+The file's last test removes the cluster and checks that nothing of it is left.
 """
 
 import json
@@ -15,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import check_weight_bytes, load_two_host
+from tests.cluster.conftest import check_tq_and_weights_across_hosts, check_weight_bytes, load_two_host
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,7 +63,7 @@ def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1500, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    layout = json.loads((out / "layout.json").read_text())
+    layout = check_tq_and_weights_across_hosts(hosts_2_4, proc.stdout, out, steps=3)
 
     # Each TP group (ranks 2g, 2g+1) on one host; the group's two ranks really share that host.
     actor = layout["actor"]
@@ -94,11 +96,6 @@ def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(hosts_2_4, tmp_
     assert rollout[0]["weights"]["relay_received_bytes"] > 0 and rollout[1]["weights"]["relay_received_bytes"] == 0
     print(f"bytes per transport per host (TP2 x DP2, rollout x2 on host B):\n{table}")
 
-    # The live logprob gap at every step (vLLM on host B vs Megatron on both hosts).
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    gaps = [r["check/fresh_logprob_gap_max"] for r in records if r.get("check/fresh_logprob_gap_tokens")]
-    assert len(gaps) == 3 and max(gaps) <= 1e-5, gaps  # versions 0, 1, 2: each applied from host B's mirror
-
 
 @pytest.mark.slow
 def test_a_tp_group_larger_than_a_node_is_a_clear_error(hosts_2_4, tmp_path):
@@ -118,3 +115,18 @@ def test_a_tp_group_larger_than_a_node_is_a_clear_error(hosts_2_4, tmp_path):
     assert "asyncflow: config error: trainer TP 4 x EP 1 over 4 devices needs 4 consecutive ranks on one node" \
         in proc.stderr, proc.stderr[-3000:]
     assert not (tmp_path / "run" / "layout.json").exists()  # stopped before any worker started
+
+
+@pytest.mark.slow  # the cluster takes ~17 s to make
+def test_down_removes_everything_it_made(hosts_2_4):
+    """Last in the file: ``down`` of the cluster the runs above used (the fixture's own ``down`` then finds
+    nothing left to remove)."""
+    two_host = load_two_host()
+    own = two_host._own_host_a_pids(hosts_2_4)
+    assert own and two_host._netns_pids(hosts_2_4)
+    two_host.down(hosts_2_4)
+    state = two_host.status(hosts_2_4)
+    assert not state["netns"] and not state["veth"] and state["netns_pids"] == 0
+    assert not any(state["ray"].values())
+    assert not any(two_host._alive(p) for p in own)
+    assert not two_host._own_host_a_pids(hosts_2_4)
