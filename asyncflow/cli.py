@@ -107,9 +107,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     if problems := check_model_path(cfg):
         return _refuse(problems)
     variants = args.variants.split(",") if args.variants else None
-    costs = profile(cfg, args.out, variants=variants, reps=args.reps, quick=args.quick,
-                    calibrate=False if args.no_calibrate else (True if args.calibrate else None), recipe=path,
-                    calibration_runs=args.calibration_runs)
+    costs = profile(cfg, args.out, variants=variants, reps=args.reps, quick=args.quick)
     print(f"wrote {args.out}: variants {', '.join(costs.variants)} in {costs.hardware['seconds']:.0f} s "
           f"(load average before/after {costs.hardware['loadavg_before'][0]:.1f}/"
           f"{costs.hardware['loadavg_after'][0]:.1f})", flush=True)
@@ -153,19 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="comma-separated: threads per worker on CPU (default 1,2), or 'device' on a GPU node")
     prof.add_argument("--reps", type=int, default=5,
                       help="timings per grid point (the median is kept; single timings swing 10-25%% here)")
-    prof.add_argument("--quick", action="store_true", help="a smaller measurement grid (about half the time), "
-                      "no calibration run")
-    calib = prof.add_mutually_exclusive_group()
-    calib.add_argument("--no-calibrate", action="store_true",
-                       help="skip the real runs of the loop (sync per CPU variant, async once) that calibrate the "
-                       "services' overhead")
-    calib.add_argument("--calibrate", action="store_true",
-                       help="calibrate even with --quick (shorter runs then: 5 sync steps, 10 async)")
-    prof.add_argument("--calibration-runs", type=int, default=2,
-                      help="calibration runs per variant and mode; the sync ones alternate two workloads (rows of "
-                      "up to 48 and 12 tokens), which splits each service's overhead into per call and per token "
-                      "(1: one workload, per call only); of several runs of a workload the fastest is used (4 on a "
-                      "shared machine: two of each)")
+    prof.add_argument("--quick", action="store_true", help="a smaller measurement grid (about half the time)")
     prof.set_defaults(func=_cmd_profile)
 
     simulate = sub.add_parser("simulate", help="discrete-event prediction of a run (step time, samples/s, idle, "

@@ -2,34 +2,21 @@
 
     python bench/simulator.py [--costs FILE] [--steps 16] [--repeats 3] [--out outputs/bench_simulator] [--cases a,b]
 
-1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier, calibrated profile). The
-   profile times isolated engine calls (vLLM generate, Megatron train_step, staging, TransferQueue requests);
-   then the loop runs on its own two calibration workloads (``simulator.calibrate``, lengths clipped at 48 and
-   at 12 tokens), which no case below uses, so every run below is held out. The calibration runs are spread
-   over the invocation: before each round of held-out runs, one sync run of each workload per variant and two
-   async runs (``calibration_order``); the cost file is completed from all of them (``Calibration.apply``,
-   ``keep="all"``) once every run is done, and only then is any case predicted. Spread, because the shared
-   machine's speed drifts over the half hour of an invocation: on 2026-12-01 the profile and its calibration
-   runs ran at load average 2.5-3.1 and the held-out runs after them at 0.3-2.4, and every case was predicted
-   8-22% slow (calibration runs before the held-out ones, the fastest of each workload kept).
-2. Each case runs for real (``asyncflow.workflow.loop.train``, the same process as ``asyncflow train``) and
-   is simulated with the cost file; throughput is rows trained per second after ``WARMUP`` steps in both
-   (the first steps include vLLM and Megatron warm-up, which the cost model leaves out on purpose). A real
-   step ends when its last span ends (its weights staged), as a simulated one does: ``metrics.jsonl`` has
-   stamped steps so since 2026-12-01; before, it stamped them when the driver polled for reports (every
-   0.2 s), which read async runs 2-5% faster than their timelines and left sync runs as they were.
-   The machine is shared with other jobs. The primary prediction uses the costs as profiled in the same
-   session; the table also shows them rescaled by a CPU probe (``profile.speed_probe``) taken before and
-   after each run against its time during the profile. On 2026-11-30 the probe swung 5x while the engines'
-   own costs moved by 20%, so the rescaled column is shown, not trusted.
-   Each case runs ``--repeats`` times, the cases interleaved (all once, then all again): on this shared
-   2-core machine one case measured 294 and 356 samples/s in two invocations 20 minutes apart, so the
-   measured figure is the median of the repeats (of three, a run slowed throughout by another job, as one
-   `short sync 1 thread` run at 240 samples/s against 333 for its twin on 2026-12-01, does not set it) and
-   the table shows every run.
+1. Calibration: ``asyncflow profile`` on this machine (or ``--costs`` from an earlier, calibrated profile) times
+   isolated engine calls; then the loop runs on its own two calibration workloads (``bench/calibrate.py``,
+   lengths clipped at 48 and at 12 tokens), which no case below uses, so every run below is held out. The
+   calibration runs are spread over the invocation (before each round of held-out runs, one sync run of each
+   workload per variant and two async runs, ``calibration_order``), since a shared machine's speed drifts over
+   the half hour of an invocation; the cost file is completed from all of them (``Calibration.apply``,
+   ``keep="all"``) once every run is done, and only then is any case predicted.
+2. Each case runs for real (``asyncflow train`` in a fresh process) and is simulated with the cost file;
+   throughput is rows trained per second after ``WARMUP`` steps in both (the first steps include vLLM and
+   Megatron warm-up, which the cost model leaves out on purpose). A real step ends when its last span ends (its
+   weights staged), as a simulated one does. Each case runs ``--repeats`` times, the cases interleaved (all once,
+   then all again); the measured figure is the median of the repeats, and the table shows every run.
 3. Prints predicted against measured for every case, the error, and the async/sync ratios. A measured ratio is
    the median of its per-round ratios (``paired_ratio``): the rounds drift in speed together, and each async case
-   runs next to the sync cases it is compared with. Until 2026-12-03 it was the ratio of the two medians.
+   runs next to the sync cases it is compared with.
 """
 
 from __future__ import annotations
@@ -59,8 +46,8 @@ CASES = {
     # them to one core, as in the profile.
     "longtail sync 1 thread": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0",
                                        "workflow.sync_worker_threads=1"], None),
-    # The trainer taking rows in arrival order (``trainer.row_order=arrival``, the default until 2026-12-02): a sync
-    # step's micro-batches mixed lengths, padded to their longest; the default batches the shortest ready rows.
+    # The trainer taking rows in arrival order (``trainer.row_order=arrival``): a sync step's micro-batches mix
+    # lengths, padded to their longest; the default batches the shortest ready rows.
     "longtail sync arrival": (BASE + ["workflow.mode=sync", "workflow.max_staleness=0", "trainer.row_order=arrival"],
                               None),
     "longtail async k=0": (BASE + ["workflow.mode=async", "workflow.max_staleness=0"], None),
@@ -90,9 +77,8 @@ RATIOS = [("longtail async k=1", "longtail sync"), ("short async k=1", "short sy
 """The issue's four async/sync ratios, then what shortest-first micro-batching gains a sync step."""
 
 
-def predict(overrides: list[str], lengths: str | None, costs, steps: int, slowdown: float = 1.0):
-    """The simulator's result for the run ``overrides`` describe, on a machine ``slowdown`` times slower than
-    when it was profiled."""
+def predict(overrides: list[str], lengths: str | None, costs, steps: int):
+    """The simulator's result for the run ``overrides`` describe, and its workload."""
     from asyncflow.config import load_config
     from asyncflow.simulator.report import model_for
     from asyncflow.simulator.sim import simulate
@@ -101,21 +87,14 @@ def predict(overrides: list[str], lengths: str | None, costs, steps: int, slowdo
     cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", overrides + [f"workflow.steps={steps}"])
     w = dataclasses.replace(from_config(cfg, lengths=lengths), warmup_steps=WARMUP)
     model = model_for(costs, w)
-    return simulate(w, model.scaled(slowdown)), w
-
-
-def slowdown(costs, probe_s: float, variant: str) -> float:
-    """How much slower the machine is now than when ``variant`` was profiled (1 when it has no probe)."""
-    base = costs.variant(variant).speed_probe_s
-    return probe_s / base if base > 0 else 1.0
+    return simulate(w, model), w
 
 
 def measure(name: str, overrides: list[str], steps: int, out: Path, repeat: int = 0) -> Path:
     """Run the case for real in a fresh process (as ``asyncflow train``); returns its metrics.jsonl.
 
     Ray gives its workers niceness 15 by default; on a machine shared with other jobs at niceness 0 that starved
-    them about 17x, so set ``RAY_worker_niceness=0`` in the environment to compete on equal terms (the profile
-    and the speed probe follow the same variable)."""
+    them, so set ``RAY_worker_niceness=0`` in the environment to compete on equal terms."""
     import subprocess
 
     run_dir = out / (name.replace(" ", "_").replace("=", "") + (f"-{repeat}" if repeat else ""))
@@ -136,11 +115,9 @@ def paired_ratio(results: dict, a: str, s: str) -> tuple[float, list[float]]:
     same round (``results[name]["rounds"]``: each run's round; an older results.json without it had no failed
     runs, so its runs are in round order), and the per-round ratios.
 
-    Paired, because this machine's speed drifts over minutes, shared by every run of a round: on 2026-12-03 one
-    round ran every case 1.2-1.9x faster than its median and the calibration runs beside it 1.4-1.9x. A ratio of
-    the two cases' medians can take its two medians from different rounds and keep that drift; a per-round ratio
-    cancels it (not each run's own noise, which on 2026-12-03 was the larger part). With no round in common, the
-    ratio of the medians."""
+    Paired, because a shared machine's speed drifts over minutes, shared by every run of a round: a ratio of the
+    two cases' medians can take its two medians from different rounds and keep that drift; a per-round ratio
+    cancels it (not each run's own noise). With no round in common, the ratio of the medians."""
     by_round = {}
     for name in (a, s):
         runs = results[name].get("runs", [results[name]["measured"]])
@@ -153,25 +130,22 @@ def paired_ratio(results: dict, a: str, s: str) -> tuple[float, list[float]]:
 
 
 def render(results: dict) -> str:
-    """Predicted against measured: the prediction from the costs as profiled (primary), and rescaled by the
-    speed probe (``slowdown``: predicted / slowdown is the as-profiled value, costs scale exactly). A ratio's
-    measured figure is ``paired_ratio``; its runs column has the per-round ratios and the ratio of the medians."""
-    lines = ["| case | predicted samples/s | measured samples/s (median) | runs | error | probe-rescaled prediction | "
-             "its error | probe slowdown | load avg | bound by, rollout / training +10% |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    raw = {name: r["predicted"] * r["slowdown"] for name, r in results.items()}
+    """Predicted against measured. A ratio's measured figure is ``paired_ratio``; its runs column has the
+    per-round ratios and the ratio of the medians."""
+    lines = ["| case | predicted samples/s | measured samples/s (median) | runs | error | load avg | "
+             "bound by, rollout / training +10% |",
+             "|---|---|---|---|---|---|---|"]
+    raw = {name: r["predicted"] for name, r in results.items()}
     for name, r in results.items():
         runs = " / ".join(f"{x:.1f}" for x in r.get("runs", [r["measured"]]))
         lines.append(f"| {name} | {raw[name]:.1f} | {r['measured']:.1f} | {runs} | "
-                     f"{raw[name] / r['measured'] - 1:+.0%} | {r['predicted']:.1f} | "
-                     f"{r['predicted'] / r['measured'] - 1:+.0%} | {r['slowdown']:.2f}x | "
-                     f"{r['load']:.1f} | {r.get('bound', '-')} |")
+                     f"{raw[name] / r['measured'] - 1:+.0%} | {r['load']:.1f} | {r.get('bound', '-')} |")
     for a, s in RATIOS:
         if a in results and s in results:
             pr, (mr, per_round) = raw[a] / raw[s], paired_ratio(results, a, s)
             of_medians = results[a]["measured"] / results[s]["measured"]
             rounds = " / ".join(f"{x:.2f}" for x in per_round) + f" (ratio of the medians {of_medians:.2f})"
-            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {rounds} | {pr - mr:+.2f} | | | | | |")
+            lines.append(f"| ratio {a} / {s} | {pr:.2f} | {mr:.2f} | {rounds} | {pr - mr:+.2f} | | |")
     return "\n".join(lines)
 
 
@@ -182,7 +156,6 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="real runs per case (interleaved); the median is used")
     parser.add_argument("--out", default="outputs/bench_simulator")
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated case names")
-    parser.add_argument("--no-rescale", action="store_true", help="predict with the costs as profiled")
     parser.add_argument("--variants", default=None, help="profile only these variants (e.g. 1)")
     parser.add_argument("--table-from", default=None, help="print the table of an earlier results.json and exit")
     args = parser.parse_args(argv)
@@ -191,22 +164,22 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out).resolve()
     from asyncflow.config import load_config
-    from asyncflow.simulator.calibrate import Calibration, calibration_order
     from asyncflow.simulator.costs import load_costs
-    from asyncflow.simulator.profile import profile, speed_probe
+    from asyncflow.simulator.profile import profile
     from asyncflow.simulator.report import model_for
     from asyncflow.simulator.sensitivity import sensitivity
+    from bench.calibrate import Calibration, calibration_order, engine_speed_line
 
     recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
     calibration = None
     if args.costs is None:  # the engine grid now; the calibration runs between the held-out rounds (below)
         args.costs = str(out / "costs.json")
         profile(load_config(recipe, BASE + [f"model.path={out / 'model'}"]), args.costs,
-                variants=args.variants.split(",") if args.variants else None, calibrate=False)
+                variants=args.variants.split(",") if args.variants else None)
         costs = load_costs(args.costs)
         calibration = Calibration(costs.variants, recipe, Path(args.costs), str(out / "model"))
     names = [n.strip() for n in args.cases.split(",") if n.strip()]
-    runs, rounds, probes, loads = {}, {}, {}, {}
+    runs, rounds, loads = {}, {}, {}
     for repeat in range(args.repeats):
         if calibration is not None:  # one run of each calibration workload per variant, and two async runs
             for variant, mode, workload in calibration_order([v for v in costs.variants if v != "device"], 2):
@@ -215,7 +188,6 @@ def main(argv=None) -> int:
                 calibration.run(variant, mode, workload)
         for name in names:
             overrides, lengths = CASES[name]
-            before = speed_probe()
             print(f"{name}: running it for real (run {repeat + 1} of {args.repeats}) ...", flush=True)
             steps = args.steps * STEP_SCALE.get(name, 1)
             try:
@@ -223,7 +195,6 @@ def main(argv=None) -> int:
             except RuntimeError as exc:  # one failed run (e.g. a missed heartbeat on an overloaded machine) is reported
                 print(f"{name}: FAILED, left out: {str(exc)[-300:]}", flush=True)
                 continue
-            probes.setdefault(name, []).append((before + speed_probe()) / 2)
             runs.setdefault(name, []).append(steady_throughput(metrics, WARMUP))
             rounds.setdefault(name, []).append(repeat)
             loads.setdefault(name, []).append(os.getloadavg()[0])
@@ -232,19 +203,17 @@ def main(argv=None) -> int:
     if calibration is not None:
         calibration.apply(keep="all")
         costs.save(args.costs)
+        for variant in calibration.sync:
+            print(engine_speed_line(variant, costs.variant(variant).service))
     costs = load_costs(args.costs)
     results = {}
     for name in runs:  # predicted only now: the cost file is complete once every calibration run is in
         overrides, lengths = CASES[name]
         steps = args.steps * STEP_SCALE.get(name, 1)
-        raw, w = predict(overrides, lengths, costs, steps)
-        sens = sensitivity(w, model_for(costs, w), raw)  # the as-profiled prediction's bound side and tipping
-        probe = sum(probes[name]) / len(probes[name])
-        factor = 1.0 if args.no_rescale else slowdown(costs, probe, w.variant)
-        result, w = predict(overrides, lengths, costs, steps, factor)
+        result, w = predict(overrides, lengths, costs, steps)
+        sens = sensitivity(w, model_for(costs, w), result)  # the prediction's bound side and tipping
         results[name] = {"predicted": result.samples_per_s, "measured": statistics.median(runs[name]),
                          "runs": runs[name], "rounds": rounds[name], "load": sum(loads[name]) / len(loads[name]),
-                         "slowdown": factor,
                          "bound": sens.bottleneck + (" (tipping)" if sens.tipping else "") + ", " + sens.cell()}
     (out / "results.json").write_text(json.dumps(results, indent=2))
     table = render(results)

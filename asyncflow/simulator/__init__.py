@@ -1,4 +1,4 @@
-"""Plan the cluster before booking it: a calibrated discrete-event simulator of the RL pipeline.
+"""Plan the cluster before booking it: a discrete-event simulator of the RL pipeline.
 
 - ``costs``: the cost model of one kind of hardware (JSON), written by ``asyncflow profile``;
 - ``profile``: measures those costs along the real code paths (vLLM engine, Megatron trainer, the loop's

@@ -1,7 +1,7 @@
 """The cost model of one kind of hardware: what each RL task costs, as a few linear terms.
 
-``asyncflow profile`` measures it on the machine it runs on and writes it as JSON; the simulator reads
-it. Every term is a least-squares fit of real timings (``fit``), and the file keeps the raw samples so
+``asyncflow profile`` measures the engines' terms on the machine it runs on and writes them as JSON; the
+simulator reads it. Every term is a least-squares fit of real timings (``fit``), and the file keeps the raw samples so
 that a fit can be checked. One file holds a ``CostModel`` per *variant*: on CPU a variant is a number of
 threads per heavy worker (async runs pin workers to one core each, sync runs give each worker every core
 in turn); on a GPU node it is one device per rank.
@@ -50,8 +50,8 @@ class TrainCosts:
     """Forward + backward per (padded) token of a micro-batch."""
     per_token_seq_s: float = 0.0
     """Forward + backward per (padded) token and per token of its padded row: attention, whose work grows with
-    the square of the row length. Without it, a line through the profile's calls missed its 8- and 136-token
-    micro-batches by 10-15% in opposite directions (2026-11-30); with it, every call within 4%."""
+    the square of the row length. Without it, a line through the profile's calls misses its shortest and longest
+    micro-batches in opposite directions."""
     optimizer_s: float = 0.0
     """Gradient finalisation and one optimizer step."""
     ref_per_call_s: float = 0.0
@@ -111,20 +111,16 @@ class LightCosts:
 @dataclasses.dataclass
 class ServiceCosts:
     """What the loop's services cost beyond their engine calls (TransferQueue hand-offs, packing, per-row
-    Python, Ray calls between sync phases), calibrated by ``asyncflow profile`` on real runs of the loop
-    (``simulator.calibrate``). The defaults are the engine-only model of a profile without calibration.
+    Python, Ray calls between sync phases). The defaults are the engine-only model that ``asyncflow profile``
+    writes; ``bench/calibrate.py`` fits them from real runs of the loop on the CPU machine.
 
-    Per call or row, not per unit of engine time: measured on 2026-11-30, a task's span beyond its engine time was
-    about the same in a step of 4-token answers as in one of 48 or 128 tokens (the actor's 0.02-0.06 s a step,
-    the reference's 0.02-0.05 s), so a ratio fitted on one workload over-charged long steps and under-charged
-    short ones. The per-call part is latency that does not occupy the device: in the real async runs the
-    reference forward shares rollout's core, yet its span did not grow."""
+    Per call, row or token, not per unit of engine time: a task's span beyond its engine time stays about the same
+    whether a step's answers are short or long, so a ratio fitted on one workload mispredicts the other. The
+    per-call part is latency that does not occupy the device."""
 
     generate_token_s: float = 0.0
     """Seconds per generated token beyond the engine's time (reading each token's logprob out of vLLM's output,
-    packing and putting the response). Per token, not per row: measured on 2026-11-30, rollout's span beyond
-    the engine-only prediction was 8-14 ms a step of 128 four-token answers and 28-84 ms a step of 128
-    long-tailed ones (about 4,300 tokens), so a per-row charge fitted on one of them missed the other by 3-5x."""
+    packing and putting the response)."""
     reference_call_s: float = 0.0
     """Seconds per reference call (one ``score_chunk``) beyond its forward."""
     reference_token_s: float = 0.0
@@ -134,36 +130,27 @@ class ServiceCosts:
     """Seconds per micro-batch of the actor's streamed first pass beyond its forward and backward."""
     train_token_s: float = 0.0
     """Seconds per token of a first-pass micro-batch's rows (unpadded: the padding is the engine's, priced by the
-    profile) beyond its forward and backward. Told apart from ``train_micro_s`` by two calibration workloads
-    whose rows differ in length (``calibrate.service_costs``);
-    measured on 2026-11-30, one per-call figure fitted on 56-token rows was 60-70% too high for 10-token rows."""
+    profile) beyond its forward and backward."""
     sync_handoff_s: float = 0.0
     """Seconds per sync step between phases (the driver's Ray calls), beyond the tasks' spans."""
     async_floating_row_s: float = 0.0
     """Async CPU placement: CPU seconds per trained row of the processes that float over every core (the
     TransferQueue's controller and storage units, the version board, the driver, the reward and advantage
-    services, Ray's daemons), measured from the OS's per-process CPU time during the async calibration run.
-    Added as each field of a row is put to the pinned cores' floating pool (``events.Pool``): an idle pinned core
-    runs it at full speed, and only when both are busy does it take a fair share of each. Measured on 2026-12-03
-    with psutil, the floating work of a short-answer async step fitted in the pinned workers' idle time (the two
-    cores 89% busy in all). Per row, not per second of engine work: on 2026-11-30 they took 0.75 ms a row both in
-    a step of 4-token answers (0.44 of the 2 cores) and in a long-tailed one (0.16)."""
+    services, Ray's daemons). Added as each field of a row is put to the pinned cores' floating pool
+    (``events.Pool``): an idle pinned core runs it at full speed, and only when both are busy does it take a fair
+    share of each."""
     async_floating: float = 0.0
     """Async CPU placement: what else async adds beyond ``async_floating_row_s`` (the pinned workers contending
     for memory and caches, the rollout worker's polling), as CPU seconds per second of work on a pinned core,
-    added to the same floating pool. Fitted on the async calibration run after the floating rows are measured;
-    0 without one."""
+    added to the same floating pool."""
     rollout_engine_scale: float = 1.0
-    """The rollout engine's speed inside the loop against the profile: its time in the calibration runs' generate
-    calls (``engine_s``, without the TransferQueue puts) over the profile's prediction of the same calls. The
-    simulator multiplies ``RolloutCosts`` by it (``CostModel.in_loop``). On a shared machine the profile's minute
-    and a run's minutes can differ in speed by 2x (2026-12-03: the profile's decode steps took 2.2x those of the
-    previous invocation, the calibration runs that followed were as fast as ever), and a difference of spans
-    alone cannot tell a slow profile from a dear service: the overhead beyond the engine was clamped at 0 and
-    every case was predicted 10-31% slow."""
+    """The rollout engine's speed inside the loop against the profile (its time in real generate calls over the
+    profile's prediction of the same calls). The simulator multiplies ``RolloutCosts`` by it
+    (``CostModel.in_loop``): on a shared machine a profile's minutes and a run's can differ in speed, and a
+    difference of spans alone cannot tell a slow profile from a dear service."""
     reference_engine_scale: float = 1.0
-    """The reference forward's speed inside the loop against the profile (its ``engine_s`` over the profile's);
-    multiplies the ``TrainCosts.ref_*`` terms."""
+    """The reference forward's speed inside the loop against the profile; multiplies the ``TrainCosts.ref_*``
+    terms."""
     train_engine_scale: float = 1.0
     """The actor's ``train_step`` speed inside the loop against the profile (forward, backward and optimizer,
     without the stream's reads); multiplies the actor's ``TrainCosts`` terms."""
@@ -184,20 +171,16 @@ class CostModel:
     light: LightCosts = dataclasses.field(default_factory=LightCosts)
     """Reward and advantage."""
     service: ServiceCosts = dataclasses.field(default_factory=ServiceCosts)
-    """The services' overhead beyond the engine calls (calibrated on a real run; none by default)."""
+    """The services' overhead beyond the engine calls (none by default)."""
     weight_bytes: float = 0.0
     """Bytes of one exporting rank's weights as staged (the profiled model; ``Workload`` may override)."""
-    speed_probe_s: float = 0.0
-    """Seconds of ``profile.speed_probe`` (a fixed single-core workload) while this variant was measured; on a
-    shared machine, the probe before a run over this value says how much slower the machine is now (0: none)."""
 
     def scaled(self, factor: float) -> CostModel:
         """Every time term multiplied by ``factor`` (the machine is ``factor`` times slower than when profiled)."""
         service = _scale(self.service, factor, {f.name for f in dataclasses.fields(ServiceCosts)} - RATIOS)
         return dataclasses.replace(self, rollout=_scale(self.rollout, factor), train=_scale(self.train, factor),
                                    weight_sync=_scale(self.weight_sync, factor), queue=_scale(self.queue, factor),
-                                   light=_scale(self.light, factor), speed_probe_s=self.speed_probe_s * factor,
-                                   service=service)
+                                   light=_scale(self.light, factor), service=service)
 
     def in_loop(self) -> CostModel:
         """The engines' costs at their speed inside the loop: ``RolloutCosts`` times
@@ -275,8 +258,8 @@ def fit(features: list[list[float]], seconds: list[float], relative: bool = True
     error (``relative``): each sample's residual is divided by its time.
 
     Relative, because a profile's calls span 30x in time and the predictions are judged in relative terms:
-    plain least squares fitted the largest calls and left the smallest 17-42% off (Megatron ``train_step``
-    over one micro-batch of 16-token rows, 2026-11-30), which a workload of short answers is made of.
+    plain least squares fits the largest calls and leaves the smallest far off, which a workload of short
+    answers is made of.
     Plain least squares can give a negative term when two features are nearly collinear on a small grid;
     the active-set loop drops such terms and refits (Lawson-Hanson in its simplest form, enough for 2-5 terms;
     written here because scipy is not otherwise a dependency).

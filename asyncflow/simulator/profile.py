@@ -9,11 +9,10 @@ Every number comes from the code the loop runs, in Ray actors placed like the lo
 - weights: the actor's ``weight_stager`` (``bridge.staging``) staging a version, and the rollout engine's
   ``apply_staged`` reading it from the trainer's shared-memory segment (another process, as in the loop);
 - TransferQueue: the real client against a started TransferQueue, puts and gets of small and large rows;
-- reward and advantage functions per row;
-- the services around those calls: real sync runs of the loop per CPU variant on two calibration workloads
-  (``simulator.calibrate``), whose spans over the engine-only prediction give ``ServiceCosts``, and async
-  runs, whose step time gives the CPU time of the processes that float over the pinned cores; in rounds
-  across the variants and modes (``calibrate.calibration_order``), collected by ``calibrate.Calibration``.
+- reward and advantage functions per row.
+
+The result is the engine-only model: ``ServiceCosts`` (the services' overhead beyond their engine calls) stay at
+their defaults. ``bench/calibrate.py`` fits them on the CPU machine from real runs of the loop.
 
 Variants (``CostFile.variants``): on CPU, ``1`` (each worker pinned to its own core, as ``async`` places
 them) and ``2`` (each worker on both cores, as ``sync``); on a GPU node, ``device`` (one GPU each, TP 1).
@@ -44,13 +43,10 @@ from asyncflow.simulator.costs import (
     fit,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 ROLLOUT_GRID = [(b, length, p) for b in (1, 8, 32, 128) for length in (4, 16, 64) for p in (6, 30)]
 """(batch, response tokens, prompt tokens) of each timed ``generate`` call: from a short answer's 4 tokens, where
-the cost per request outweighs the decode steps, to a long one's 64. With 16 and 64 only (until 2026-12-03), the
-fit's split between per-request, prefill and per-step costs was free to land anywhere that matched the longer
-calls: three profiles of one machine predicted a 64-row call of 4-token answers 31% fast, 14% slow and 27% slow;
-with 4-token calls in the grid, within 9% each time."""
+the cost per request outweighs the decode steps, to a long one's 64. Without the short calls the fit's split
+between per-request, prefill and per-step costs is free to land anywhere that matches the longer calls."""
 TRAIN_GRID = [(n, s) for n in (1, 4) for s in (8, 16, 32, 64, 136)]
 """(micro-batches, sequence length) of each timed ``train_step``: from a short answer's 8-16 tokens to a long
 one's 136, so no workload's micro-batches fall outside the fitted range."""
@@ -60,43 +56,6 @@ QUICK_GRIDS = ([(b, length, p) for b in (1, 32) for length in (8, 32) for p in (
                [(n, s) for n in (1, 2) for s in (16, 64, 136)], [(rows, s) for rows in (8, 32) for s in (16, 64, 136)])
 """A smaller grid (tests, a first look): fewer points, the same fits."""
 
-
-RAY_WORKER_NICENESS = 15
-"""The niceness Ray's raylet gives its worker processes (``RAY_worker_niceness``; 15 in Ray 2.60): every
-engine of the loop and of the profile runs at it, and on a shared machine niced processes are slowed far
-more than normal ones, so the speed probe runs at it too."""
-_PROBE = """
-import os, sys, time, statistics, torch
-torch.set_num_threads(1)
-a = torch.randn(192, 192)
-out = []
-for core in map(int, sys.argv[1].split(",")):
-    os.sched_setaffinity(0, [core])
-    times = []
-    for _ in range(int(sys.argv[2])):
-        t0 = time.perf_counter()
-        [a @ a for _ in range(100)]
-        times.append(time.perf_counter() - t0)
-    out.append(statistics.median(times))
-print(sum(out) / len(out))
-"""
-
-
-def speed_probe(cores: list[int] | None = None, reps: int = 3) -> float:
-    """Median seconds of a fixed single-threaded matmul workload, averaged over ``cores`` (pinned in turn), in a
-    child process at Ray workers' niceness.
-
-    The machine this runs on may be shared: the probe's time now against its time during ``profile`` is how
-    much slower every cost is now.
-    """
-    import subprocess
-    import sys
-
-    cores = list(range(os.cpu_count() or 1)) if cores is None else cores
-    niceness = int(os.environ.get("RAY_worker_niceness", RAY_WORKER_NICENESS))
-    proc = subprocess.run([sys.executable, "-c", _PROBE, ",".join(map(str, cores)), str(reps)], capture_output=True,
-                          text=True, timeout=600, check=True, preexec_fn=lambda: os.nice(niceness))
-    return float(proc.stdout.strip().splitlines()[-1])
 
 
 def _median_time(fn, reps: int) -> float:
@@ -277,8 +236,8 @@ class _Probes:
 
     def weights(self, reps: int) -> None:
         """Stage versions on the trainer and apply each on the rollout engine (the loop's path), timed; the first
-        version is not kept: a fresh engine's first apply took 2-4x the others (35-75 ms against 12-22 ms,
-        2026-12-03), and in the loop it falls in the warm-up steps the cost model leaves out."""
+        version is not kept: a fresh engine's first apply takes a few times the others, and in the loop it falls
+        in the warm-up steps the cost model leaves out."""
         import ray
 
         for i in range(max(reps, 3) + 1):
@@ -312,11 +271,8 @@ def _variants(cfg: AsyncFlowConfig, model_dir: str, names: list[str], reps: int,
     """Measure every variant, interleaved: each grid point is timed on every variant before the next point.
 
     The variants' probes are all started at once and take turns, so a spell of other load on a shared machine
-    slows every variant alike. Measured one after the other (until 2026-12-01), a spell during one variant's
-    minutes made only that variant slow: the 2-thread ``train_step`` calls came out 20-60% slower in one
-    invocation than in the one before while the 1-thread ones did not, and since sync runs are predicted with
-    the 2-thread variant and async runs with the 1-thread one, that went straight into the async/sync ratio
-    (predicted 2.09, measured 1.88). An idle probe blocks in Ray, not in a spin, while another measures."""
+    slows every variant alike (measured one after the other, such a spell lands in one variant only, and in the
+    ratios between modes predicted from different variants). An idle probe blocks in Ray, not in a spin."""
     import ray
 
     probes = {}
@@ -330,8 +286,7 @@ def _variants(cfg: AsyncFlowConfig, model_dir: str, names: list[str], reps: int,
                     bar.set_postfix_str(f"{name}: " + POINT_LABELS[kind].format(*point))
                     p.measure(kind, point, reps)
                     bar.update()
-        # Each variant's weights with the variants before it stopped: with the idle 1-thread probes still up, the
-        # 2-thread apply took 18-22 ms against 13-15 ms alone and 15-21 ms in the real sync loop (2026-12-03).
+        # Each variant's weights with the variants before it stopped: idle probes of other variants slow an apply.
         for name, p in probes.items():
             bar.set_postfix_str(f"{name}: stage + apply weights")
             p.weights(reps)
@@ -344,9 +299,8 @@ def _variants(cfg: AsyncFlowConfig, model_dir: str, names: list[str], reps: int,
 
 
 FIT_MISS_WARNING = 0.5
-"""A fitted cost that misses one of its own profiled calls by more than this (relative) is reported: on
-2026-12-01 a test run on the other core slowed the 2-thread variant's vLLM calls 15x but one, and the rollout
-fit collapsed to a constant per step that predicted a held-out sync run at 38 samples/s for 87 measured."""
+"""A fitted cost that misses one of its own profiled calls by more than this (relative) is reported: another job
+that slows some of the calls makes the fit collapse (e.g. to a constant per step) and mispredict every run."""
 
 
 def _fit_group(features: list[list[float]], seconds: list[float]) -> tuple[list[float], float]:
@@ -387,67 +341,31 @@ def _fit_variant(samples: dict, mbs: int) -> tuple[CostModel, dict[str, float]]:
     ), misses
 
 
-ENGINE_SCALE_WARNING = (0.67, 1.5)
-"""An engine this much faster or slower in the calibration runs than in the profile is flagged: near 1 is the
-loop's own cost (0.9-1.5 on this machine, 2026-12-03), beyond these the machine's speed may have changed."""
-
-
-def engine_speed_line(name: str, service) -> str:
-    """One line on how fast variant ``name``'s engines ran inside the loop against the profile
-    (``ServiceCosts.rollout_engine_scale`` and the like), flagged when one is beyond ``ENGINE_SCALE_WARNING``."""
-    scales = {"rollout": service.rollout_engine_scale, "reference": service.reference_engine_scale,
-              "actor": service.train_engine_scale}
-    line = f"asyncflow profile: variant {name}: in the loop's calibration runs the engines took " + ", ".join(
-        f"{task} {scale:.2f}x" for task, scale in scales.items()) + " the profile's time (the simulator uses these)"
-    lo, hi = ENGINE_SCALE_WARNING
-    if any(not lo <= scale <= hi for scale in scales.values()):
-        line += ("; WARNING: far from the profile: if another job ran during the profile, its engine fits are off "
-                 "(the prediction follows the runs)")
-    return line
-
-
 def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = None, reps: int = 5,
-            quick: bool = False, calibrate: bool | None = None, recipe: str | Path | None = None,
-            calibration_runs: int = 2) -> CostFile:
-    """Measure every variant and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``, and
-    calibration runs of ``calibrate.QUICK_STEPS``).
-
-    The variants are measured interleaved, grid point by grid point (``_variants``). ``calibrate`` (default: on
-    unless ``quick``) then runs the loop for real ``calibration_runs`` times per CPU variant in sync mode,
-    alternating the two calibration workloads of ``simulator.calibrate`` (with two or more runs, each service's
-    overhead is split into per call and per token), and stores the services' overhead beyond the engine calls as
-    each variant's ``ServiceCosts``; and ``calibration_runs`` times in async mode, for variant ``1``'s floating
-    CPU time (``recipe``: the YAML those runs start from; default the tiny CPU recipe); in rounds across the
-    variants and modes (``calibrate.calibration_order``). Of several runs of one workload and mode, the fastest is used
-    (``calibrate.fastest``: on a shared machine the others were slowed by other jobs). Not on a GPU node: that
-    path has not been run."""
+            quick: bool = False) -> CostFile:
+    """Measure every variant (default ``device`` on a GPU node, else ``1`` and ``2``), interleaved grid point by
+    grid point (``_variants``), and write the cost file to ``out``; returns it (``quick``: ``QUICK_GRIDS``)."""
     import ray
     from tqdm import tqdm
 
-    from asyncflow.simulator.calibrate import QUICK_STEPS, Calibration, calibration_order
-    from asyncflow.workflow.loop import _model_dir
+    from asyncflow.tiny_model import ensure_model
+    from asyncflow.workflow.pipeline import connect_ray
 
-    model_dir = str(_model_dir(cfg))
+    model_dir = str(ensure_model(cfg.model))
     if variants is None:
         variants = ["device"] if torch.cuda.is_available() else ["1", "2"]
     load_before = os.getloadavg()
     t0 = time.time()
-    from asyncflow.workflow.pipeline import connect_ray
-
     connect_ray(cfg)
     models, samples, fit_misses = {}, {}, {}
     grids = QUICK_GRIDS if quick else (ROLLOUT_GRID, TRAIN_GRID, REF_GRID)
-    calibrated = [v for v in variants if v != "device"] if (not quick if calibrate is None else calibrate) else []
-    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1 + (len(calibrated) + ("1" in calibrated)) * \
-        calibration_runs
+    total = len(variants) * (sum(len(g) for g in grids) + 1) + 1
     try:
         with tqdm(total=total, desc="asyncflow profile", unit="probe") as bar:
             queue, queue_samples = _queue_costs(cfg, reps=20)
             light = _light_costs(cfg, model_dir)
             bar.update()
-            before = speed_probe()
             probes = _variants(cfg, model_dir, variants, reps, bar, grids)
-            probe_s = (before + speed_probe()) / 2
             for name in variants:
                 samples[name] = probes[name].samples
                 models[name], fit_misses[name] = _fit_variant(samples[name], cfg.trainer.micro_batch_size)
@@ -457,18 +375,7 @@ def profile(cfg: AsyncFlowConfig, out: str | Path, variants: list[str] | None = 
                                   f"its profiled calls by {miss:.0%}; another job on this machine may have slowed "
                                   "some calls (see samples in the cost file): profile again on a quiet machine")
                 models[name].queue, models[name].light = queue, light
-                models[name].speed_probe_s = probe_s
             samples["queue"] = queue_samples
-            ray.shutdown()  # the calibration runs start their own Ray, as asyncflow train does
-            recipe = Path(recipe) if recipe else REPO / "recipes/tiny_cpu/grpo_async.yaml"
-            calibration = Calibration(models, recipe, Path(out), model_dir, QUICK_STEPS if quick else None)
-            for name, mode, workload in calibration_order(calibrated, calibration_runs):
-                bar.set_postfix_str(f"{name}: a calibration run of the loop ({mode}, {name} thread(s) per worker)")
-                calibration.run(name, mode, workload)
-                bar.update()
-            calibration.apply()
-            for name in calibrated:
-                bar.write(engine_speed_line(name, models[name].service))
     finally:
         ray.shutdown()
     from asyncflow.models.arch import GPTArch

@@ -159,10 +159,8 @@ def _put_s(pipe, rows: list) -> float:
     """The TransferQueue puts of finished ``(step, row)`` responses, ``PUT_ROWS`` a put: tokens and logprobs, 12
     bytes a token.
 
-    Per put of up to 16, not per engine segment: until 2026-12-03 every segment in which any row finished paid a
-    whole request, and a long-tailed step, whose 128 rows finish over about 60 segments, paid 60 requests
-    against the real loop's 8 or 9 (36 ms a step of 0.9 s on this machine: a lean to slow that every
-    long-tailed case shared)."""
+    Per put of up to 16, as the loop puts them, not per engine segment in which a row finished: a long-tailed
+    step's rows finish over dozens of segments but take a handful of puts."""
     if not rows:
         return 0.0
     q, tokens = pipe.costs.queue, sum(pipe.lengths[step][row] for step, row in rows)

@@ -19,7 +19,7 @@ from asyncflow.simulator.sim import SimResult, simulate
 from asyncflow.simulator.workload import Workload
 
 TILT = 0.10
-"""The cost error tried on each side (10%: about what one profile misses by on this machine)."""
+"""The cost error tried on each side (10%: about what one profile of a shared machine misses by)."""
 TIPPING = 1.5
 """A side whose ``TILT`` moves throughput down by more than ``TIPPING`` times what a proportional bottleneck can
 (9% for 10%), or up by more than a quarter of the tilt (dearer work cannot speed a pipeline that keeps its

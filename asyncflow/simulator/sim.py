@@ -227,6 +227,16 @@ class SimResult:
         """Largest version lag of any trained row."""
         return max((x for step in self.lags for x in step), default=0)
 
+    def spans_per_step(self, engine: bool = False) -> dict[str, float]:
+        """Mean seconds per step of each span name (``engine``: of the spans' engine seconds, for the span names
+        that record them), as a real run's ``timeline.json`` is read."""
+        sums: dict[str, float] = defaultdict(float)
+        steps = len(self.step_end_s)
+        for e in self.timeline.to_chrome_trace()["traceEvents"]:
+            if e.get("ph") == "X" and (not engine or "engine_s" in e.get("args", {})):
+                sums[e["name"]] += (e["args"]["engine_s"] if engine else e["dur"] / 1e6) / steps
+        return dict(sums)
+
 
 class Pipe:
     """One simulation: the clock, devices, queue, board, the drawn lengths and the recorded spans."""

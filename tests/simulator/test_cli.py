@@ -41,10 +41,12 @@ def test_simulate_picks_the_recipes_rollout_model(cost_file, tmp_path, capsys, m
     from asyncflow.config import load_config
     from asyncflow.simulator.workload import from_config
 
-    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [f"rollout.{mode}=true", "rollout.partial_kv=keep"])
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [f"rollout.{mode}=true", "rollout.partial_kv=keep",
+                                                                   "rollout.enable_prefix_caching=false"])
     assert from_config(cfg).rollout_model == mode and from_config(cfg).partial_kv == "keep"
     rc = main(["simulate", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), "workflow.task=add1_longtail",
-               "rollout.max_new_tokens=128", f"rollout.{mode}=true", "--costs", str(cost_file), "--steps", "6",
+               "rollout.max_new_tokens=128",
+               "rollout.max_model_len=160", f"rollout.{mode}=true", "--costs", str(cost_file), "--steps", "6",
                "--out", str(tmp_path / "sim")])
     assert rc == 0 and "as configured (async, k=1)" in capsys.readouterr().out
     # Multi-turn agent loops have no cost model: a clear error, not a chunked prediction.
@@ -55,7 +57,8 @@ def test_simulate_picks_the_recipes_rollout_model(cost_file, tmp_path, capsys, m
 def test_simulate_tiny_recipe_prints_table_and_draws_gantt(cost_file, tmp_path, capsys):
     out = tmp_path / "sim"
     rc = main(["simulate", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), "workflow.task=add1_longtail",
-               "rollout.max_new_tokens=128", "trainer.micro_batch_size=32", "workflow.prompts_per_step=16",
+               "rollout.max_new_tokens=128",
+               "rollout.max_model_len=160", "trainer.micro_batch_size=32", "workflow.prompts_per_step=16",
                "--costs", str(cost_file), "--steps", "6", "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 0

@@ -20,7 +20,8 @@ from asyncflow.simulator.workload import from_config
 from tests.simulator.test_cli import MODEL
 
 REPO = Path(__file__).resolve().parents[2]
-ARGS = ["workflow.task=add1_longtail", "rollout.max_new_tokens=128", "rollout.continuous=true",
+ARGS = ["workflow.task=add1_longtail", "rollout.max_new_tokens=128", "rollout.max_model_len=160",
+        "rollout.continuous=true",
         "trainer.row_order=arrival"]
 
 

@@ -290,7 +290,7 @@ def test_a_profile_whose_calls_were_disturbed_reports_how_far_its_fit_misses_the
     seconds = [0.003 * f[0] + 1e-5 * f[1] for f in features]
     coef, miss = _fit_group(features, seconds)
     assert coef == pytest.approx([0.003, 1e-5], rel=1e-6) and miss < 1e-6
-    # All calls but the last slowed 15x by another job (2026-12-01): no line through them fits every call.
+    # All calls but the last slowed 15x by another job: no line through them fits every call.
     disturbed = [s * 15 for s in seconds[:-1]] + seconds[-1:]
     _, miss = _fit_group(features, disturbed)
     assert miss > FIT_MISS_WARNING

@@ -1,34 +1,29 @@
-"""Service calibration: what the loop's services cost beyond their engine calls, from real runs of the loop.
+"""Service calibration on the CPU machine: what the loop's services cost beyond their engine calls.
+
+Used by ``bench/simulator.py`` (the CPU accuracy benchmark); the simulator itself (``asyncflow.simulator``) only
+reads the ``ServiceCosts`` this writes into a cost file. A profile without calibration is the engine-only model.
 
 ``asyncflow profile`` times engine calls in isolation (vLLM ``generate``, Megatron ``train_step`` and
-``compute_logprobs``). The loop's services also move rows through the TransferQueue, pack and slice
-tensors, run per-row Python and, in sync mode, wait for the driver's Ray calls between phases. Measured on
-2026-11-30, an engine-only model under-predicted the real spans by 8-29% (generate, train) and 2-2.5x (the
-reference forward), so every prediction was optimistic.
+``compute_logprobs``). The loop's services also move rows through the TransferQueue, pack and slice tensors, run
+per-row Python and, in sync mode, wait for the driver's Ray calls between phases; an engine-only model
+under-predicts the real spans.
 
-``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is
-that task's own time), on one of two *calibration workloads* that none of the benchmark's held-out cases use
+``calibration_run`` runs the loop for real, in sync mode (every phase alone on the machine, so a span is that
+task's own time), on one of two *calibration workloads* that none of the benchmark's held-out cases use
 (long-tailed lengths clipped at 48 or at 12 tokens); ``calibrate`` subtracts the simulator's engine-only
-prediction of the same workload from each task's median span per step, and ``service_costs`` turns what is
-left into overheads per generated token (rollout), per call and per token of the rows themselves (the
-reference, the actor: least squares over the two workloads) and the sync hand-off time: the cost file's
-``ServiceCosts``.
+prediction of the same workload from each task's median span per step, and ``service_costs`` turns what is left
+into overheads per generated token (rollout), per call and per token of the rows themselves (the reference, the
+actor: least squares over the two workloads) and the sync hand-off time.
 
-Async runs pin rollout (with the reference) to one core and the actor to the other, but the TransferQueue,
-the version board, the driver, the light services and Ray's daemons float over both cores. A second run of
-the same workload in async mode (``max_staleness`` 1, one thread per worker) measures what that costs: a
-``CpuSampler`` reads the CPU time of every process of the run from the OS, and ``floating_row_s`` divides the
-floating ones' by the rows trained (``ServiceCosts.async_floating_row_s``); ``fit_async_floating`` then finds
-what else async adds, per second of pinned work (``ServiceCosts.async_floating``), at which the simulator
-reproduces that run's steady step time.
+Async runs on CPU pin rollout (with the reference) to one core and the actor to the other, while the
+TransferQueue, the version board, the driver, the light services and Ray's daemons float over both cores. An
+async run of the same workload measures what that costs: a ``CpuSampler`` reads the CPU time of every process
+from the OS, ``floating_row_s`` divides the floating ones' by the rows trained
+(``ServiceCosts.async_floating_row_s``), and ``fit_async_floating`` finds what else async adds per second of
+pinned work (``ServiceCosts.async_floating``) at which the simulator reproduces that run's step time.
 
-``Calibration`` collects these runs as they run (``asyncflow profile`` in the rounds of ``calibration_order``;
-``bench/simulator.py`` between its held-out runs) and sets each variant's ``ServiceCosts`` from them.
-
-(Before the per-call form, each task's overhead was a ratio of its engine time; a second, shorter calibration
-workload to fit a per-call term beside the ratio was tried then, with means over four steps a run: two noisy
-points made the per-call terms swing from 9 to 71 ms per chunk between variants. The runs now last 10 steps
-and take medians over 8.)
+``Calibration`` collects these runs as they run (in the rounds of ``calibration_order``) and sets each variant's
+``ServiceCosts`` from them; ``engine_speed_line`` reports how fast the engines ran in the loop against the profile.
 """
 
 from __future__ import annotations
@@ -61,16 +56,14 @@ overhead per token (``service_costs``)."""
 ASYNC_OVERRIDES = ["workflow.mode=async", "workflow.max_staleness=1"]
 """The async calibration run: the same workload, async at staleness 1 (one thread per pinned worker)."""
 CALIBRATION_STEPS = 10
-"""Steps of a sync calibration run; the first ``WARMUP`` are left out (with 6, four steps a run made the
-per-call overheads swing by half between runs)."""
+"""Steps of a sync calibration run; the first ``WARMUP`` are left out (fewer steps make the per-call overheads
+swing between runs)."""
 ASYNC_CALIBRATION_STEPS = 20
-"""Steps of the async calibration run. Its steps are about 0.45 s and vary by 15% from one to the next (which
-task waits for which changes), and its mean step time, not a median, is what ``fit_async_floating`` matches: at
-10 steps two runs fitted ``async_floating`` 0.20 and 0.30 (2026-12-01)."""
+"""Steps of the async calibration run: its steps vary from one to the next (which task waits for which changes),
+and its mean step time, not a median, is what ``fit_async_floating`` matches."""
 WARMUP = 2
 QUICK_STEPS = {"sync": WARMUP + 3, "async": 10}
-"""Steps of the calibration runs of ``asyncflow profile --quick`` (a first look, and the tests): about 25 s less on 2
-cores, for fits that vary more between profiles (above)."""
+"""Steps of short calibration runs (a first look, and the tests): fits that vary more between runs."""
 TASK_SPANS = {"generate": "generate_token_s", "ref_logprobs": "reference_call_s", "train": "train_micro_s"}
 """Span name -> the ``ServiceCosts`` field of its per-call overhead."""
 TOKEN_FIELDS = {"ref_logprobs": "reference_token_s", "train": "train_token_s"}
@@ -105,12 +98,7 @@ def real_spans(timeline: Path, warmup: int = WARMUP, median: bool = False,
 def predicted_spans(result, engine: bool = False) -> dict[str, float]:
     """Mean seconds per step of each span name of a ``SimResult`` (``engine``: of their engine seconds, as
     ``real_spans``)."""
-    sums: dict[str, float] = defaultdict(float)
-    steps = len(result.step_end_s)
-    for e in result.timeline.to_chrome_trace()["traceEvents"]:
-        if e.get("ph") == "X" and (not engine or "engine_s" in e.get("args", {})):
-            sums[e["name"]] += (e["args"]["engine_s"] if engine else e["dur"] / 1e6) / steps
-    return dict(sums)
+    return result.spans_per_step(engine)
 
 
 @dataclasses.dataclass
@@ -181,13 +169,8 @@ def rescaled(run: Overheads, scales: dict[str, float]) -> Overheads:
 
 def fastest(runs: list, key=lambda run: (run.workload, run.step_s)) -> list:
     """Of several calibration runs of one workload, the one with the shortest step (``key``: ``(workload, step
-    seconds)`` of a run); one run per workload, in the order the workloads first ran.
-
-    The machine is shared: on 2026-12-01 both sync calibration runs of one variant ran 20-40% slower than that
-    variant's runs of other invocations while the other variant's, minutes later, were 10% slower, which made
-    its held-out sync cases 10-14% slower in prediction than measured. The fastest of two runs is the one least
-    disturbed (what timing tools report as best-of-N); the held-out runs share the machine too, so predictions
-    from it lean a few percent optimistic, in every mode alike."""
+    seconds)`` of a run); one run per workload, in the order the workloads first ran. On a shared machine the
+    fastest run is the one least disturbed (best-of-N); predictions from it lean a few percent optimistic."""
     best: dict = {}
     for run in runs:
         workload, seconds = key(run)
@@ -224,9 +207,8 @@ def service_costs(runs: list[Overheads]) -> ServiceCosts:
 def predicted_tokens(result) -> dict[str, float]:
     """Tokens per step of the rows of the reference's and the actor's first-pass calls in a ``SimResult``, without
     their padding: the engine computes on the padding (the profile prices that), the service moves and packs
-    the rows' own tokens. Per padded token, a charge fitted on the calibration workloads (padding 1.1x and 1.7x
-    the rows' tokens) over-charged long-tailed rows (padding 3x): on 2026-12-01 it put the actor's span of the
-    held-out ``longtail sync`` 7-12% over the real ones (88 ms a step of overhead against 19-51 ms measured)."""
+    the rows' own tokens (a charge per padded token over-charges long-tailed rows, padded far more than the
+    calibration workloads')."""
     sums: dict[str, float] = defaultdict(float)
     steps = len(result.step_end_s)
     for e in result.timeline.to_chrome_trace()["traceEvents"]:
@@ -344,7 +326,7 @@ def calibration_run(recipe: Path, out: Path, model_dir: str, threads: int, steps
     env = dict(os.environ)
     if threads == 1:  # vLLM's OpenMP threads follow this bind list, not torch's thread count
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    repo = str(Path(__file__).resolve().parents[2])
+    repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = repo + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", str(recipe), *overrides],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -410,8 +392,8 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
     if slowest < real_step:
         # The pool serves floating work in the pinned cores' idle time and shares them only while both are busy,
         # so the simulated step stops growing once they are always busy: a run the machine slowed beyond that
-        # cannot be reproduced (CI, 2026-12-03: 0.52 s real against at most 0.486 s simulated).
-        print(f"asyncflow profile: warning: the async calibration run {run_dir} took {real_step:.3f} s a step, "
+        # cannot be reproduced.
+        print(f"calibration: warning: the async calibration run {run_dir} took {real_step:.3f} s a step, "
               f"slower than the simulator reaches with any floating share ({slowest:.3f} s); async_floating is "
               f"set to its ceiling, {hi:g}", flush=True)
         return hi
@@ -426,11 +408,7 @@ def async_terms(rows: list[float], floating: list[float]) -> tuple[float, float]
     leaving out the runs at ``FLOATING_CEILING`` unless every run is there.
 
     A run the shared machine slowed cannot be reproduced by any floating share and fits at the ceiling: it says
-    the machine was slow, not what the share is. On 2026-12-03 the first two of eight runs did (steps of
-    0.60-0.72 s against 0.44-0.53 s for the others, which fitted 0.10-0.46), and their mean, 1.16, predicted the
-    long-tailed async cases 19-22% slow; the median of the eight, 0.19, did not. In the next invocation but one,
-    four of eight were at the ceiling, so the median of the eight was 2.29 and `longtail async k=1` was
-    predicted 21% slow; the median of the other four is 0.34."""
+    the machine was slow, not what the share is, and one such run would pull a mean far off."""
     fitted = [i for i, share in enumerate(floating) if share < FLOATING_CEILING] or list(range(len(floating)))
     return statistics.median(rows[i] for i in fitted), statistics.median(floating[i] for i in fitted)
 
@@ -471,13 +449,13 @@ def calibration_order(names: list[str], runs: int) -> list[tuple[str, str, int]]
 
 class Calibration:
     """Real calibration runs of the loop, collected as they run, turned into each variant's ``ServiceCosts`` by
-    ``apply`` (``asyncflow profile`` runs them in rounds, ``calibration_order``; ``bench/simulator.py`` spreads
-    them between its held-out runs)."""
+    ``apply`` (``bench/simulator.py`` spreads them between its held-out runs, in the rounds of
+    ``calibration_order``)."""
 
     def __init__(self, models: dict[str, CostModel], recipe: Path, out: Path, model_dir: str,
                  steps: dict[str, int] | None = None):
         """``steps``: mode -> steps of its calibration runs (default ``CALIBRATION_STEPS`` and
-        ``ASYNC_CALIBRATION_STEPS``; ``QUICK_STEPS`` for ``asyncflow profile --quick``)."""
+        ``ASYNC_CALIBRATION_STEPS``; ``QUICK_STEPS`` for a first look)."""
         self.models, self.recipe, self.out, self.model_dir = models, recipe, out, model_dir
         self.steps = steps or {}
         self.sync: dict[str, list] = defaultdict(list)  # variant -> Overheads of its sync runs
@@ -507,3 +485,22 @@ class Calibration:
         rows = [row_s for _, _, row_s in runs]
         floating = [fit_async_floating(self.models["1"], self.recipe, run_dir, row_s) for _, run_dir, row_s in runs]
         service.async_floating_row_s, service.async_floating = async_terms(rows, floating)
+
+
+ENGINE_SCALE_WARNING = (0.67, 1.5)
+"""An engine this much faster or slower in the calibration runs than in the profile is flagged: near 1 is the
+loop's own cost; beyond these the machine's speed may have changed between the profile and the runs."""
+
+
+def engine_speed_line(name: str, service: ServiceCosts) -> str:
+    """One line on how fast variant ``name``'s engines ran inside the loop against the profile
+    (``ServiceCosts.rollout_engine_scale`` and the like), flagged when one is beyond ``ENGINE_SCALE_WARNING``."""
+    scales = {"rollout": service.rollout_engine_scale, "reference": service.reference_engine_scale,
+              "actor": service.train_engine_scale}
+    line = f"calibration: variant {name}: in the loop's calibration runs the engines took " + ", ".join(
+        f"{task} {scale:.2f}x" for task, scale in scales.items()) + " the profile's time (the simulator uses these)"
+    lo, hi = ENGINE_SCALE_WARNING
+    if any(not lo <= scale <= hi for scale in scales.values()):
+        line += ("; WARNING: far from the profile: if another job ran during the profile, its engine fits are off "
+                 "(the prediction follows the runs)")
+    return line
