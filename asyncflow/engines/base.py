@@ -1,25 +1,49 @@
-"""Service interfaces of the engines: one small abstract class for training, one for rollout.
+"""Service interfaces of the engines: exactly what the workflow calls, one small abstract class each.
 
-Algorithms and the workflow talk only to these classes, never to Megatron or vLLM directly, so a
-custom engine plugs in by name (``TRAIN_ENGINES`` / ``ROLLOUT_ENGINES``) or by dotted path to a
-subclass. The Megatron and vLLM implementations register themselves as ``megatron`` and ``vllm``.
+The workflow talks only to these classes, never to Megatron or vLLM directly: an engine joins its own
+process groups, knows its ranks, gathers over its data-parallel replicas and sets up its own process
+environment. A custom engine plugs in by name or by dotted path to a subclass. The built-ins are named
+here by dotted path (``Registry`` imports one when it is first asked for), so this module imports none.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
 from asyncflow.registry import Registry
 
-TRAIN_ENGINES = Registry("train engine")
-ROLLOUT_ENGINES = Registry("rollout engine")
-CRITIC_ENGINES = Registry("critic engine")
+TRAIN_ENGINES = Registry("train engine", builtins={
+    "megatron": "asyncflow.engines.megatron.actor:MegatronActor",
+    "fake": "asyncflow.engines.fake:FakeTrainEngine",
+})
+CRITIC_ENGINES = Registry("critic engine", builtins={
+    "megatron": "asyncflow.engines.megatron.critic:MegatronCritic",
+    "fake": "asyncflow.engines.fake:FakeCriticEngine",
+})
+ROLLOUT_ENGINES = Registry("rollout engine", builtins={
+    "vllm": "asyncflow.engines.vllm.rollout:VllmRollout",
+    "fake": "asyncflow.engines.fake:FakeRolloutEngine",
+})
 
-NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+    """Where a trainable engine's rank sits in its worker group (``TP x PP x DP`` ranks)."""
+
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    pp_rank: int = 0
+    mp_rank: int = 0
+    """Rank within the replica's model-parallel group (``tp_rank + tp_size x pp_rank``)."""
+    mp_size: int = 1
+    """Model-parallel ranks of one replica (TP x PP)."""
+    writer: bool = True
+    """The last pipeline stage's first tensor-parallel rank: it holds its replica's outputs."""
 
 
 @dataclasses.dataclass
@@ -42,23 +66,65 @@ class Sample:
 
 
 class TrainableEngine(abc.ABC):
-    """What every trained model offers: a streaming optimizer step and model + optimizer checkpoints."""
+    """What every trained model offers: its place in the worker group, a streaming optimizer step, model +
+    optimizer checkpoints.
+
+    Built as ``cls(cfg, model_dir, *, trainable=True, group_timeout_s=None)`` on every rank of a worker group
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in the environment): the engine joins the
+    group's process groups itself, every collective bounded by ``group_timeout_s`` (None: the backend's
+    default), since one step may keep a rank away from its group's next collective for a long time.
+    """
 
     version: int
-    """Weight version: 0 as loaded, +1 per optimizer step."""
+    """Weight version: 0 as loaded, +1 per optimizer step (the service counts it and restores it on resume)."""
+
+    @property
+    @abc.abstractmethod
+    def ranks(self) -> Ranks:
+        """This rank's place in the worker group."""
+
+    @property
+    @abc.abstractmethod
+    def micro_batch_size(self) -> int:
+        """Rows per micro-batch of ``train_step``."""
+
+    @property
+    @abc.abstractmethod
+    def fixed_seq_len(self) -> bool:
+        """True when every micro-batch must have the run's full sequence length (pipeline stages exchange
+        fixed shapes); otherwise a micro-batch is as wide as its longest row."""
+
+    @abc.abstractmethod
+    def gather_data_parallel(self, items: list) -> list:
+        """Every data-parallel replica's ``items``, concatenated in replica order (collective over the
+        replicas; ``items`` itself at one replica)."""
+
+    @abc.abstractmethod
+    def check_same_rows(self, fingerprints: list[torch.Tensor], what: str) -> None:
+        """Raise on every rank of the replica unless all its model-parallel ranks hold the same ``fingerprints``
+        (one per batch read; collective over the model-parallel group). Ranks that computed on different
+        rows would not fail by themselves: they would silently combine the logits of different sequences."""
+
+    @abc.abstractmethod
+    def group_timeout_s(self) -> float | None:
+        """The timeout this rank's process group was created with (None where the backend does not say)."""
 
     @abc.abstractmethod
     def train_step(self, micro_batches: Iterable[dict[str, torch.Tensor]], num_microbatches: int,
-                   loss_fn: Callable) -> dict[str, float]:
-        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step."""
+                   loss_fn: Callable) -> dict:
+        """Accumulate gradients over a (possibly streaming) micro-batch iterator, then one optimizer step.
+
+        ``loss_fn(logprobs, micro_batch) -> (loss, metrics)`` returns numerators plus a ``normalizer`` metric;
+        gradients are divided by the normalizer summed over every micro-batch and replica. Returns
+        ``grad_norm`` and ``micro``: each micro-batch's metrics (on the ranks that hold outputs)."""
 
     @abc.abstractmethod
     def save(self, path: str) -> None:
-        """Write a checkpoint of the model (and optimizer) to ``path``."""
+        """Write a checkpoint of the model (and optimizer) to ``path`` (collective on every rank)."""
 
     @abc.abstractmethod
     def load(self, path: str) -> None:
-        """Restore a checkpoint written by ``save``."""
+        """Restore a checkpoint written by ``save`` (the caller restores ``version``)."""
 
     def offload(self) -> int:
         """Colocated ``sync`` on devices: move parameters and optimizer state to host memory and free the
@@ -71,24 +137,14 @@ class TrainableEngine(abc.ABC):
 
 
 class TrainEngine(TrainableEngine):
-    """A policy (or reference) model that computes logprobs, trains, and exports its weights.
+    """A policy (or reference) model that computes logprobs, trains, and stages its weights for rollout.
 
-    Built as ``cls(cfg, model_dir)`` for the actor and ``cls(cfg, model_dir, trainable=False)`` for the
-    frozen reference, which only computes logprobs (and may skip gradients and optimizer state)."""
-
-    @abc.abstractmethod
-    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """log p(tokens[:, 1:]) as [b, s-1] (collective over the engine's ranks)."""
+    Built with ``trainable=False`` for the frozen reference, which only computes logprobs (and may skip
+    gradients and optimizer state)."""
 
     @abc.abstractmethod
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hugging Face-named full tensors of this rank's part of the current weights (tools, tests)."""
-
-    def stream_weights_from_host(self) -> None:
-        """Reference placement ``offload``: keep the (frozen) weights in host memory and bring each layer to
-        the device only while it runs. Engines built with ``trainable=False`` are asked for it."""
-        raise NotImplementedError(f"{type(self).__name__} cannot stream its weights from host memory; "
-                                  "set trainer.reference_placement to colocated or own")
+    def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """log p(tokens[:, 1:]) as [b, s-1] on the writer rank, None elsewhere (collective over the replica)."""
 
     @abc.abstractmethod
     def weight_stager(self, bucket_mb: float, session: str) -> tuple[object | None, dict]:
@@ -96,40 +152,59 @@ class TrainEngine(TrainableEngine):
         send nothing) and the ``SyncPlan`` as plain data for the rollout side. ``session`` names the run's
         staging segments. The writer's ``stage(version)`` is called after every optimizer step."""
 
+    def stream_weights_from_host(self) -> None:
+        """Reference placement ``offload``: keep the (frozen) weights in host memory and bring each layer to
+        the device only while it runs. Engines built with ``trainable=False`` are asked for it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot stream its weights from host memory; "
+                                  "set trainer.reference_placement to colocated or own")
+
 
 class CriticEngine(TrainableEngine):
     """A value model (PPO's critic): per-token values and its own training."""
 
     @abc.abstractmethod
-    def compute_values(self, tokens: torch.Tensor) -> torch.Tensor:
-        """V at every position as [b, s-1], aligned like ``compute_logprobs`` (position t: before token t+1)."""
+    def compute_values(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """V at every position as [b, s-1] on the writer rank (None elsewhere), aligned like
+        ``compute_logprobs`` (position t: before token t+1)."""
 
 
 class RolloutEngine(abc.ABC):
-    """An inference engine that generates with per-token logprobs and takes versioned weight updates."""
+    """An inference engine that generates with per-token logprobs and applies versions staged by the trainer.
+
+    Built as ``cls(cfg, model_dir, *, share_device=False, cpus=None, visible_devices=None)``, before anything
+    else in its process touches a device: the engine sets up its own process environment. ``share_device``:
+    the trainer uses the same devices in turns (colocated ``sync``; see ``sleep``); ``cpus``: the cores this
+    worker may use; ``visible_devices``: the device ids its engine runs on (None: what Ray assigned).
+    """
 
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
-                 on_sample: Callable[[int, Sample], None] | None = None) -> list[Sample]:
-        """``n`` responses per prompt. ``on_sample(prompt_index, sample)`` fires as each one finishes."""
+                 on_sample: Callable[[int, Sample], None] | None = None,
+                 max_new_tokens: int | Sequence[int | None] | None = None, ignore_eos: bool = False) -> list[Sample]:
+        """``n`` responses per prompt, in prompt order. ``on_sample(prompt_index, sample)`` fires as each one
+        finishes. ``max_new_tokens``: one budget, or one per prompt (None: the engine's configured one);
+        ``ignore_eos``: every response uses its whole budget. Weights never change during a call."""
 
     @abc.abstractmethod
-    def apply_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """Serve weights ``version`` from now on (called between generations: never mixes versions)."""
-
     def apply_staged(self, staging: dict, version: int) -> dict:
-        """Apply a version staged by the trainer's ``weight_stager`` writers (the loop's weight path).
+        """Serve ``version`` from now on, read from the segments staged by the trainer's ``weight_stager``
+        writers (called between generations, or by a stream's ``swap_weights``).
 
         ``staging`` holds the plan (plain data) and the staging segments; raises
         ``asyncflow.bridge.staging.StaleStagingError`` when the trainer overwrote the version meanwhile (the
-        caller applies the newest one instead). Engines that only take full tensors leave this out.
+        caller applies the newest one instead). Returns ``buckets``, ``bytes_per_rank`` and ``ranks`` (per
+        engine rank: ``bytes_by_source``).
         """
-        raise NotImplementedError(f"{type(self).__name__} takes weights through apply_weights only")
 
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:
-        """The version the engine serves."""
+        """The version the engine serves (-1 while none is complete)."""
+
+    def stream(self, ignore_eos: bool = False, turns: bool = False):
+        """A continuous-batching handle (``asyncflow.engines.vllm.stream.VllmStream``'s interface: ``add``,
+        ``step``, ``swap_weights``, ``running``). Engines without one support the chunked rollout only."""
+        raise NotImplementedError(f"{type(self).__name__} has no continuous-batching stream")
 
     def sleep(self) -> int:
         """Colocated ``sync`` on devices: release the device memory of weights and KV cache while the trainer
@@ -140,41 +215,20 @@ class RolloutEngine(abc.ABC):
     def wake(self) -> None:  # noqa: B027 - optional hook
         """Take the device memory back after ``sleep``, before the next weight apply and generation."""
 
-    def stream(self, ignore_eos: bool = False, turns: bool = False):
-        """A continuous-batching handle (``asyncflow.engines.vllm.stream.VllmStream``'s interface: ``add``,
-        ``step``, ``swap_weights``, ``running``). Engines without one support the chunked rollout only."""
-        raise NotImplementedError(f"{type(self).__name__} has no continuous-batching stream")
-
-    def pause(self) -> None:  # noqa: B027 - optional hook
-        """Stop scheduling new work (engines without the notion may ignore it)."""
-
-    def resume(self) -> None:  # noqa: B027 - optional hook
-        """Undo ``pause``."""
-
-    def abort(self) -> int:
-        """Abort in-flight requests; returns how many were aborted."""
-        return 0
-
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the engine's processes and memory (engines without any may ignore it)."""
 
 
 def make_train_engine(spec: str, *args, **kwargs) -> TrainEngine:
     """Instantiate a train engine by registered name or dotted path."""
-    import asyncflow.engines.megatron.actor  # noqa: F401 - registers "megatron"
-
     return TRAIN_ENGINES.resolve(spec)(*args, **kwargs)
 
 
 def make_critic_engine(spec: str, *args, **kwargs) -> CriticEngine:
     """Instantiate a critic engine by registered name or dotted path."""
-    import asyncflow.engines.megatron.critic  # noqa: F401 - registers "megatron"
-
     return CRITIC_ENGINES.resolve(spec)(*args, **kwargs)
 
 
 def make_rollout_engine(spec: str, *args, **kwargs) -> RolloutEngine:
     """Instantiate a rollout engine by registered name or dotted path."""
-    import asyncflow.engines.vllm.rollout  # noqa: F401 - registers "vllm"
-
     return ROLLOUT_ENGINES.resolve(spec)(*args, **kwargs)

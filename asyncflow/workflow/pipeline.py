@@ -15,7 +15,7 @@ from asyncflow.workflow import network, services, train_services
 from asyncflow.workflow.board import VersionBoard
 from asyncflow.workflow.errors import WorkerDiedError
 from asyncflow.workflow.node_check import check_nodes
-from asyncflow.workflow.services import partition_name
+from asyncflow.workflow.partitions import partition_name
 
 
 @dataclasses.dataclass
@@ -163,51 +163,7 @@ class Pipeline:
             ray.shutdown()
 
 
-def check_algorithm(cfg: AsyncFlowConfig) -> None:
-    """Reject algorithm settings that cannot work together, naming the keys (before anything starts)."""
-    from asyncflow.algorithms.advantages import estimator_scope
-    from asyncflow.config import ConfigError
 
-    algo = cfg.algorithm
-    scope = estimator_scope(algo.advantage)
-    if cfg.trainer.context_parallel > 1 and algo.loss_agg != "token-mean":
-        raise ConfigError(f"trainer.context_parallel={cfg.trainer.context_parallel} needs algorithm.loss_agg="
-                          f"token-mean (got {algo.loss_agg!r}): a context-parallel rank sees part of each row")
-    if algo.dynamic_sampling:
-        if scope != "group":
-            raise ConfigError(f"algorithm.dynamic_sampling needs a group estimator (grpo, rloo); "
-                              f"algorithm.advantage={algo.advantage!r} is {scope}-scoped")
-        if algo.kl_coef > 0 and algo.kl_mode == "reward":
-            raise ConfigError("algorithm.dynamic_sampling with algorithm.kl_mode=reward is not supported: the "
-                              "reference would have to score groups before they are kept; use kl_mode=loss "
-                              "or kl_coef=0")
-
-
-def check_batching(cfg: AsyncFlowConfig) -> None:
-    """Reject a step that the trainers cannot split into whole micro-batches (before anything starts)."""
-    from asyncflow.algorithms.advantages import estimator_scope
-    from asyncflow.config import ConfigError
-
-    rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
-    trainers = [("trainer", cfg.trainer)]
-    if estimator_scope(cfg.algorithm.advantage) == "critic":
-        trainers.append(("critic", cfg.critic))
-    for name, mcfg in trainers:
-        if rows % (mcfg.micro_batch_size * mcfg.data_parallel):
-            raise ConfigError(f"workflow.prompts_per_step x workflow.samples_per_prompt = {rows} rows per step must "
-                              f"be a multiple of {name}.micro_batch_size {mcfg.micro_batch_size} x "
-                              f"{name}.data_parallel {mcfg.data_parallel}")
-
-
-def check_rollout(cfg: AsyncFlowConfig) -> None:
-    """Reject rollout settings that cannot work together, naming the keys (before anything starts)."""
-    from asyncflow.config import ConfigError
-
-    r = cfg.rollout
-    if r.partial_kv == "keep" and r.enable_prefix_caching:
-        raise ConfigError("rollout.partial_kv=keep needs rollout.enable_prefix_caching=false: the prefix cache "
-                          "cannot be dropped while requests run, so a new request could attend to an old "
-                          "version's cached prompt blocks")
 
 
 def connect_ray(cfg: AsyncFlowConfig) -> None:
@@ -227,12 +183,6 @@ def connect_ray(cfg: AsyncFlowConfig) -> None:
              **local)
 
 
-def check_config(cfg: AsyncFlowConfig) -> None:
-    """Every check a run makes of its configuration before it starts anything."""
-    check_algorithm(cfg)
-    check_batching(cfg)
-    check_rollout(cfg)
-
 
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
                    answers: bool = False, resume_dir: Path | None = None, start_step: int = 0) -> Pipeline:
@@ -250,7 +200,6 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     from asyncflow.workflow.resume import checkpoint_root
 
     wf, algo = cfg.workflow, cfg.algorithm
-    check_config(cfg)
     colocated = wf.mode == "sync"
     critic = estimator_scope(algo.advantage) == "critic"
     reference = algo.kl_coef > 0

@@ -22,10 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from asyncflow.workflow.board import admitted_version
-
-PUT_ROWS = 16
-"""Finished responses per TransferQueue put: both rollout paths put every 16th as it finishes, so the next task
-starts on the first rows while the engine still decodes the tail; the simulator charges puts by it too."""
+from asyncflow.workflow.partitions import PUT_ROWS, partition_name, row_length
 
 
 @dataclass
@@ -96,8 +93,6 @@ class ContinuousRollout:
     # ------------------------------------------------------------------ rows
     def _admit_rows(self, step: int, block: bool) -> bool:
         """Admit ready rows of ``step`` into free slots; True once the partition is exhausted."""
-        from asyncflow.workflow.services import partition_name
-
         if not self.stream.free:
             return False
         kw = dict(allow_partial=True)
@@ -167,8 +162,6 @@ class ContinuousRollout:
             self._flush()
 
     def _flush(self) -> None:
-        from asyncflow.workflow.services import partition_name, row_length
-
         by_step: dict[int, list] = {}
         for step, index, sample, failed, turn_reward in self.pending:
             by_step.setdefault(step, []).append((index, sample, failed, turn_reward))

@@ -24,18 +24,8 @@ import torch
 
 from asyncflow.config import AlgorithmConfig, TransferQueueConfig, VllmConfig
 from asyncflow.workflow.errors import WeightApplyError
-from asyncflow.workflow.rollout_stream import PUT_ROWS
-
-
-def partition_name(step: int) -> str:
-    """The TransferQueue partition that holds the samples of global step ``step``."""
-    return f"step-{step:06d}"
-
-
-def row_length(sample) -> int:
-    """A generated row's tokens as the trainer packs it (prompt and response): the TransferQueue's row length,
-    which the ``shortest`` sampler orders micro-batches by (the prompt's put set it to the prompt alone)."""
-    return len(sample.prompt_ids) + len(sample.response_ids)
+from asyncflow.workflow.partitions import PUT_ROWS, partition_name, row_length
+from asyncflow.workflow.rollout_stream import ContinuousRollout
 
 
 class TaskService:
@@ -140,7 +130,7 @@ class TaskService:
 
 
 class RolloutService(TaskService):
-    """vLLM generation under the staleness rule; finished responses stream into the TransferQueue."""
+    """Generation under the staleness rule; finished responses stream into the TransferQueue."""
 
     name = "rollout"
 
@@ -149,20 +139,14 @@ class RolloutService(TaskService):
                  agent: str | None = None, max_turns: int = 1, **kw):
         """``share_device``: colocated ``sync`` on devices (the engine sleeps between its phases);
         ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``)."""
-        if visible_devices:  # before vLLM (and CUDA) start: its TP workers inherit it
-            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
-        cpus = kw.get("cpus") or list(range(kw.get("threads", 1)))
-        # vLLM's CPU workers bind their OpenMP threads to these cores (they would claim every core otherwise):
-        # one "|"-separated list per tensor-parallel rank; ranks share a core when there are fewer cores.
-        tp = vllm_cfg.tensor_parallel
-        per_rank = [cpus[i * len(cpus) // tp:(i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in per_rank))
         super().__init__(**kw)
         from asyncflow.engines.base import make_rollout_engine
 
         self.share_device = share_device
-        extra = {"share_device": True} if share_device else {}  # engines that cannot sleep need not know
-        self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir, **extra)
+        # Unpinned workers still keep to as many cores as they have threads.
+        cpus = kw.get("cpus") or list(range(kw.get("threads", 1)))
+        self.engine = make_rollout_engine(vllm_cfg.engine, vllm_cfg, model_dir, share_device=share_device, cpus=cpus,
+                                          visible_devices=visible_devices)
         self.max_staleness = max_staleness
         self.chunk = chunk
         self.continuous, self.partial = vllm_cfg.continuous or vllm_cfg.partial or bool(agent), vllm_cfg.partial
@@ -192,20 +176,20 @@ class RolloutService(TaskService):
         self.weight_sources: dict[str, dict] = {}
 
     def shutdown(self) -> None:
-        """Stop the vLLM engine first: with TP > 1 its workers are separate processes."""
+        """Stop the engine first: its workers may be separate processes (vLLM at TP > 1)."""
         self.engine.close()
         for receiver in self.receivers:
             receiver.close()
         super().shutdown()
 
     def acquire_device(self) -> None:
-        """Wake vLLM (weights and KV cache reallocated); ``run_step`` then applies the newest weights."""
+        """Wake the engine (weights and KV cache reallocated); ``run_step`` then applies the newest weights."""
         if self.share_device:
             with self.timeline.span(self.name, "wake", self.worker):
                 self.engine.wake()
 
     def release_device(self) -> int:
-        """Put vLLM to sleep: weights and KV cache released (a no-op on vLLM-cpu, which has no sleep mode)."""
+        """Put the engine to sleep: weights and KV cache released (a no-op where the engine cannot, e.g. vLLM-cpu)."""
         if not self.share_device:
             return 0
         with self.timeline.span(self.name, "sleep", self.worker):
@@ -326,15 +310,11 @@ class RolloutService(TaskService):
     def run(self, first: int, last: int) -> int:
         if not self.continuous:
             return super().run(first, last)
-        from asyncflow.workflow.rollout_stream import ContinuousRollout
-
         ContinuousRollout(self, self.partial).run(first, last, self.post)
         return last
 
     def run_step(self, step: int) -> dict:
         if self.continuous:  # sync mode: one step through the same stream (no chunks within the step)
-            from asyncflow.workflow.rollout_stream import ContinuousRollout
-
             reports: list[dict] = []
             ContinuousRollout(self, self.partial).run(step, step + 1, reports.append)
             return reports[0]

@@ -1,10 +1,10 @@
-"""The Megatron services: reference logprobs and the actor update, one Ray actor per Megatron rank.
+"""The trained-model services: reference logprobs, the actor update and the critic, one Ray actor per rank.
 
-A worker group of ``TP x PP x DP`` ranks forms one torch.distributed world. Every rank streams from the
-TransferQueue with its data-parallel rank and its model-parallel rank, so all TP/PP ranks of one
-data-parallel replica receive the same rows and different replicas receive different rows. Only the
-last pipeline stage's first tensor-parallel rank of each replica writes results back; only the last
-stage's first rank of replica 0 reports metrics.
+A worker group of ``TP x PP x DP`` ranks forms one process group, which the engine joins
+(``asyncflow.engines.base.TrainableEngine``). Every rank streams from the TransferQueue with its
+data-parallel rank and its model-parallel rank (``engine.ranks``), so all TP/PP ranks of one data-parallel
+replica receive the same rows and different replicas receive different rows. Only each replica's writer
+rank (last pipeline stage, first tensor-parallel rank) writes results back; only replica 0's reports metrics.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from asyncflow.workflow.batching import (
     to_critic_micro_batch,
     to_micro_batch,
 )
-from asyncflow.workflow.services import TaskService, partition_name
+from asyncflow.workflow.partitions import partition_name
+from asyncflow.workflow.services import TaskService
 
 
-class MegatronService(TaskService):
-    """A rank of a Megatron worker group: joins the group's process group, knows its DP/MP position."""
+class TrainerService(TaskService):
+    """A rank of a trained model's worker group; its engine joins the group and knows its DP/MP position."""
 
     def __init__(self, megatron_cfg: MegatronConfig, model_dir: str, seq_len: int, rank: int = 0,
                  world_size: int = 1, master_port: int = 0, master_addr: str = "127.0.0.1",
@@ -41,39 +42,21 @@ class MegatronService(TaskService):
             os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                               MASTER_PORT=str(master_port))
         super().__init__(worker=rank, **kw)
-        from megatron.core import parallel_state as ps
-
-        from asyncflow.models.parallel import init_megatron
-
-        # Join the group here, with the run's step timeout: a rank may stay away from the group's next
-        # collective for a whole step. The engine's own init_megatron then finds every group formed.
-        c = megatron_cfg
-        init_megatron(c.tensor_parallel, c.pipeline_parallel, c.seed, expert_parallel=c.expert_parallel,
-                      context_parallel=c.context_parallel, timeout_s=self.timeout_s)
+        # The engine joins its group with the run's step timeout: a rank may stay away from the group's next
+        # collective for a whole step.
         self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
-        self.fixed_shape = megatron_cfg.pipeline_parallel > 1  # stages exchange fixed shapes
+        self.fixed_shape = self.engine.fixed_seq_len
         # Rows of like length in one micro-batch (``MegatronConfig.row_order``); fixed shapes pad to the cap anyway.
         self.sampler = "shortest" if megatron_cfg.row_order == "shortest" and not self.fixed_shape else "sequential"
-        tp, pp = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.tp_rank, self.pp_rank = tp, pp
-        self.mp_rank = tp + ps.get_tensor_model_parallel_world_size() * pp
-        self.mp_size = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
-        self.writer = ps.is_pipeline_last_stage() and tp == 0  # holds the logprobs of its replica
+        self.ranks = self.engine.ranks
         self._fingerprints: list[torch.Tensor] = []
-        self.reporter = self.writer and self.dp_rank == 0
+        self.reporter = self.ranks.writer and self.ranks.dp_rank == 0
 
     def where(self) -> dict:
         """``TaskService.where`` and the timeout this rank's process group was created with (the run's
         ``workflow.step_timeout_s``; None where the backend does not say)."""
-        out = super().where()
-        try:
-            backend = torch.distributed.group.WORLD._get_backend(torch.device("cpu"))
-            out["group_timeout_s"] = backend.options._timeout.total_seconds()
-        except (RuntimeError, AttributeError):  # a CUDA-only (NCCL) default group has no CPU backend to ask
-            out["group_timeout_s"] = None
-        return out
+        return {**super().where(), "group_timeout_s": self.engine.group_timeout_s()}
 
     def acquire_device(self) -> None:
         """Copy parameters and optimizer state back to the device (colocated ``sync`` on devices)."""
@@ -112,7 +95,7 @@ class MegatronService(TaskService):
         """This group's engine (a policy by default; the critic overrides it)."""
         from asyncflow.engines.base import make_train_engine
 
-        return make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir)
+        return make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir, group_timeout_s=self.timeout_s)
 
     def stream(self, step: int, fields: list[str], batch_size: int, **kwargs):
         """This rank's share: the same rows for every TP/PP rank of a replica, distinct across replicas.
@@ -120,10 +103,11 @@ class MegatronService(TaskService):
         Under model parallelism each batch's fingerprint is kept for ``verify_same_rows``.
         """
         kwargs.setdefault("sampler", self.sampler)
-        batches = super().stream(step, fields, batch_size, dp_rank=self.dp_rank, dp_size=self.dp_size,
-                                 mp_rank=self.mp_rank, mp_size=self.mp_size, **kwargs)
+        r = self.ranks
+        batches = super().stream(step, fields, batch_size, dp_rank=r.dp_rank, dp_size=r.dp_size,
+                                 mp_rank=r.mp_rank, mp_size=r.mp_size, **kwargs)
         for batch in batches:
-            if self.mp_size > 1:
+            if r.mp_size > 1:
                 self._fingerprints.append(batch_fingerprint(batch))
             yield batch
 
@@ -134,10 +118,8 @@ class MegatronService(TaskService):
         schedule, where stages pull micro-batches at different times).
         """
         mine, self._fingerprints = self._fingerprints, []
-        if self.mp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            check_same_batches(mine, ps.get_model_parallel_group(), f"step {step} of {self.name}")
+        if self.ranks.mp_size > 1:
+            self.engine.check_same_rows(mine, f"step {step} of {self.name}")
 
     def forward_pass(self, step: int, fields: list[str], chunk: int, out_field: str, forward,
                      task: str | None = None) -> None:
@@ -150,7 +132,7 @@ class MegatronService(TaskService):
                 t0 = time.perf_counter()
                 out = forward(tokens)
                 span["engine_s"] = time.perf_counter() - t0  # the forward alone (``simulator.calibrate``)
-                if self.writer:
+                if self.ranks.writer:
                     self.tq.put(partition_name(step), {out_field: response_slices(out, prompts, responses)},
                                 indexes=batch.indexes)
         self.verify_same_rows(step)
@@ -172,21 +154,7 @@ def batch_fingerprint(batch) -> torch.Tensor:
     return torch.tensor([len(batch.indexes), sum(batch.indexes), total], dtype=torch.long)
 
 
-def check_same_batches(fingerprints: list[torch.Tensor], group, what: str) -> None:
-    """Raise on every rank of ``group`` unless all of them hold the same ``batch_fingerprint`` list.
-
-    Model-parallel ranks that computed on different rows would not fail by themselves: they would silently
-    combine the logits of different sequences (this once happened when the TransferQueue freed rows after
-    the first rank's read and the next step's rows reused the storage).
-    """
-    everyone: list = [None] * torch.distributed.get_world_size(group)
-    torch.distributed.all_gather_object(everyone, [f.tolist() for f in fingerprints], group=group)
-    if any(other != everyone[0] for other in everyone):
-        raise RuntimeError(f"{what}: the model-parallel ranks of one replica read different rows (batch "
-                           f"fingerprints per rank: {everyone}); they must receive identical batches")
-
-
-class ReferenceService(MegatronService):
+class ReferenceService(TrainerService):
     """Log-probabilities of the frozen reference policy (forward only)."""
 
     name = "reference"
@@ -202,7 +170,8 @@ class ReferenceService(MegatronService):
         memory and stream to the device layer by layer."""
         from asyncflow.engines.base import make_train_engine
 
-        engine = make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir, trainable=False)
+        engine = make_train_engine(megatron_cfg.engine, megatron_cfg, model_dir, trainable=False,
+                                   group_timeout_s=self.timeout_s)
         if megatron_cfg.reference_placement == "offload":
             engine.stream_weights_from_host()
         return engine
@@ -212,7 +181,7 @@ class ReferenceService(MegatronService):
         return self.report(step, {}) if self.reporter else None
 
 
-class ActorService(MegatronService):
+class ActorService(TrainerService):
     """Policy update; the first pass streams micro-batches straight from the TransferQueue."""
 
     name = "actor"
@@ -251,11 +220,8 @@ class ActorService(MegatronService):
         self.stage_stats: dict = {}
 
         self.algo = algo
-        self.mbs = self.engine.trainer.cfg.micro_batch_size
-        if rows_per_step % (self.mbs * self.dp_size):
-            raise ValueError(f"rows per step {rows_per_step} must be a multiple of trainer.micro_batch_size "
-                             f"{self.mbs} x data-parallel size {self.dp_size}")
-        self.num_micro = rows_per_step // (self.mbs * self.dp_size)
+        self.mbs = self.engine.micro_batch_size
+        self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)
         self.loss_fn = make_objective(algo, max_new_tokens)
         self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else []) + \
             (["loss_mask"] if loss_mask else []) + \
@@ -335,7 +301,7 @@ class ActorService(MegatronService):
         self.engine.version += 1
         self.publish()
         saved = self.maybe_save(step, self.checkpoint)
-        all_groups = _gather_over_data_parallel(groups)
+        all_groups = self.engine.gather_data_parallel(groups)
         if not self.reporter:
             return None
         # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
@@ -346,7 +312,7 @@ class ActorService(MegatronService):
         return self.report(step, metrics, trained_groups=sorted(all_groups))
 
 
-class CriticService(MegatronService):
+class CriticService(TrainerService):
     """PPO's critic, two TransferQueue tasks on the same ranks: ``values`` (a forward over each step's rows,
     read by the advantage task's GAE) and ``critic`` (the update on the GAE returns).
 
@@ -366,17 +332,14 @@ class CriticService(MegatronService):
         self.restore(resume_dir, start_version)
 
         self.algo, self.chunk = algo, chunk
-        self.mbs = self.engine.trainer.cfg.micro_batch_size
-        if rows_per_step % (self.mbs * self.dp_size):
-            raise ValueError(f"rows per step {rows_per_step} must be a multiple of critic.micro_batch_size "
-                             f"{self.mbs} x data-parallel size {self.dp_size}")
-        self.num_micro = rows_per_step // (self.mbs * self.dp_size)
+        self.mbs = self.engine.micro_batch_size
+        self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)
         self.loss_fn = make_value_objective(algo)
 
     def make_engine(self, megatron_cfg: MegatronConfig, model_dir: str):
         from asyncflow.engines.base import make_critic_engine
 
-        return make_critic_engine(megatron_cfg.engine, megatron_cfg, model_dir)
+        return make_critic_engine(megatron_cfg.engine, megatron_cfg, model_dir, group_timeout_s=self.timeout_s)
 
     def values_step(self, step: int) -> None:
         """Values of every row of ``step`` (field ``values``, one per response token)."""
@@ -437,16 +400,6 @@ def _flat_groups(cache: list[dict], groups: list[int]) -> int:
     for gid, value in zip(groups, rows.tolist()):
         signal[gid] = signal.get(gid, False) or value > 0
     return sum(not v for v in signal.values())
-
-
-def _gather_over_data_parallel(items: list[int]) -> list[int]:
-    from megatron.core import parallel_state as ps
-
-    if ps.get_data_parallel_world_size() == 1:
-        return items
-    gathered: list = [None] * ps.get_data_parallel_world_size()
-    torch.distributed.all_gather_object(gathered, items, group=ps.get_data_parallel_group(with_context_parallel=False))
-    return [x for part in gathered for x in part]
 
 
 def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> dict:

@@ -3,9 +3,10 @@
 import torch
 import torch.multiprocessing as mp
 
+from asyncflow.engines.megatron.groups import check_same_batches
 from asyncflow.models.parallel import free_port
 from asyncflow.transfer_queue.batch import Batch, BatchMeta
-from asyncflow.workflow.train_services import batch_fingerprint, check_same_batches
+from asyncflow.workflow.train_services import batch_fingerprint
 
 
 def _batch(indexes, responses):

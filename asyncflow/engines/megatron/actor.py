@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 
 from asyncflow.config import MegatronConfig
-from asyncflow.engines.base import TRAIN_ENGINES, TrainEngine
+from asyncflow.engines.base import Ranks, TrainEngine
+from asyncflow.engines.megatron import groups
 from asyncflow.engines.megatron.trainer import MegatronTrainer
 
 
-@TRAIN_ENGINES.register("megatron")
 class MegatronActor(TrainEngine):
     """A policy on this process's Megatron ranks; ``version`` counts global training steps.
 
@@ -23,19 +23,49 @@ class MegatronActor(TrainEngine):
     """
 
     def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True, head: str = "lm",
-                 trainable: bool = True):
-        self.trainer = MegatronTrainer(cfg, model_dir, head=head, trainable=trainable)
+                 trainable: bool = True, group_timeout_s: float | None = None):
+        """``group_timeout_s``: bounds every collective of the process groups this rank joins (see
+        ``TrainableEngine``)."""
+        self.trainer = MegatronTrainer(cfg, model_dir, head=head, trainable=trainable, group_timeout_s=group_timeout_s)
         if load_weights:
             self.trainer.load_hf(model_dir)
         self.version = 0
         self._offloader = None
         self.streamer = None
         self._logprobs = self.trainer.logprobs  # layer_major.logprobs once the weights stream from host memory
+        self._ranks = groups.ranks()
 
     @property
     def arch(self):
         """The model's ``GPTArch``."""
         return self.trainer.arch
+
+    @property
+    def ranks(self) -> Ranks:
+        """See ``TrainableEngine.ranks`` (Megatron's parallel state)."""
+        return self._ranks
+
+    @property
+    def micro_batch_size(self) -> int:
+        """``MegatronConfig.micro_batch_size``."""
+        return self.trainer.cfg.micro_batch_size
+
+    @property
+    def fixed_seq_len(self) -> bool:
+        """Pipeline stages exchange activations of one fixed shape."""
+        return self.trainer.cfg.pipeline_parallel > 1
+
+    def gather_data_parallel(self, items: list) -> list:
+        """See ``TrainableEngine.gather_data_parallel``."""
+        return groups.gather_data_parallel(items)
+
+    def check_same_rows(self, fingerprints: list[torch.Tensor], what: str) -> None:
+        """See ``TrainableEngine.check_same_rows``."""
+        groups.check_same_rows(fingerprints, what)
+
+    def group_timeout_s(self) -> float | None:
+        """See ``TrainableEngine.group_timeout_s``."""
+        return groups.group_timeout_s()
 
     @torch.no_grad()
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
@@ -99,10 +129,6 @@ class MegatronActor(TrainEngine):
         self.streamer = LayerStreamer(module, module.decoder.layers, self.trainer.device)
         if layer_major.supported(self.trainer):
             self._logprobs = functools.partial(layer_major.logprobs, self.trainer, self.streamer)
-
-    def export_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Hugging Face-named tensors of this rank's shard (the bridge assembles vLLM layouts)."""
-        return self.trainer.export_hf()
 
     def weight_stager(self, bucket_mb: float, session: str):
         """See ``TrainEngine.weight_stager`` (``MegatronTrainer.weight_stager``)."""

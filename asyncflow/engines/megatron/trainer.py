@@ -42,7 +42,8 @@ class MegatronTrainer:
     forward passes only (the reference policy): no DDP wrapper, gradient buffers or optimizer.
     """
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, head: str = "lm", trainable: bool = True):
+    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, head: str = "lm", trainable: bool = True,
+                 group_timeout_s: float | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
@@ -50,10 +51,10 @@ class MegatronTrainer:
 
         self.arch = GPTArch.from_pretrained(model_dir)
         # Features this machine cannot run fail here, naming the key, before any process group starts.
-        features.check(cfg, "critic" if head == "value" else "trainer", head=head, is_moe=self.arch.is_moe)
+        features.check(cfg, "critic" if head == "value" else "trainer", is_moe=self.arch.is_moe)
         self.cfg = cfg
         init_megatron(cfg.tensor_parallel, cfg.pipeline_parallel, cfg.seed, expert_parallel=cfg.expert_parallel,
-                      context_parallel=cfg.context_parallel)
+                      context_parallel=cfg.context_parallel, timeout_s=group_timeout_s)
         if head not in ("lm", "value"):
             raise ValueError(f"head must be 'lm' or 'value', got {head!r}")
         self.head = head
@@ -156,7 +157,7 @@ class MegatronTrainer:
         """This rank's chunk as full Hugging Face ``(name, tensor)`` pairs, any TP/PP stage.
 
         Collective over the tensor-parallel group when TP > 1 (one all-gather per parameter); the
-        weight sync path (``export_weights``) never gathers.
+        weight sync path (``weight_stager``) never gathers.
         """
         from asyncflow.bridge.mcore import export_full_hf, model_rank
 

@@ -10,32 +10,40 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import VllmConfig
-from asyncflow.engines.base import ROLLOUT_ENGINES, RolloutEngine, Sample
+from asyncflow.engines.base import RolloutEngine, Sample
 from asyncflow.engines.vllm.worker_extension import EXTENSION
 
-Rollout = Sample  # the name used before the engine interface existed
 
-
-def _environment(cfg: VllmConfig) -> None:
-    # vLLM reads these at import / engine start; set them only where the user has not.
+def _environment(cfg: VllmConfig, cpus: list[int] | None, visible_devices: list[str] | None) -> None:
+    """What vLLM reads from the environment at import and engine start; set only where the user has not,
+    except the devices, which placement decides."""
+    if visible_devices:  # before CUDA starts in this process: vLLM's TP workers inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     if cfg.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    if cfg.tensor_parallel > 1 and not torch.cuda.is_available():
+    tp = cfg.tensor_parallel
+    if cpus:
+        # vLLM's CPU workers bind their OpenMP threads to these cores (they would claim every core otherwise):
+        # one "|"-separated list per tensor-parallel rank; ranks share a core when there are fewer cores.
+        per_rank = [cpus[i * len(cpus) // tp:(i + 1) * len(cpus) // tp] or [cpus[i % len(cpus)]] for i in range(tp)]
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, c)) for c in per_rank))
+    elif tp > 1 and not torch.cuda.is_available():
         # One core per CPU worker; without it start-up fails with "Not enough allowed NUMA nodes".
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(cfg.tensor_parallel)))
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
 
 
-@ROLLOUT_ENGINES.register("vllm")
 class VllmRollout(RolloutEngine):
     """Owns one vLLM ``LLM``; every call is synchronous and made from the owning process."""
 
-    def __init__(self, cfg: VllmConfig, model_dir: str | Path, share_device: bool = False):
+    def __init__(self, cfg: VllmConfig, model_dir: str | Path, *, share_device: bool = False,
+                 cpus: list[int] | None = None, visible_devices: list[str] | None = None):
         """``share_device``: the trainer uses the same devices in turns (colocated ``sync``); on CUDA the engine
         then starts with vLLM's sleep mode so that ``sleep`` can release its memory. vLLM-cpu has no sleep
         mode ("not supported on current platform"), so on CPU the engine keeps its memory and ``sleep`` is a
-        no-op: host memory holds both sides there anyway."""
-        _environment(cfg)
+        no-op: host memory holds both sides there anyway. ``cpus`` and ``visible_devices``: see
+        ``RolloutEngine``."""
+        _environment(cfg, cpus, visible_devices)
         from vllm import LLM
 
         self.cfg = cfg
@@ -60,7 +68,6 @@ class VllmRollout(RolloutEngine):
         )
         self.version = 0
         self._request_ids = itertools.count()
-        self._in_flight: dict[str, tuple[int, int]] = {}
 
     def generate(
         self,
@@ -76,7 +83,7 @@ class VllmRollout(RolloutEngine):
         Drives vLLM's engine step by step so that ``on_sample(prompt_index, sample)`` fires as soon as
         a response finishes (streaming into the TransferQueue), not when the whole batch is done.
         ``max_new_tokens`` may be one budget per prompt; ``ignore_eos`` makes responses use it all.
-        Returned in prompt order. Weights never change during a call: ``apply_weights`` is only called
+        Returned in prompt order. Weights never change during a call: ``apply_staged`` is only called
         between calls by the owner, so one response never mixes two weight versions.
         """
         from vllm import SamplingParams
@@ -86,7 +93,7 @@ class VllmRollout(RolloutEngine):
                                "before generating")
         budgets = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
         engine = self.llm.llm_engine
-        owner = self._in_flight = {}
+        owner: dict[str, tuple[int, int]] = {}
         for i, prompt in enumerate(prompts):
             params = SamplingParams(
                 n=1,  # n independent requests: each finishes (and streams out) on its own
@@ -120,7 +127,6 @@ class VllmRollout(RolloutEngine):
                 done[key] = sample
                 if on_sample is not None:
                     on_sample(key[0], sample)
-        # Aborted requests (abort() from another thread) are simply missing: the caller re-queues them.
         return [done[key] for key in sorted(done)]
 
     def sleep(self) -> int:
@@ -147,25 +153,15 @@ class VllmRollout(RolloutEngine):
 
         return VllmStream(self, ignore_eos=ignore_eos, turns=turns)
 
-    def apply_weights(self, named_tensors, version: int) -> None:
-        """RolloutEngine interface: apply Hugging Face-named tensors as ``version``."""
-        self.update_weights(named_tensors, version)
-
     @property
     def weight_version(self) -> int:
         """The version this engine serves."""
         return self.version
 
-    def abort(self) -> int:
-        """Abort every in-flight request of this engine."""
-        in_flight = list(self._in_flight)
-        if in_flight:
-            self.llm.llm_engine.abort_request(in_flight)
-        return len(in_flight)
-
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int,
                        bucket_mb: float | None = None) -> None:
-        """Apply Hugging Face-named full tensors as weight ``version`` on every vLLM rank.
+        """Apply Hugging Face-named full tensors as weight ``version`` on every vLLM rank (tools and tests; the
+        loop's weight path is ``apply_staged``).
 
         With ``bucket_mb`` the stream is cut into buckets of about that size that keep every fused group
         (q/k/v, gate/up, a layer's experts) whole, and each bucket is one reload; ranks report the new
