@@ -13,7 +13,8 @@ Rewards: the reward function scores the whole trajectory at its end. A loop may 
 trajectory are summed into its reward, since GRPO-style advantages take one scalar per sample.
 
 Register a loop with ``@AGENT_LOOPS.register("name")`` on a factory ``factory(tokenizer) -> AgentLoop``,
-or give a dotted path to such a factory for code outside the repository. A loop that raises ends its
+or give a dotted path to such a factory for code outside the repository (the built-in ``calculator`` is
+named by its dotted path, so this package never imports its loops). A loop that raises ends its
 trajectory; the sample gets ``algorithm.reward_on_error`` and the failure is counted (the run goes on).
 """
 
@@ -23,7 +24,7 @@ import dataclasses
 
 from asyncflow.registry import Registry
 
-AGENT_LOOPS = Registry("agent loop")
+AGENT_LOOPS = Registry("agent loop", builtins={"calculator": "asyncflow.agents.calculator:make_calculator"})
 
 
 @dataclasses.dataclass
@@ -59,6 +60,4 @@ class AgentLoop:
 
 def make_agent_loop(spec: str, tokenizer) -> AgentLoop:
     """Build agent loop ``spec`` (registered factory name or dotted path to ``factory(tokenizer)``)."""
-    from asyncflow.agents import calculator  # noqa: F401 - registers the built-in loops
-
     return AGENT_LOOPS.resolve(spec)(tokenizer)

@@ -6,7 +6,6 @@ offer ``next_batch(count) -> (prompts, answers)`` (reference answers for the rew
 ``sample_budgets(count, max_new_tokens) -> list[int]`` (per-sample generation budgets).
 """
 
-from asyncflow.data import datasets as _datasets  # noqa: F401, E402 - registers the jsonl / parquet sources
 from asyncflow.data.sources import PROMPT_SOURCES, make_prompt_source, next_batch
 
 __all__ = ["PROMPT_SOURCES", "make_prompt_source", "next_batch"]

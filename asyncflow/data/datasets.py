@@ -23,7 +23,6 @@ from pathlib import Path
 import numpy as np
 
 from asyncflow.data.config import DataConfig
-from asyncflow.data.sources import PROMPT_SOURCES
 
 SUFFIXES = {"jsonl": (".jsonl",), "parquet": (".parquet",)}
 """File extensions that ``format: auto`` recognises, and that a directory is filtered by."""
@@ -324,13 +323,11 @@ def make_file_source(tokenizer, seed: int = 0, data_cfg: DataConfig | None = Non
     return (FilePromptsWithAnswers if has_answers else FilePrompts)(tokenizer, seed, data_cfg, fmt)
 
 
-@PROMPT_SOURCES.register("jsonl")
 def jsonl_prompts(tokenizer, seed: int = 0, data_cfg: DataConfig | None = None) -> FilePrompts:
     """Prompts from a .jsonl file (or a directory of them): one JSON object per line."""
     return make_file_source(tokenizer, seed, data_cfg, "jsonl")
 
 
-@PROMPT_SOURCES.register("parquet")
 def parquet_prompts(tokenizer, seed: int = 0, data_cfg: DataConfig | None = None) -> FilePrompts:
     """Prompts from a .parquet file (or a directory of them), such as verl's preprocessed datasets."""
     return make_file_source(tokenizer, seed, data_cfg, "parquet")

@@ -1,13 +1,17 @@
-"""The prompt-source registry and the built-in synthetic sources."""
+"""The prompt-source registry and the built-in synthetic sources (the file sources, ``jsonl`` and ``parquet``,
+live in ``asyncflow.data.datasets`` and are imported when first asked for)."""
 
 from __future__ import annotations
 
 import torch
 
-from asyncflow.data.synthetic import Add1Task
+from asyncflow.data.synthetic import Add1Task, CalcTask
 from asyncflow.registry import Registry
 
-PROMPT_SOURCES = Registry("prompt source")
+PROMPT_SOURCES = Registry("prompt source", builtins={
+    "jsonl": "asyncflow.data.datasets:jsonl_prompts",
+    "parquet": "asyncflow.data.datasets:parquet_prompts",
+})
 
 
 class SyntheticPrompts:
@@ -58,11 +62,13 @@ class Add1LongTail(Add1Prompts):
 
 
 @PROMPT_SOURCES.register("calc")
-def make_calc_prompts(tokenizer, seed: int = 0, data_cfg=None):
-    """Two-digit multiplication prompts of the calculator tool task (``asyncflow.agents.calculator``)."""
-    from asyncflow.agents.calculator import CalcPrompts
+class CalcPrompts(SyntheticPrompts):
+    """Endless random two-digit multiplication prompts of the ``calc`` tool task."""
 
-    return CalcPrompts(tokenizer, seed, data_cfg)
+    def __init__(self, tokenizer, seed: int = 0, data_cfg=None):
+        super().__init__(seed)
+        self.task = CalcTask(tokenizer)
+        self.max_prompt_len = self.task.max_prompt_len
 
 
 def make_prompt_source(spec: str, tokenizer, seed: int = 0, data_cfg=None):

@@ -21,7 +21,7 @@ def make_add1_reward(tokenizer) -> RewardFn:
 @REWARD_FUNCTIONS.register("calc")
 def make_calc_reward(tokenizer) -> RewardFn:
     """Fraction of the product's four digits answered after the calculator's output (``calc`` task)."""
-    from asyncflow.agents.calculator import CalcTask
+    from asyncflow.data.synthetic import CalcTask
 
     return CalcTask(tokenizer).reward
 
