@@ -26,7 +26,7 @@ _EXPORTS = {
     "BatchMeta": "batch",
     "Packed": "codec",
     "start": "deploy",
-    "Deployment": "deploy",
+    "Deployment": "deployment",
     "Controller": "controller",
     "StorageUnit": "storage",
     "Sampler": "samplers",

@@ -19,40 +19,11 @@ import weakref
 from dataclasses import asdict, replace
 
 from .config import TransferQueueConfig
+from .deployment import PACKAGE_ROOT, Deployment, wait_ready
 from .errors import ServerUnavailableError
 from .shm import new_shm_prefix, remove_leftovers, remove_stale, unlink_quietly
 
 _START_TIMEOUT_S = 120.0  # interpreter start-up on a heavily loaded machine can take tens of seconds
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class Deployment:
-    """A running controller and its storage units; hand ``address`` to clients anywhere."""
-
-    address: str
-    config: TransferQueueConfig
-
-    def client(self):
-        """A synchronous client connected to this deployment."""
-        from .client import TransferQueueClient
-
-        return TransferQueueClient(self.address, self.config)
-
-    def async_client(self):
-        """An asyncio client (call ``await client.connect()`` before use)."""
-        from .async_client import AsyncTransferQueueClient
-
-        return AsyncTransferQueueClient(self.address, self.config)
-
-    def shutdown(self) -> None:
-        """Stop the servers this deployment started and remove its shared memory (idempotent)."""
-        raise NotImplementedError
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.shutdown()
 
 
 class ThreadDeployment(Deployment):
@@ -80,7 +51,7 @@ class ThreadDeployment(Deployment):
                                                       daemon=True))
             for t in self._threads:
                 t.start()
-            _wait_ready(self.address, config)
+            wait_ready(self.address, config)
         except BaseException:
             self.shutdown()  # never leave threads or shared memory behind a failed start
             raise
@@ -115,7 +86,7 @@ class ProcessDeployment(Deployment):
         remove_stale()  # arenas of crashed runs on this host
         self.shm_prefix = new_shm_prefix()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         self._env = env
         self.procs: list[subprocess.Popen] = []
         self._restarts = 0
@@ -135,7 +106,7 @@ class ProcessDeployment(Deployment):
             for unit in units:
                 unit.stdin.write((line + "\n").encode())
                 unit.stdin.close()
-            _wait_ready(self.address, config, self.procs)
+            wait_ready(self.address, config, self.procs)
         except BaseException:
             self.shutdown()
             raise
@@ -202,29 +173,6 @@ def _terminate(procs: list[subprocess.Popen], shm_prefix: str) -> None:
             if stream is not None and not stream.closed:
                 stream.close()
     remove_leftovers(shm_prefix)
-
-
-def _wait_ready(address: str, config: TransferQueueConfig, procs=None) -> None:
-    """Return once every storage unit has registered with the controller."""
-    import zmq
-
-    from .protocol import Signer
-    from .transport import Connection
-
-    ctx = zmq.Context()
-    conn = Connection(ctx, address, Signer(config.secret), "controller", config.max_message_bytes)
-    try:
-        deadline = time.monotonic() + config.rpc_timeout_s
-        while time.monotonic() < deadline:
-            if procs and any(p.poll() is not None for p in procs):
-                raise ServerUnavailableError("a TransferQueue server process exited during start-up")
-            if conn.request({"op": "hello"}, timeout_s=config.rpc_timeout_s)[0].get("ready"):
-                return
-            time.sleep(0.01)
-        raise ServerUnavailableError("storage units did not register in time")
-    finally:
-        conn.close()
-        ctx.term()
 
 
 def start(config: TransferQueueConfig | None = None, **overrides) -> Deployment:

@@ -15,7 +15,7 @@ import threading
 from dataclasses import asdict
 
 from .config import TransferQueueConfig
-from .deploy import _PACKAGE_ROOT, Deployment, _wait_ready
+from .deployment import PACKAGE_ROOT, Deployment, wait_ready
 from .shm import new_shm_prefix, remove_leftovers, remove_stale
 
 
@@ -78,7 +78,7 @@ class RayDeployment(Deployment):
         try:
             ray.get(self.pg.ready(), timeout=config.rpc_timeout_s)
             path = os.environ.get("PYTHONPATH")
-            runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (_PACKAGE_ROOT, path) if p)}}
+            runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, path) if p)}}
             actor_cls = ray.remote(_ServerActor)
             cfg = asdict(config)
 
@@ -94,7 +94,7 @@ class RayDeployment(Deployment):
             units = [make(i + 1, "unit", cfg, i, self.address, self.shm_prefix)
                      for i in range(config.num_storage_units)]
             ray.get([u.address.remote() for u in units], timeout=config.rpc_timeout_s)
-            _wait_ready(self.address, config)
+            wait_ready(self.address, config)
         except BaseException:
             self.shutdown()
             raise
