@@ -34,14 +34,14 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     import ray
 
     from asyncflow.config import replace_section
+    from asyncflow.tiny_model import ensure_model
     from asyncflow.workflow.feeder import Feeder
-    from asyncflow.workflow.pipeline import check_config, connect_ray, start_pipeline
+    from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
 
-    check_config(cfg)
     wf = cfg.workflow
-    model_dir = _model_dir(cfg)
+    model_dir = ensure_model(cfg.model)
     # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
     # process's imports (transformers, torch): side by side they take about 4 s less of every run's start-up.
     try:  # until a pipeline owns Ray, a failure here shuts it down
@@ -105,16 +105,3 @@ def _prompt_source(cfg: AsyncFlowConfig, model_dir: Path):
 
     wf = cfg.workflow
     return make_prompt_source(wf.task, AutoTokenizer.from_pretrained(model_dir), wf.seed, cfg.data)
-
-
-def _model_dir(cfg: AsyncFlowConfig) -> Path:
-    from asyncflow.tiny_model import make_tiny_model
-
-    model_dir = Path(cfg.model.path)
-    if not (model_dir / "config.json").is_file():
-        if not cfg.model.make_tiny_if_missing:
-            raise FileNotFoundError(f"model.path {model_dir} has no config.json (model.make_tiny_if_missing=true "
-                                    "creates a random tiny model there)")
-        make_tiny_model(model_dir, family=cfg.model.tiny_family, charset=cfg.model.tiny_charset)
-        print(f"created a tiny {cfg.model.tiny_family} model at {model_dir}", flush=True)
-    return model_dir
