@@ -48,7 +48,7 @@ setup(
         "pyarrow",  # parquet prompt datasets
         "math-verify",  # the math reward
         "setproctitle",  # vLLM workers show which weight version they are applying
-        "psutil",  # the simulator's calibration reads each process's CPU time
+        "psutil",  # network interfaces (models.parallel); process CPU time and memory in bench/
     ],
     extras_require={
         "cpu": CPU_STACK,
