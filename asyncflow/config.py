@@ -2,7 +2,9 @@
 
 Defaults live only here; recipe YAML files hold overrides, and ``section.key=value`` on the command line
 overrides the file (see ``config_loader``). Each component receives its own section, never the whole
-tree. ``asyncflow config show FILE [overrides]`` prints the resolved result.
+tree. ``load_config`` checks the rules between keys once (``asyncflow.config_rules``).
+``asyncflow config show FILE [overrides]`` prints the resolved result; ``asyncflow config keys [SECTION]`` lists
+every key with its type, default and the docstring under its field.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from typing import Literal
 from asyncflow import config_loader
 from asyncflow.bridge.config import WeightSyncConfig
 from asyncflow.config_loader import ConfigError
+from asyncflow.config_rules import validate
 from asyncflow.data.config import DataConfig
 from asyncflow.observability.config import ObservabilityConfig
 from asyncflow.transfer_queue.config import TransferQueueConfig
 
 __all__ = [
     "ModelConfig",
+    "MegatronEngineConfig",
     "MegatronConfig",
+    "CriticConfig",
     "VllmConfig",
     "RayConfig",
     "DemoConfig",
@@ -34,6 +39,7 @@ __all__ = [
     "AsyncFlowConfig",
     "ConfigError",
     "load_config",
+    "validate",
 ]
 
 
@@ -53,12 +59,11 @@ class ModelConfig:
 
 
 @dataclass
-class MegatronConfig:
-    """The Megatron-core train engine: parallel sizes and optimizer."""
+class MegatronEngineConfig:
+    """Keys of every model Megatron-core trains (the policy and the critic): parallel sizes and optimizer."""
 
     engine: str = "megatron"
-    """Train engine (registry ``TRAIN_ENGINES`` or a dotted path to a ``TrainEngine`` subclass taking
-    ``(cfg, model_dir)``)."""
+    """Engine name in its registry, or a dotted path to an engine class taking ``(cfg, model_dir)``."""
 
     tensor_parallel: int = 1
     """Tensor-model-parallel size (TP)."""
@@ -110,9 +115,6 @@ class MegatronConfig:
     recompute_num_layers: int = 1
     """``recompute: full``: layers per recomputed chunk (Megatron's uniform method); one chunk's activations
     are alive at once during the backward pass."""
-    sequence_parallel: bool = False
-    """Split the norm and residual activations over the TP ranks along the sequence (Megatron sequence
-    parallelism; TP > 1). Needs Transformer Engine's norms, so not on CPU."""
     context_parallel: int = 1
     """Context-parallel size (CP) for long responses: each rank holds 2 of 2 x CP chunks of every sequence (the
     activations of a row shrink CP-fold); a worker group has TP x PP x CP x DP ranks. Needs Transformer Engine's
@@ -128,14 +130,37 @@ class MegatronConfig:
     EP; creates CUDA streams, so not on CPU)."""
     moe_grouped_gemm: bool = False
     """Run each rank's local experts as one grouped GEMM (Transformer Engine's TEGroupedMLP; not on CPU)."""
+
+
+@dataclass
+class MegatronConfig(MegatronEngineConfig):
+    """The Megatron-core train engine of the policy (``trainer:``); the reference policy reads it too."""
+
+    engine: str = "megatron"
+    """Train engine (registry ``TRAIN_ENGINES`` or a dotted path to a ``TrainEngine`` subclass taking
+    ``(cfg, model_dir)``)."""
+    sequence_parallel: bool = False
+    """Split the norm and residual activations over the TP ranks along the sequence (Megatron sequence
+    parallelism; TP > 1). Needs Transformer Engine's norms, so not on CPU."""
     reference_placement: Literal["colocated", "own", "offload"] = "colocated"
-    """Read from the ``trainer`` section: where the reference policy (``algorithm.kl_coef > 0``; there is none
-    at 0) runs. ``colocated``: on the trainer's devices with its weights resident (a frozen copy: weights
-    only, no gradients or optimizer state). ``own``: on devices of its own, as many as the trainer has.
-    ``offload``: on the trainer's devices with its weights in host memory, each layer copied in only while
-    it runs (``engines.megatron.offload.LayerStreamer``): the device holds the embedding, the output layer
-    and two layers. The cluster recipes use ``offload`` (docs/recipes.md says why); the CPU recipes keep
-    ``colocated``, since host memory is the device there."""
+    """Where the reference policy (``algorithm.kl_coef > 0``; there is none at 0) runs. ``colocated``: on the
+    trainer's devices with its weights resident (a frozen copy: weights only, no gradients or optimizer state).
+    ``own``: on devices of its own, as many as the trainer has. ``offload``: on the trainer's devices with its
+    weights in host memory, each layer copied in only while it runs (``engines.megatron.offload.LayerStreamer``):
+    the device holds the embedding, the output layer and two layers. The cluster recipes use ``offload``
+    (docs/recipes.md says why); the CPU recipes keep ``colocated``, since host memory is the device there."""
+
+
+@dataclass
+class CriticConfig(MegatronEngineConfig):
+    """The Megatron critic (``critic:``, used by ``algorithm.advantage: gae``): the policy's model family with a
+    scalar value head, loaded from the policy's checkpoint. It has the policy's parallel and optimizer keys but
+    no sequence parallelism (the value head is replicated over TP ranks and reads whole sequences) and no
+    reference placement (the reference is a copy of the policy)."""
+
+    engine: str = "megatron"
+    """Critic engine (registry ``CRITIC_ENGINES`` or a dotted path to a ``CriticEngine`` subclass taking
+    ``(cfg, model_dir)``)."""
 
 
 @dataclass
@@ -363,9 +388,8 @@ class AsyncFlowConfig:
     """Policy model checkpoint."""
     trainer: MegatronConfig = field(default_factory=MegatronConfig)
     """Megatron train engine."""
-    critic: MegatronConfig = field(default_factory=MegatronConfig)
-    """Megatron critic (``algorithm.advantage: gae``): its own parallel sizes and optimizer; ``engine`` names a
-    ``CRITIC_ENGINES`` entry or a dotted path to a ``CriticEngine`` subclass."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """Megatron critic (``algorithm.advantage: gae``): its own parallel sizes and optimizer."""
     rollout: VllmConfig = field(default_factory=VllmConfig)
     """vLLM rollout engine."""
     ray: RayConfig = field(default_factory=RayConfig)
@@ -391,8 +415,11 @@ class AsyncFlowConfig:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> AsyncFlowConfig:
-    """Load ``AsyncFlowConfig`` from an optional YAML file plus ``section.key=value`` overrides."""
-    return config_loader.load(AsyncFlowConfig, path, overrides)
+    """Load ``AsyncFlowConfig`` from an optional YAML file plus ``section.key=value`` overrides, and check its
+    cross-field rules (``asyncflow.config_rules.validate``)."""
+    cfg = config_loader.load(AsyncFlowConfig, path, overrides)
+    validate(cfg)
+    return cfg
 
 
 def replace(cfg, **changes):

@@ -16,9 +16,12 @@ The divisibility rules are Megatron-core's (``TransformerConfig.__post_init__`` 
   must divide the trainer's world TP x PP x CP x DP (the trainer never sets ETP, so Megatron uses TP).
 - Trainer devices = TP x PP x CP x DP (the expert grid reuses these ranks); rollout devices = instances x
   rollout TP; in async mode the two sets are disjoint and together fit in nodes x devices per node.
-- The memory features of the trainer (``asyncflow.engines.megatron.features``) are valid on a GPU cluster with
-  Transformer Engine: sequence parallelism needs TP > 1 (and MoE at TP > 1 needs it), parameter all-gather
-  overlap needs the distributed optimizer.
+- The memory features of the trainer and critic (``asyncflow.engines.megatron.features``) are checked as a GPU
+  cluster with Transformer Engine runs them (MoE at TP > 1 needs sequence parallelism).
+
+Rules between config keys alone (sizes at least 1, whole micro-batches per step, room for the prompt in
+``rollout.max_model_len``, ...) are ``asyncflow.config_rules``'s: ``load_config`` runs them, so a recipe that
+breaks one reports it as a ``config.yaml`` problem. The checks here need the model facts or ``cluster.env``.
 
 ``asyncflow plan`` (``asyncflow.planner``) reads recipes through ``load_recipe`` and adds the memory check
 against ``DEVICE_MEMORY_GB``.
@@ -163,12 +166,10 @@ def _uses_critic(cfg: AsyncFlowConfig) -> bool:
 
 
 def _check_features(name: str, section: str, mcfg, arch) -> list[str]:
-    """The trainer's memory features as a GPU cluster with Transformer Engine would run them."""
+    """The memory features of a trained model as a GPU cluster with Transformer Engine would run them."""
     from asyncflow.engines.megatron.features import problems
 
-    head = "value" if section == "critic" else "lm"
-    return [f"{name}: {problem}" for problem in problems(mcfg, section, head=head, is_moe=arch.is_moe, cuda=True,
-                                                          te=True)]
+    return [f"{name}: {problem}" for problem in problems(mcfg, section, is_moe=arch.is_moe, cuda=True, te=True)]
 
 
 def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec | None,
@@ -204,15 +205,11 @@ def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec |
                             f"divide the trainer's world {what} = {world} (Megatron initialize_model_parallel)")
     elif ep > 1:
         problems.append(f"{name}: trainer.expert_parallel={ep} on a dense model ({arch.model_type}); set it to 1")
-    rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
-    if rows % (tr.micro_batch_size * dp):
-        problems.append(f"{name}: workflow.prompts_per_step x samples_per_prompt = {rows} rows is not a multiple of "
-                        f"trainer.micro_batch_size x data_parallel = {tr.micro_batch_size} x {dp}")
     return problems + (_check_features(name, "trainer", tr, arch) if features else [])
 
 
 def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec | None) -> list[str]:
-    """Rollout TP against the model, the lengths, and the device split of ``cluster`` (a recipe's)."""
+    """Rollout TP against the model, and against the device split of ``cluster`` (a recipe's)."""
     rtp = cfg.rollout.tensor_parallel
     problems = _check_attention(name, "rollout.tensor_parallel", rtp, arch)
     if cluster is None:
@@ -228,16 +225,6 @@ def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec |
     if cluster is not None and not _divides(rtp, cluster.devices_per_node):
         problems.append(f"{name}: rollout.tensor_parallel={rtp} does not divide DEVICES_PER_NODE="
                         f"{cluster.devices_per_node} (a vLLM engine would span two nodes)")
-    data = getattr(cfg, "data", None)
-    if data is not None and cfg.workflow.task in ("jsonl", "parquet"):
-        longest = data.max_prompt_len + cfg.rollout.max_new_tokens
-        if longest > cfg.rollout.max_model_len:
-            problems.append(f"{name}: data.max_prompt_len + rollout.max_new_tokens = {data.max_prompt_len} + "
-                            f"{cfg.rollout.max_new_tokens} = {longest} > rollout.max_model_len="
-                            f"{cfg.rollout.max_model_len}")
-    elif cfg.rollout.max_new_tokens >= cfg.rollout.max_model_len:
-        problems.append(f"{name}: rollout.max_new_tokens={cfg.rollout.max_new_tokens} leaves no room for the prompt "
-                        f"in rollout.max_model_len={cfg.rollout.max_model_len}")
     return problems
 
 
@@ -340,10 +327,7 @@ def check_recipe(recipe_dir: str | Path, model_dir: str | Path | None = None,
 def check_loaded(recipe: Recipe, model_dir: str | Path | None = None) -> list[str]:
     """``check_recipe`` of an already read recipe (the planner checks the changes it tries this way)."""
     name, cfg, facts, arch, cluster = recipe.name, recipe.cfg, recipe.facts, recipe.arch, recipe.cluster
-    problems = _check_sizes(name, cfg)
-    if problems:
-        return problems
-    problems += _check_trainer(name, cfg, arch, cluster)
+    problems = _check_trainer(name, cfg, arch, cluster)
     if _uses_critic(cfg):
         problems += _check_features(name, "critic", cfg.critic, arch)
     problems += _check_rollout(name, cfg, arch, cluster)
@@ -351,16 +335,6 @@ def check_loaded(recipe: Recipe, model_dir: str | Path | None = None) -> list[st
     if model_dir is not None:
         problems += _compare_checkpoint(name, facts, Path(model_dir))
     return problems
-
-
-def _check_sizes(name: str, cfg: AsyncFlowConfig) -> list[str]:
-    sizes = {"trainer.tensor_parallel": cfg.trainer.tensor_parallel, "trainer.pipeline_parallel":
-             cfg.trainer.pipeline_parallel, "trainer.data_parallel": cfg.trainer.data_parallel,
-             "trainer.expert_parallel": _expert_sizes(cfg)[0], "trainer.micro_batch_size": cfg.trainer.micro_batch_size,
-             "trainer.context_parallel": cfg.trainer.context_parallel,
-             "rollout.tensor_parallel": cfg.rollout.tensor_parallel,
-             "workflow.rollout_instances": cfg.workflow.rollout_instances}
-    return [f"{name}: {key}={value} must be at least 1" for key, value in sizes.items() if value < 1]
 
 
 def check_model_path(cfg: AsyncFlowConfig) -> list[str]:
@@ -378,9 +352,6 @@ def check_layout(name: str, cfg: AsyncFlowConfig, arch) -> list[str]:
     cluster declares its devices (``ray.accelerator`` with ``ray.local_devices``), against those devices."""
     from asyncflow.workflow.placement import world_size
 
-    problems = _check_sizes(name, cfg)
-    if problems:
-        return problems
     cluster, acc, sync = None, cfg.ray.accelerator, cfg.workflow.mode == "sync"
     if acc is not None and cfg.ray.address is None and cfg.ray.local_devices is not None:
         # Colocated sync gives rollout engines no devices of their own (asyncflow.workflow.placement).
@@ -389,19 +360,13 @@ def check_layout(name: str, cfg: AsyncFlowConfig, arch) -> list[str]:
         slots = int(cfg.ray.local_devices / cfg.ray.device_fraction + 1e-9)
         cluster = ClusterSpec(nodes=1, devices_per_node=slots, trainer_devices=world_size(cfg.trainer),
                               rollout_devices=rollout, device_resource=acc)
-    problems += _check_trainer(name, cfg, arch, cluster, features=False)
+    problems = _check_trainer(name, cfg, arch, cluster, features=False)
     problems += _check_rollout(name, cfg, arch, None)
     if cluster is not None:
         problems += _check_devices(name, cfg, cluster)
         # The shared checks speak of cluster.env; here the devices are the local cluster's ray.local_devices.
         problems = [p.replace("NODES x DEVICES_PER_NODE = 1 x ", "ray.local_devices = ")
                     .replace("DEVICES_PER_NODE", "ray.local_devices") for p in problems]
-    if acc is not None and sync:
-        engines = cfg.workflow.rollout_instances * cfg.rollout.tensor_parallel
-        if engines != world_size(cfg.trainer):
-            problems.append(f"{name}: workflow.mode=sync on devices shares every device between training and "
-                            f"generation: workflow.rollout_instances x rollout.tensor_parallel = {engines} must equal "
-                            f"the trainer's TP x PP x CP x DP = {world_size(cfg.trainer)}")
     return problems
 
 

@@ -103,3 +103,92 @@ def test_config_show_error_exit_code():
     out = _cli("config", "show", "trainer.nope=1")
     assert out.returncode == 2
     assert "unknown config key 'trainer.nope'" in out.stderr
+
+
+# ---- cross-field rules (asyncflow.config_rules), checked once by load_config ---------------------------------
+
+ROWS_32 = ["workflow.prompts_per_step=4", "workflow.samples_per_prompt=8"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer.data_parallel=0"], "trainer.data_parallel=0 must be at least 1"),
+    (["critic.micro_batch_size=0"], "critic.micro_batch_size=0 must be at least 1"),
+    (["trainer.recompute_num_layers=0"], "trainer.recompute_num_layers=0 must be at least 1"),
+    (["workflow.rollout_instances=0"], "workflow.rollout_instances=0 must be at least 1"),
+    ([*ROWS_32, "trainer.micro_batch_size=64"],
+     "32 rows per step must be a multiple of trainer.micro_batch_size x trainer.data_parallel = 64 x 1"),
+    ([*ROWS_32, "trainer.micro_batch_size=8", "trainer.data_parallel=8"], "trainer.micro_batch_size x "
+     "trainer.data_parallel = 8 x 8"),
+    ([*ROWS_32, "algorithm.advantage=gae", "trainer.micro_batch_size=8", "critic.micro_batch_size=3"],
+     "critic.micro_batch_size x critic.data_parallel = 3 x 1"),
+    (["trainer.context_parallel=2", "algorithm.loss_agg=seq-mean-token-mean"],
+     "trainer.context_parallel=2 needs algorithm.loss_agg=token-mean"),
+    (["algorithm.dynamic_sampling=true", "algorithm.advantage=reinforce_pp"], "needs a group estimator"),
+    (["algorithm.dynamic_sampling=true", "algorithm.advantage=gae"], "'gae' is critic-scoped"),
+    (["algorithm.dynamic_sampling=true", "algorithm.kl_mode=reward"], "with algorithm.kl_mode=reward"),
+    (["trainer.overlap_param_gather=true"], "trainer.overlap_param_gather=true: needs use_distributed_optimizer"),
+    (["algorithm.advantage=gae", "critic.overlap_param_gather=true"], "critic.overlap_param_gather=true"),
+    (["trainer.sequence_parallel=true"], "trainer.sequence_parallel=true: needs tensor_parallel > 1"),
+    (["rollout.max_new_tokens=64"], "rollout.max_new_tokens=64 leaves no room for the prompt"),
+    (["workflow.task=jsonl", "data.max_prompt_len=61"],
+     r"data.max_prompt_len \+ rollout.max_new_tokens = 61 \+ 4 = 65 > rollout.max_model_len=64"),
+    (["rollout.partial=true", "rollout.partial_kv=keep"], "partial_kv=keep needs rollout.enable_prefix_caching=false"),
+    (["workflow.mode=sync", "ray.accelerator=GPU", "workflow.rollout_instances=2"],
+     "workflow.rollout_instances x rollout.tensor_parallel = 2 must equal the trainer's TP x PP x CP x DP = 1"),
+    (["ray.device_fraction=0"], r"ray.device_fraction=0.0 must be in \(0, 1\]"),
+    (["ray.device_fraction=0.5", "rollout.tensor_parallel=2"], "below 1 needs rollout.tensor_parallel=1"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_load_rejects_keys_that_do_not_fit_together_by_name(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_settings_that_fit_together_load():
+    for overrides in (
+        [*ROWS_32, "trainer.micro_batch_size=8", "trainer.data_parallel=2"],
+        ["algorithm.dynamic_sampling=true", "algorithm.kl_coef=0", "algorithm.clip_high=0.28"],
+        ["algorithm.dynamic_sampling=true", "algorithm.kl_mode=reward", "algorithm.kl_coef=0"],
+        ["algorithm.advantage=gae", "algorithm.whiten_advantages=true"],
+        ["critic.micro_batch_size=3", "critic.overlap_param_gather=true"],  # no critic without gae
+        ["trainer.context_parallel=2"],
+        ["trainer.sequence_parallel=true", "trainer.tensor_parallel=2"],
+        ["trainer.overlap_param_gather=true", "trainer.use_distributed_optimizer=true"],
+        ["rollout.partial=true", "rollout.partial_kv=keep", "rollout.enable_prefix_caching=false"],
+        ["workflow.mode=sync", "workflow.rollout_instances=2"],  # the CPU layout: no devices to share
+        ["workflow.mode=sync", "ray.accelerator=GPU", "workflow.rollout_instances=2", "trainer.data_parallel=2"],
+        ["ray.device_fraction=0.5"],
+    ):
+        load_config(None, overrides)
+
+
+def test_every_problem_is_reported_at_once_and_sizes_first():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.overlap_param_gather=true", "rollout.max_new_tokens=64"])
+    assert "overlap_param_gather" in str(err.value) and "max_new_tokens" in str(err.value)
+    # a size below 1 stops the rules that divide by it
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["trainer.micro_batch_size=0", "rollout.max_new_tokens=64"])
+    assert str(err.value) == "trainer.micro_batch_size=0 must be at least 1"
+
+
+def test_a_step_that_splits_into_no_whole_micro_batches_stops_at_load_from_the_command_line(tmp_path, capsys):
+    from asyncflow.cli import main
+
+    model = tmp_path / "model"
+    assert main(["train", *ROWS_32, "trainer.micro_batch_size=64", f"model.path={model}"]) == 2
+    assert "rows per step must be a multiple of trainer.micro_batch_size" in capsys.readouterr().err
+    assert not model.exists()
+
+
+# ---- the critic's own section --------------------------------------------------------------------------------
+
+def test_the_critic_has_its_own_keys():
+    from asyncflow.config import CriticConfig, MegatronConfig
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/ppo_async.yaml")
+    assert isinstance(cfg.critic, CriticConfig) and not isinstance(cfg.critic, MegatronConfig)
+    assert cfg.critic.lr == 0.002 and cfg.critic.micro_batch_size == 64  # from the recipe
+    for key, value in (("sequence_parallel", "false"), ("reference_placement", "own")):
+        with pytest.raises(ConfigError, match=f"unknown config key 'critic.{key}'"):
+            load_config(None, [f"critic.{key}={value}"])
+        load_config(None, [f"trainer.{key}={value}"])

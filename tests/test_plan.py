@@ -26,7 +26,7 @@ import os
 
 import pytest
 
-from asyncflow.config import ConfigError, MegatronConfig, VllmConfig
+from asyncflow.config import ConfigError, CriticConfig, MegatronConfig, VllmConfig
 from asyncflow.engines.megatron import features
 from asyncflow.models.arch import GPTArch
 from asyncflow.planner.activations import LayerTerms, layer_bytes, layer_terms, paper_terms
@@ -124,7 +124,6 @@ def test_layer_bytes_rejects_unknown_recompute():
     ({"moe_token_dispatcher": "alltoall"}, "creates CUDA streams"),
     ({"moe_grouped_gemm": True}, "TEGroupedMLP"),
     ({"context_parallel": 2}, "attention over context-parallel ranks is Transformer Engine's"),
-    ({"overlap_param_gather": True}, "needs use_distributed_optimizer=true"),
 ])
 def test_cpu_rejects_what_megatron_cannot_run_here(changes, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
@@ -143,8 +142,13 @@ def test_defaults_and_recompute_run_on_cpu():
 
 
 def test_moe_at_tp2_needs_sequence_parallel():
-    with pytest.raises(ConfigError, match="critic.sequence_parallel=false: an MoE model at tensor_parallel=2"):
-        features.check(MegatronConfig(tensor_parallel=2), "critic", is_moe=True, cuda=True, te=True)
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel=false: an MoE model at tensor_parallel=2"):
+        features.check(MegatronConfig(tensor_parallel=2), is_moe=True, cuda=True, te=True)
+    features.check(MegatronConfig(tensor_parallel=2, sequence_parallel=True), is_moe=True, cuda=True, te=True)
+    # the critic has no sequence parallelism (its value head reads whole sequences): TP 1 for an MoE critic
+    with pytest.raises(ConfigError, match="critic.tensor_parallel=2: an MoE model .* the critic has none"):
+        features.check(CriticConfig(tensor_parallel=2), "critic", is_moe=True, cuda=True, te=True)
+    features.check(CriticConfig(), "critic", is_moe=True, cuda=True, te=True)
 
 
 # ---- (a) parameter counts against Megatron's model chunks (4 gloo processes) ------------------------------

@@ -37,7 +37,7 @@ import dataclasses
 import math
 
 from asyncflow.bridge.config import WeightSyncConfig
-from asyncflow.config import MegatronConfig, VllmConfig
+from asyncflow.config import CriticConfig, MegatronConfig, MegatronEngineConfig, VllmConfig
 from asyncflow.models.arch import GPTArch, padded_vocab_size
 from asyncflow.planner.activations import head_bytes, in_flight, layer_bytes, layer_terms
 from asyncflow.planner.params import layer_params, stage_params, vllm_params
@@ -99,18 +99,19 @@ class Breakdown:
         return self.total <= self.budget
 
 
-def _etp(mcfg: MegatronConfig) -> int:
+def _etp(mcfg: MegatronEngineConfig) -> int:
     return mcfg.tensor_parallel  # the trainer never sets expert_tensor_parallel_size: Megatron uses TP
 
 
-def trainer_terms(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, stage: int = 0,
+def trainer_terms(arch: GPTArch, mcfg: MegatronEngineConfig, shape: TrainShape, stage: int = 0,
                   head: str = "lm") -> dict[str, float]:
     """Bytes of one trainer rank of pipeline ``stage``: weights, gradients, optimizer states, activations,
     logits (last stage) and workspace. No reserve, reference or critic (see ``trainer_rank``)."""
     p = DTYPE_BYTES[mcfg.params_dtype]
     tp, pp, dp, ep, cp = (mcfg.tensor_parallel, mcfg.pipeline_parallel, mcfg.data_parallel, mcfg.expert_parallel,
                           mcfg.context_parallel)
-    etp, sp, mbs = _etp(mcfg), mcfg.sequence_parallel, mcfg.micro_batch_size
+    # the critic (CriticConfig) has no sequence parallelism
+    etp, sp, mbs = _etp(mcfg), getattr(mcfg, "sequence_parallel", False), mcfg.micro_batch_size
     params = stage_params(arch, tp=tp, pp=pp, ep=ep, etp=etp, stage=stage,
                           vocab_divisible_by=mcfg.make_vocab_size_divisible_by, head=head)
     master = 4 if p < 4 else 0
@@ -194,8 +195,8 @@ def relay_buffers(ws: WeightSyncConfig, mcfg: MegatronConfig) -> tuple[float, fl
     return buffer, buffer * mcfg.tensor_parallel * mcfg.pipeline_parallel * mcfg.expert_parallel
 
 
-def trainer_rank(arch: GPTArch, mcfg: MegatronConfig, shape: TrainShape, *, device_bytes: float,
-                 reference: str = "none", critic: MegatronConfig | None = None, reserve: bool = True,
+def trainer_rank(arch: GPTArch, mcfg: MegatronEngineConfig, shape: TrainShape, *, device_bytes: float,
+                 reference: str = "none", critic: CriticConfig | None = None, reserve: bool = True,
                  task: str = "trainer rank", head: str = "lm", relay_bytes: float = 0.0) -> Breakdown:
     """The heaviest pipeline stage of a trainer rank, with what shares its device.
 

@@ -22,7 +22,7 @@ import dataclasses
 import itertools
 from pathlib import Path
 
-from asyncflow.config import AsyncFlowConfig, ConfigError, replace_section
+from asyncflow.config import AsyncFlowConfig, ConfigError, replace_section, validate
 from asyncflow.planner.memory import (
     GIB,
     Breakdown,
@@ -33,9 +33,6 @@ from asyncflow.planner.memory import (
     trainer_rank,
 )
 from asyncflow.recipes_check import Recipe, check_loaded, load_recipe
-
-REFERENCE_PLACEMENTS = ("colocated", "own", "offload")
-"""Where the reference model runs (``MegatronConfig.reference_placement``)."""
 
 
 @dataclasses.dataclass
@@ -72,13 +69,7 @@ def train_shape(cfg: AsyncFlowConfig) -> TrainShape:
 
 def reference_placement(cfg: AsyncFlowConfig) -> str:
     """``none`` when ``kl_coef`` is 0, else ``trainer.reference_placement``."""
-    if cfg.algorithm.kl_coef == 0:
-        return "none"
-    placement = cfg.trainer.reference_placement
-    if placement not in REFERENCE_PLACEMENTS:
-        raise ConfigError(f"trainer.reference_placement={placement!r}; choose one of "
-                          f"{', '.join(REFERENCE_PLACEMENTS)}")
-    return placement
+    return "none" if cfg.algorithm.kl_coef == 0 else cfg.trainer.reference_placement
 
 
 def estimate(recipe: Recipe) -> list[Breakdown]:
@@ -154,12 +145,14 @@ def _rollout_moves(cfg: AsyncFlowConfig, arch) -> list[Move]:
 
 
 def _apply(cfg: AsyncFlowConfig, section: str, changes: dict) -> AsyncFlowConfig:
+    """``cfg`` with the changes of one move, checked like a loaded config (``ConfigError`` when it breaks a rule)."""
     own = {k: v for k, v in changes.items() if "." not in k}
     cfg = replace_section(cfg, section, **own)
     for dotted, value in changes.items():
         if "." in dotted:
             other, key = dotted.split(".")
             cfg = replace_section(cfg, other, **{key: value})
+    validate(cfg)
     return cfg
 
 

@@ -98,11 +98,8 @@ class Placement:
         share = self.cfg.ray.device_fraction
         if share == 1.0:
             return bundles
-        if not 0.0 < share < 1.0 or self.cfg.rollout.tensor_parallel != 1:
-            raise ConfigError(f"ray.device_fraction={share}: must be in (0, 1], and below 1 only with "
-                              f"rollout.tensor_parallel=1 (got {self.cfg.rollout.tensor_parallel}): a bundle holds "
-                              "a share of one device")
-        # Fractional bundles: Ray gives every worker in them the one device they share (its CUDA_VISIBLE_DEVICES).
+        # Fractional bundles (rollout TP 1: ``config_rules.device_sharing``): Ray gives every worker in them the one
+        # device they share (its CUDA_VISIBLE_DEVICES).
         return [{**b, self.acc: b[self.acc] * share} for b in bundles]
 
     def _whole_device_bundles(self, critic: bool, reference: bool) -> list[dict]:

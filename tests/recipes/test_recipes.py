@@ -143,7 +143,7 @@ def test_device_counts_must_match_parallel_sizes(tmp_path):
 
 def test_batch_must_split_over_replicas(tmp_path):
     recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3})
-    _one_problem_with(check_recipe(recipe), "9 rows", "micro_batch_size x data_parallel = 1 x 4")
+    _one_problem_with(check_recipe(recipe), "config.yaml", "9 rows", "micro_batch_size x trainer.data_parallel = 1 x 4")
 
 
 def test_overrides_are_checked_too():
@@ -153,13 +153,13 @@ def test_overrides_are_checked_too():
 
 def test_longest_prompt_and_response_must_fit():
     problems = check_recipe(ROOT / "recipes/qwen2.5-7b", overrides=["data.max_prompt_len=2048"])
-    assert problems == ["qwen2.5-7b: data.max_prompt_len + rollout.max_new_tokens = 2048 + 4096 = 6144 > "
+    assert problems == ["qwen2.5-7b: config.yaml: data.max_prompt_len + rollout.max_new_tokens = 2048 + 4096 = 6144 > "
                         "rollout.max_model_len=5120"]
 
 
 def test_sizes_below_one_are_named():
     assert check_recipe(ROOT / "recipes/qwen2.5-7b", overrides=["trainer.data_parallel=0"]) == [
-        "qwen2.5-7b: trainer.data_parallel=0 must be at least 1"
+        "qwen2.5-7b: config.yaml: trainer.data_parallel=0 must be at least 1"
     ]
 
 

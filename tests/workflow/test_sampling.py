@@ -1,11 +1,10 @@
-"""DAPO dynamic sampling: the driver's planner, the advantage task's group filter, the config checks."""
+"""DAPO dynamic sampling: the driver's planner and the advantage task's group filter (its config rules:
+tests/test_config.py)."""
 
 import pytest
 import torch
 
-from asyncflow.config import ConfigError, load_config
 from asyncflow.transfer_queue.batch import Batch, BatchMeta
-from asyncflow.workflow.pipeline import check_algorithm
 from asyncflow.workflow.sampling import DynamicSampling, SamplingBudgetError
 
 
@@ -54,48 +53,3 @@ def test_batch_select_keeps_rows_and_metadata_aligned():
     sub = batch.select([0, 1])
     assert sub.indexes == [10, 11] and sub.meta.group_ids == [5, 5] and sub.meta.versions == [0, 0]
     assert sub["rewards"].tolist() == [0.0, 1.0] and [t.item() for t in sub["response_ids"]] == [1, 2]
-
-
-@pytest.mark.parametrize("overrides, message", [
-    (["algorithm.dynamic_sampling=true", "algorithm.advantage=reinforce_pp"], "group estimator"),
-    (["algorithm.dynamic_sampling=true", "algorithm.advantage=gae"], "group estimator"),
-    (["algorithm.dynamic_sampling=true", "algorithm.kl_mode=reward"], "kl_mode"),
-])
-def test_incompatible_settings_are_rejected_by_name(overrides, message):
-    with pytest.raises(ConfigError, match=message):
-        check_algorithm(load_config(None, overrides))
-
-
-def test_compatible_settings_pass():
-    check_algorithm(load_config(None, ["algorithm.dynamic_sampling=true", "algorithm.kl_coef=0",
-                                       "algorithm.clip_high=0.28"]))
-    check_algorithm(load_config(None, ["algorithm.advantage=gae", "algorithm.whiten_advantages=true"]))
-
-
-def test_keeping_the_kv_cache_across_a_weight_swap_needs_the_prefix_cache_off():
-    from asyncflow.workflow.pipeline import check_rollout
-
-    keep = ["rollout.partial=true", "rollout.partial_kv=keep"]
-    with pytest.raises(ConfigError, match="enable_prefix_caching=false"):
-        check_rollout(load_config(None, keep))
-    check_rollout(load_config(None, keep + ["rollout.enable_prefix_caching=false"]))
-    with pytest.raises(ConfigError, match="expected one of"):
-        load_config(None, ["rollout.partial_kv=reuse"])
-
-
-def test_a_step_that_splits_into_no_whole_micro_batches_is_rejected_before_anything_starts(tmp_path):
-    from asyncflow.workflow.loop import train
-    from asyncflow.workflow.pipeline import check_batching
-
-    sizes = ["workflow.prompts_per_step=4", "workflow.samples_per_prompt=8"]  # 32 rows
-    check_batching(load_config(None, sizes + ["trainer.micro_batch_size=8", "trainer.data_parallel=2"]))
-    with pytest.raises(ConfigError, match="trainer.micro_batch_size 64 x trainer.data_parallel 1"):
-        check_batching(load_config(None, sizes + ["trainer.micro_batch_size=64"]))
-    gae = sizes + ["algorithm.advantage=gae", "trainer.micro_batch_size=8", "critic.micro_batch_size=3"]
-    with pytest.raises(ConfigError, match="critic.micro_batch_size 3"):
-        check_batching(load_config(None, gae))
-    # ``train`` checks first: no model is made, no Ray started
-    model = tmp_path / "model"
-    with pytest.raises(ConfigError, match="rows per step"):
-        train(load_config(None, sizes + ["trainer.micro_batch_size=64", f"model.path={model}"]))
-    assert not model.exists()

@@ -1,5 +1,6 @@
-"""Memory features of ``MegatronConfig``, checked against this machine and converted once into Megatron's
-own config arguments (``TransformerConfig``, ``DistributedDataParallelConfig``, ``OptimizerConfig``).
+"""Memory features of ``MegatronEngineConfig`` (trainer and critic), checked against this machine and converted
+once into Megatron's own config arguments (``TransformerConfig``, ``DistributedDataParallelConfig``,
+``OptimizerConfig``).
 
 What runs where (megatron-core 0.16.1):
 
@@ -17,25 +18,28 @@ Megatron's ``MoELayer`` refuses to train an MoE model at TP > 1 without sequence
 models train at TP = 1 only.
 
 ``asyncflow plan`` estimates all of them; ``check`` stops a trainer that asks for one this machine cannot run,
-with a ``ConfigError`` naming the key, before Megatron fails somewhere deep inside.
+with a ``ConfigError`` naming the key, before Megatron fails somewhere deep inside. Rules between keys alone
+(``overlap_param_gather`` needs the distributed optimizer, sequence parallelism needs TP > 1) are
+``asyncflow.config_rules``'s and run when the config is loaded; the ones here need the machine (CUDA, Transformer
+Engine) or the model (MoE), which only the trainer, or a recipe check for its cluster, knows.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from asyncflow.config import ConfigError, MegatronConfig
+from asyncflow.config import ConfigError, MegatronEngineConfig
 
 
-def check(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm", is_moe: bool = False,
+def check(cfg: MegatronEngineConfig, section: str = "trainer", *, is_moe: bool = False,
           cuda: bool | None = None, te: bool | None = None) -> None:
     """Raise ``ConfigError`` listing every feature of ``cfg`` that this machine (or this trainer) cannot run."""
-    found = problems(cfg, section, head=head, is_moe=is_moe, cuda=cuda, te=te)
+    found = problems(cfg, section, is_moe=is_moe, cuda=cuda, te=te)
     if found:
         raise ConfigError("; ".join(found))
 
 
-def problems(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm", is_moe: bool = False,
+def problems(cfg: MegatronEngineConfig, section: str = "trainer", *, is_moe: bool = False,
              cuda: bool | None = None, te: bool | None = None) -> list[str]:
     """Every feature of ``cfg`` that this machine (or this trainer) cannot run, each naming ``section.key``.
 
@@ -57,36 +61,30 @@ def problems(cfg: MegatronConfig, section: str = "trainer", *, head: str = "lm",
         value = str(value).lower() if isinstance(value, bool) else value  # as written in YAML
         found.append(f"{section}.{key}={value}: {why}")
 
-    if cfg.overlap_param_gather and not cfg.use_distributed_optimizer:
-        bad("overlap_param_gather", "needs use_distributed_optimizer=true (it overlaps the distributed "
-            "optimizer's parameter all-gather)")
-    if cfg.sequence_parallel:
-        if cfg.tensor_parallel == 1:
-            bad("sequence_parallel", "needs tensor_parallel > 1 (it splits activations over the TP ranks)")
-        if not te:
-            bad("sequence_parallel", "needs Transformer Engine's norms: the torch norms of Megatron's local "
-                "layer spec assert sequence_parallel is off (so never on CPU)")
-        if head == "value":
-            bad("sequence_parallel", "the critic's value head is replicated over TP ranks and expects the "
-                "whole sequence on each; not supported with sequence parallelism")
+    sequence_parallel = getattr(cfg, "sequence_parallel", False)  # the critic has none (CriticConfig)
+    if sequence_parallel and not te:
+        bad("sequence_parallel", "needs Transformer Engine's norms: the torch norms of Megatron's local "
+            "layer spec assert sequence_parallel is off (so never on CPU)")
     if cfg.context_parallel != 1 and not (cuda and te):
         bad("context_parallel", "attention over context-parallel ranks is Transformer Engine's (CUDA); the local "
             "layer spec's attention asserts CP = 1")
-    if is_moe and cfg.tensor_parallel > 1 and not cfg.sequence_parallel:
-        bad("sequence_parallel", f"an MoE model at tensor_parallel={cfg.tensor_parallel} needs sequence parallelism: "
-            "Megatron's MoELayer refuses to train with TP > 1 without it")
+    if is_moe and cfg.tensor_parallel > 1 and not sequence_parallel:
+        moe_tp = (f"an MoE model at tensor_parallel={cfg.tensor_parallel} needs sequence parallelism: Megatron's "
+                  "MoELayer refuses to train with TP > 1 without it")
+        if hasattr(cfg, "sequence_parallel"):
+            bad("sequence_parallel", moe_tp)
+        else:  # a critic: its value head reads whole sequences, so no sequence parallelism
+            bad("tensor_parallel", moe_tp + "; the critic has none (its value head reads whole sequences): use 1")
     if cfg.moe_token_dispatcher == "alltoall" and not cuda:
         bad("moe_token_dispatcher", "the alltoall dispatcher creates CUDA streams; use allgather on CPU")
     if cfg.moe_grouped_gemm and not te:
         bad("moe_grouped_gemm", "needs Transformer Engine's grouped linear (TEGroupedMLP); not on CPU")
-    if cfg.recompute_num_layers < 1:
-        bad("recompute_num_layers", "must be at least 1")
     return found
 
 
-def transformer_kwargs(cfg: MegatronConfig, is_moe: bool) -> dict[str, Any]:
+def transformer_kwargs(cfg: MegatronEngineConfig, is_moe: bool) -> dict[str, Any]:
     """``TransformerConfig`` arguments of the recompute, parallelism and MoE features."""
-    kwargs: dict[str, Any] = dict(sequence_parallel=cfg.sequence_parallel,
+    kwargs: dict[str, Any] = dict(sequence_parallel=getattr(cfg, "sequence_parallel", False),
                                   context_parallel_size=cfg.context_parallel)
     if cfg.recompute == "selective":  # Megatron's default module list: core attention
         kwargs.update(recompute_granularity="selective")
@@ -98,13 +96,13 @@ def transformer_kwargs(cfg: MegatronConfig, is_moe: bool) -> dict[str, Any]:
     return kwargs
 
 
-def ddp_kwargs(cfg: MegatronConfig) -> dict[str, Any]:
+def ddp_kwargs(cfg: MegatronEngineConfig) -> dict[str, Any]:
     """``DistributedDataParallelConfig`` arguments (gradients are reduced in fp32, as before)."""
     return dict(grad_reduce_in_fp32=True, use_distributed_optimizer=cfg.use_distributed_optimizer,
                 overlap_grad_reduce=cfg.overlap_grad_reduce, overlap_param_gather=cfg.overlap_param_gather)
 
 
-def optimizer_kwargs(cfg: MegatronConfig) -> dict[str, Any]:
+def optimizer_kwargs(cfg: MegatronEngineConfig) -> dict[str, Any]:
     """``OptimizerConfig`` arguments of the distributed optimizer."""
     return dict(use_distributed_optimizer=cfg.use_distributed_optimizer,
                 overlap_param_gather=cfg.overlap_param_gather)
