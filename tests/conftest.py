@@ -2,8 +2,8 @@
 session; the order of the suite's files; and the session-end check that no test left a shared-memory segment.
 
 ``make test`` runs two pytest-xdist workers with ``--dist loadfile``: a worker takes a whole file, so a session
-fixture is made once per worker that runs one of its files. The costliest ones (``ONE_FILE_FIXTURES``) are used by
-one file only, which keeps them to one build; ``vllm_child`` may be made once on each worker.
+fixture is made once per worker that runs one of its files. The costliest (``ONE_FILE_FIXTURES``) are used by one
+file only, which keeps them to one build; ``vllm_child`` may be made once on each worker.
 """
 
 import multiprocessing as mp
@@ -16,9 +16,11 @@ import pytest
 # Session fixtures too costly to build once per worker: each may be used by one test file only. xdist's own
 # ``loadgroup`` marks cannot keep several files on one worker under pytest 9 (its worker renames ``item._nodeid``,
 # which pytest 9 no longer reads), so files sharing such a fixture are merged instead.
-ONE_FILE_FIXTURES = {"demo_run", "two_hosts"}
+ONE_FILE_FIXTURES = {"demo_run"}
 
 SHM = Path("/dev/shm")
+SLOW_S = 10.0  # a test over this (set-up included) is marked slow: make test-fast runs the others
+_FAST_SECONDS: dict[str, float] = {}
 _SHM_BEFORE = pytest.StashKey[set]()
 _SHM_LEFT = pytest.StashKey[list]()
 
@@ -137,7 +139,20 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_runtest_logreport(report):
+    """Each test's set-up, call and teardown seconds, for the summary of fast tests that were not (on the
+    controller: xdist forwards the workers' reports)."""
+    if "slow" not in report.keywords:
+        _FAST_SECONDS[report.nodeid] = _FAST_SECONDS.get(report.nodeid, 0.0) + report.duration
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    over = {nodeid: s for nodeid, s in _FAST_SECONDS.items() if s > SLOW_S}
+    if over:
+        terminalreporter.section(f"tests not marked slow that took over {SLOW_S:g} s (mark them slow, or make "
+                                 "them faster)", sep="-", yellow=True)
+        for nodeid, seconds in sorted(over.items(), key=lambda kv: -kv[1]):
+            terminalreporter.line(f"{seconds:7.1f} s  {nodeid}")
     left = config.stash.get(_SHM_LEFT, [])
     if left:
         terminalreporter.section("shared memory left behind", sep="=", red=True, bold=True)

@@ -26,9 +26,10 @@ def load_two_host():
     return sys.modules["two_host"]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def two_hosts():
-    """A running two-host Ray cluster (``two_host.TwoHost``), removed at the end of the session.
+    """A running two-host Ray cluster (``two_host.TwoHost``), removed after the module that uses it (a cluster
+    of another module, ``test_weights_across_hosts.py``, does not start beside it).
 
     Pass ``cluster.env()`` to processes that join it (``asyncflow train ... ray.address=<cluster.address>``).
     """

@@ -8,7 +8,7 @@ reach host B through the relay, and vLLM's logprobs equal Megatron's at every ve
 on both hosts, rollout on host B) is ``test_weights_across_hosts.py``. What only a real cluster proves: other
 network fabrics (NCCL, RDMA), real devices, and filesystems that are really separate.
 
-Every test of this file shares one cluster (``two_hosts``, a session fixture used by this file only).
+Every test of this file shares one cluster (``two_hosts``).
 """
 
 from __future__ import annotations
