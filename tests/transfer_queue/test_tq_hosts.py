@@ -3,7 +3,7 @@
 A file of the arena's name in this process's /dev/shm is not proof of the same host: on another host (or in
 another mount namespace) it is a different segment, or one of another run. The identity (hostname, boot id, the
 device of /dev/shm) is reported by each unit and compared by each client. The real cross-host case runs on the
-two-host cluster (tests/cluster/test_tq_two_hosts.py).
+two-host cluster (tests/cluster/test_across_hosts.py).
 """
 
 from __future__ import annotations
