@@ -3,6 +3,7 @@
     asyncflow train CONFIG [--resume] [section.key=value ...]   RL training (GRPO, PPO, DAPO...; async or sync)
     asyncflow demo [CONFIG] [section.key=value ...]     train with Megatron, move weights, generate with vLLM
     asyncflow config show [CONFIG] [section.key=value ...]   print the resolved configuration as YAML
+    asyncflow config keys [SECTION]     every key with its type, default and documentation
     asyncflow plan RECIPE [section.key=value ...]    per-device memory of a cluster recipe; exit 1 if it does not fit
     asyncflow profile [CONFIG] [section.key=value ...] --out FILE   measure this machine's cost model (JSON)
     asyncflow simulate RECIPE --costs FILE [section.key=value ...]  predict a run; search the device split
@@ -38,6 +39,13 @@ def _cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_config_keys(args: argparse.Namespace) -> int:
+    from asyncflow.config_keys import render
+
+    print(render(args.section), end="")
+    return 0
+
+
 def _refuse(problems: list[str]) -> int:
     for problem in problems:
         print(f"asyncflow: error: {problem}", file=sys.stderr)
@@ -49,12 +57,12 @@ def _checks_before_train(cfg, path: str | None, overrides: list[str]) -> list[st
     layout checks of ``asyncflow.recipes_check`` (the launcher's and ``asyncflow plan``'s). The rules between config
     keys ran when the config was loaded."""
     from asyncflow.recipes_check import check_model_path, check_run
-    from asyncflow.workflow.loop import _model_dir
+    from asyncflow.tiny_model import ensure_model
 
     problems = check_model_path(cfg)
     if problems:
         return problems
-    _model_dir(cfg)  # a tiny model, where the recipe asks for one, so that its layout can be checked too
+    ensure_model(cfg.model)  # a tiny model, where the recipe asks for one, so that its layout can be checked too
     return check_run(cfg, path, overrides)
 
 
@@ -172,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     show = config_sub.add_parser("show", help="print the resolved configuration (defaults + file + overrides)")
     show.add_argument("items", nargs="*", metavar="CONFIG|key=value", help="optional YAML file, then overrides")
     show.set_defaults(func=_cmd_config_show)
+    keys = config_sub.add_parser("keys", help="every key with its type, default and documentation")
+    keys.add_argument("section", nargs="?", metavar="SECTION", help="one section (trainer, critic, rollout, ...)")
+    keys.set_defaults(func=_cmd_config_keys)
     return parser
 
 

@@ -192,3 +192,36 @@ def test_the_critic_has_its_own_keys():
         with pytest.raises(ConfigError, match=f"unknown config key 'critic.{key}'"):
             load_config(None, [f"critic.{key}={value}"])
         load_config(None, [f"trainer.{key}={value}"])
+
+
+# ---- asyncflow config keys ---------------------------------------------------------------------------------
+
+def test_config_keys_lists_every_key_with_type_default_and_docstring():
+    import dataclasses
+
+    from asyncflow.config_keys import keys
+
+    listed = {k.name: k for k in keys()}
+    defaults = dataclasses.asdict(AsyncFlowConfig())
+    every = {f"{section}.{key}" for section, values in defaults.items() for key in values}
+    assert set(listed) == every
+    assert all(k.doc for k in listed.values()), [k.name for k in listed.values() if not k.doc]
+    lr = listed["trainer.lr"]
+    assert (lr.type, lr.default, lr.doc) == ("float", "0.001", "Adam learning rate.")
+    assert listed["rollout.dtype"].type == "'float32' | 'bfloat16' | 'float16' | 'auto'"
+    assert listed["ray.address"].type == "str | None" and listed["ray.address"].default == "null"
+    # a subclass's docstring of an inherited field wins: the critic's engine is a critic engine
+    assert "CRITIC_ENGINES" in listed["critic.engine"].doc and "TRAIN_ENGINES" in listed["trainer.engine"].doc
+    assert "critic.sequence_parallel" not in listed and "trainer.sequence_parallel" in listed
+
+
+def test_config_keys_command_prints_one_section():
+    out = _cli("config", "keys", "critic")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "# critic (CriticConfig)"
+    at = lines.index("critic.micro_batch_size: int = 4")
+    assert lines[at + 1] == "    Sequences per micro-batch in the pipeline schedule."
+    assert not any(line.startswith(("trainer.", "rollout.")) for line in lines)
+    bad = _cli("config", "keys", "critics")
+    assert bad.returncode == 2 and "unknown config section 'critics'" in bad.stderr and "critic," in bad.stderr
