@@ -10,11 +10,14 @@ that is what lets the first pass stream straight from the TransferQueue.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncflow.algorithms.losses import POLICY_LOSSES, aggregate, kl_penalty
-from asyncflow.config import AlgorithmConfig
+
+if TYPE_CHECKING:  # the config tree sits above the components it configures
+    from asyncflow.config import AlgorithmConfig
 
 
 def make_objective(cfg: AlgorithmConfig, max_response_tokens: int) -> Callable:

@@ -143,7 +143,7 @@ def hf_to_mcore(
     """Convert a Hugging Face checkpoint into a Megatron distributed checkpoint written at ``layout``."""
     import torch.multiprocessing as mp
 
-    from asyncflow.models.parallel import free_port
+    from asyncflow.ports import free_port
 
     arch = read_arch(hf_dir)
     try:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from asyncflow.bridge.buckets import SyncPlan
 from asyncflow.bridge.shards import MRank
 from asyncflow.bridge.staging import SLOTS, StagingWriter, _Slots, segment_bytes, source_key
-from asyncflow.models.parallel import local_address_towards
+from asyncflow.ports import local_address_towards
 from asyncflow.transfer_queue.shm import Arena
 
 MIN_CHUNK_MB = 1.0

@@ -265,7 +265,7 @@ class Placement:
         """
         import ray
 
-        from asyncflow.models.parallel import free_port
+        from asyncflow.ports import free_port
 
         if self.acc is None:
             return "127.0.0.1", free_port()  # one machine: never listen beyond it
@@ -295,7 +295,7 @@ def _node_address_and_free_port() -> tuple[str, int]:
     """This node's IP as Ray knows it and a TCP port free on it (run as a task on the node in question)."""
     import ray
 
-    from asyncflow.models.parallel import free_port
+    from asyncflow.ports import free_port
 
     address = ray.util.get_node_ip_address()
     return address, free_port(address)

@@ -40,7 +40,7 @@ def test_picked_ports_lie_below_the_ephemeral_range_and_can_be_bound():
     # bind (EADDRINUSE on CI, 2026-12-03); below it only an explicit bind can take it.
     import socket
 
-    from asyncflow.models.parallel import _ephemeral_range, free_port
+    from asyncflow.ports import _ephemeral_range, free_port
 
     low, _ = _ephemeral_range()
     ports = {free_port() for _ in range(20)}
