@@ -364,6 +364,8 @@ def calibrate(model: CostModel, recipe: Path, run_dir: Path, threads: int, workl
 
 FLOATING_CEILING = 4.0
 """The largest ``async_floating`` the fit tries: a run slower than the simulator reaches with it is given it."""
+FLOATING_TOLERANCE = 1e-3
+"""Where the bisection of ``async_floating`` stops: far below the spread of its fits between runs."""
 
 
 def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: float = 0.0) -> float:
@@ -397,7 +399,7 @@ def fit_async_floating(model: CostModel, recipe: Path, run_dir: Path, row_s: flo
               f"slower than the simulator reaches with any floating share ({slowest:.3f} s); async_floating is "
               f"set to its ceiling, {hi:g}", flush=True)
         return hi
-    for _ in range(30):  # the step time grows with the floating work
+    while hi - lo > FLOATING_TOLERANCE:  # the step time grows with the floating work
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if step_at(mid) < real_step else (lo, mid)
     return (lo + hi) / 2
