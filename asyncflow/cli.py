@@ -157,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--variants", default=None,
                       help="comma-separated: threads per worker on CPU (default 1,2), or 'device' on a GPU node")
     prof.add_argument("--reps", type=int, default=5,
-                      help="timings per grid point (the median is kept; single timings swing 10-25%% here)")
+                      help="timings per grid point (the median is kept)")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid (about half the time)")
     prof.set_defaults(func=_cmd_profile)
 

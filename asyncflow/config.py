@@ -95,8 +95,7 @@ class MegatronEngineConfig:
     like length share a micro-batch, padded to about their own length, when many are ready at once (every
     sync step; an async actor a step behind rollout). ``arrival``: first come, first served, padding each
     micro-batch to the longest of a mixed set. The loss is normalized over the whole step, so the order does
-    not change the update, only the padding (on long-tailed lengths a sync actor's padded tokens fell about
-    40%: docs/simulator.md)."""
+    not change the update, only the padding."""
     seed: int = 1234
     """Seed of Megatron's RNG streams."""
     model_provider: str | None = None
@@ -182,12 +181,12 @@ class VllmConfig:
     kv_cache_gib: int = 1
     """KV-cache size on CPU (VLLM_CPU_KVCACHE_SPACE), GiB."""
     enforce_eager: bool = True
-    """Skip graph capture and compilation (start-up is 3 s instead of about 30 s on CPU)."""
+    """Skip graph capture and compilation (a much faster start-up, the CPU recipes' choice)."""
     in_process: bool = True
     """Run vLLM's engine core inside the caller's process (faster start, easier debugging): at TP=1 the model
     too; at TP>1 the TP workers still run in processes of their own. False: the engine core runs in a process of
     its own as well (vLLM's default, which overlaps the caller's work with the engine's steps; the cluster
-    recipes use it). At TP>1 on CPU, in process starts about 12 s sooner: one process fewer imports vLLM."""
+    recipes use it). At TP>1 in process starts sooner: one process fewer imports vLLM."""
     temperature: float = 1.0
     """Sampling temperature."""
     max_new_tokens: int = 4
