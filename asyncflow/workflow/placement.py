@@ -112,12 +112,8 @@ class Placement:
                    + (["critic"] if critic and not own_critic else []))
         if self.colocated:
             # The colocated baseline: rollout engine i takes turns with the trainer on devices i*TP .. i*TP+TP-1
-            # (vLLM asleep while Megatron trains, Megatron offloaded while vLLM generates).
-            tp, n = cfg.rollout.tensor_parallel, cfg.workflow.rollout_instances
-            if n * tp != n_trainer:
-                raise ValueError(f"workflow.mode=sync on devices shares every device between training and "
-                                 f"generation: rollout_instances x rollout.tensor_parallel = {n} x {tp} must equal "
-                                 f"the trainer's TP x PP x DP = {n_trainer}")
+            # (vLLM asleep while Megatron trains, Megatron offloaded while vLLM generates); the counts match
+            # (``config_rules.sync_on_devices``).
             rollout, sharers = [], sharers + ["rollout"]
         else:
             rollout = [{acc: cfg.rollout.tensor_parallel, "CPU": cpd}] * cfg.workflow.rollout_instances
