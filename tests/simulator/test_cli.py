@@ -70,8 +70,10 @@ def test_simulate_tiny_recipe_prints_table_and_draws_gantt(cost_file, tmp_path, 
 
 
 def test_split_search_respects_planner_memory(cost_file, tmp_path, capsys):
+    # 16 prompts a step, not the recipe's 128: the same candidate splits and memory verdicts, an eighth of the rows.
     rc = main(["simulate", str(REPO / "recipes/qwen2.5-7b"), "workflow.steps=3", "rollout.max_new_tokens=256",
-               "rollout.max_model_len=1280", "trainer.reference_placement=colocated", "--costs", str(cost_file),
+               "rollout.max_model_len=1280", "trainer.reference_placement=colocated", "workflow.prompts_per_step=16",
+               "--costs", str(cost_file),
                "--out", str(tmp_path),
                "--lengths", "lognormal:64:1"])
     text = capsys.readouterr().out
