@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from asyncflow.config import AlgorithmConfig, MegatronConfig
+from asyncflow.config import AlgorithmConfig, CriticConfig, MegatronConfig, MegatronEngineConfig
 from asyncflow.observability.logprob_gap import gap_stats
 from asyncflow.workflow.batching import (
     ACTOR_FIELDS,
@@ -32,7 +32,7 @@ from asyncflow.workflow.services import TaskService
 class TrainerService(TaskService):
     """A rank of a trained model's worker group; its engine joins the group and knows its DP/MP position."""
 
-    def __init__(self, megatron_cfg: MegatronConfig, model_dir: str, seq_len: int, rank: int = 0,
+    def __init__(self, megatron_cfg: MegatronEngineConfig, model_dir: str, seq_len: int, rank: int = 0,
                  world_size: int = 1, master_port: int = 0, master_addr: str = "127.0.0.1",
                  share_device: bool = False, **kw):
         """``share_device``: colocated ``sync`` on devices: the engine's state leaves the device between this
@@ -47,7 +47,7 @@ class TrainerService(TaskService):
         self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
         self.fixed_shape = self.engine.fixed_seq_len
-        # Rows of like length in one micro-batch (``MegatronConfig.row_order``); fixed shapes pad to the cap anyway.
+        # Rows of like length in one micro-batch (``row_order``); fixed shapes pad to the cap anyway.
         self.sampler = "shortest" if megatron_cfg.row_order == "shortest" and not self.fixed_shape else "sequential"
         self.ranks = self.engine.ranks
         self._fingerprints: list[torch.Tensor] = []
@@ -336,7 +336,7 @@ class CriticService(TrainerService):
         self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)
         self.loss_fn = make_value_objective(algo)
 
-    def make_engine(self, megatron_cfg: MegatronConfig, model_dir: str):
+    def make_engine(self, megatron_cfg: CriticConfig, model_dir: str):
         from asyncflow.engines.base import make_critic_engine
 
         return make_critic_engine(megatron_cfg.engine, megatron_cfg, model_dir, group_timeout_s=self.timeout_s)

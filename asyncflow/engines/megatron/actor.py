@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from asyncflow.config import MegatronConfig
+from asyncflow.config import MegatronEngineConfig
 from asyncflow.engines.base import Ranks, TrainEngine
 from asyncflow.engines.megatron import groups
 from asyncflow.engines.megatron.trainer import MegatronTrainer
@@ -22,7 +22,7 @@ class MegatronActor(TrainEngine):
     first pass stream micro-batches from the TransferQueue before the batch's token count is known.
     """
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, load_weights: bool = True, head: str = "lm",
+    def __init__(self, cfg: MegatronEngineConfig, model_dir: str | Path, load_weights: bool = True, head: str = "lm",
                  trainable: bool = True, group_timeout_s: float | None = None):
         """``group_timeout_s``: bounds every collective of the process groups this rank joins (see
         ``TrainableEngine``)."""
@@ -47,7 +47,7 @@ class MegatronActor(TrainEngine):
 
     @property
     def micro_batch_size(self) -> int:
-        """``MegatronConfig.micro_batch_size``."""
+        """``micro_batch_size`` of the ``trainer`` (or ``critic``) section."""
         return self.trainer.cfg.micro_batch_size
 
     @property

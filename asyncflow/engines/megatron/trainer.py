@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from asyncflow.config import MegatronConfig
+from asyncflow.config import MegatronEngineConfig
 from asyncflow.engines.megatron import context_parallel
 from asyncflow.engines.megatron.logprobs import token_logprobs
 from asyncflow.models.device import CPU, engine_device, to_device
@@ -42,7 +42,7 @@ class MegatronTrainer:
     forward passes only (the reference policy): no DDP wrapper, gradient buffers or optimizer.
     """
 
-    def __init__(self, cfg: MegatronConfig, model_dir: str | Path, head: str = "lm", trainable: bool = True,
+    def __init__(self, cfg: MegatronEngineConfig, model_dir: str | Path, head: str = "lm", trainable: bool = True,
                  group_timeout_s: float | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
