@@ -24,20 +24,24 @@ ROWS = ["(a) staged", "(b) TP all-gather", "(c) memcpy", "vLLM reload_weights, w
         "vLLM reload_weights, same"]
 
 
-def _bench_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("afq-") and "bench" in n}
+def _segments_of(pid: int) -> set[str]:
+    """The shared-memory segments of the bench process ``pid`` (staging and baseline slots name its session, which
+    names the pid), so that another run of the bench beside this one is left out."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("afq-") and f"bench{pid}" in n}
 
 
 def test_weight_sync_bench_smoke(tmp_path):
-    before = _bench_segments()
     result = tmp_path / "result.json"
     # One measured round per method: timings mean nothing at this size, the checks run on every method. Dense at
     # vLLM TP2 only (the resharding path; TP1 runs in the MoE table and in tests/bridge), to keep CI short.
     cmd = [sys.executable, "bench/weight_sync.py", "--smoke", "--rounds", "1", "--vllm-tp", "2",
            "--work-dir", str(tmp_path / "work"), "--json", str(result)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    out = proc.stdout
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}\n{proc.stderr[-6000:]}"
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=900)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-6000:]}\n{err[-6000:]}"
 
     # One table per (workload, vLLM TP), each with every method and the ratio line.
     assert out.count("| method | trainer blocked s |") == 2
@@ -70,4 +74,4 @@ def test_weight_sync_bench_smoke(tmp_path):
         assert len(rec["targets"]) == 7
         assert all(t.startswith(("- PASS", "- MISS", "- n/a", "  (")) for t in rec["targets"])
     # Every staging and baseline segment the run created was removed.
-    assert _bench_segments() <= before
+    assert not _segments_of(proc.pid)
