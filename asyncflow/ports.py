@@ -7,9 +7,9 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago, below the kernel's ephemeral range where there is room.
 
     The port is bound later, by another process (a group's rank 0 seconds after placement picked it). A port from
-    the ephemeral range could be handed meanwhile to any outgoing connection on the machine: CI once saw a
-    reference group's store fail with EADDRINUSE that way. Below the range only an explicit bind can
-    take it, and the pick is random, so two pickers rarely meet."""
+    the ephemeral range could be handed meanwhile to any outgoing connection on the machine, and the group's store
+    then fails with EADDRINUSE. Below the range only an explicit bind can take it, and the pick is random, so two
+    pickers rarely meet."""
     import random
     import socket
 

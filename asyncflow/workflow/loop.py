@@ -43,7 +43,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     wf = cfg.workflow
     model_dir = ensure_model(cfg.model)
     # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
-    # process's imports (transformers, torch): side by side they take about 4 s less of every run's start-up.
+    # process's imports (transformers, torch): side by side they overlap.
     try:  # until a pipeline owns Ray, a failure here shuts it down
         with ThreadPoolExecutor(1) as pool:
             loading = pool.submit(_prompt_source, cfg, model_dir)

@@ -244,7 +244,7 @@ class Placement:
         if self.acc is None:
             if group == "reference" and not self.colocated:
                 # The reference forward shares rollout's core: the actor update is the longer task, and the
-                # rollout side idles whenever it waits for weights (measured: it balances the two cores).
+                # rollout side idles whenever it waits for weights, so the two cores stay evenly busy.
                 return self._options(0, 0), [0]
             bundle = 0 if self.colocated else 1
             cpus = list(range(self.cores)) if self.colocated else list(range(1, self.cores))

@@ -68,8 +68,8 @@ class Reporter:
                 counts[key] += 1
             pending.setdefault("_services", set()).add(item["service"])
             # The step's clock: when its last span ended (the actor's weights staged, usually), not when this
-            # driver polled the board, up to 0.2 s later (``Feeder.wait``); that delay made per-step times
-            # and samples/s wrong by up to 5% in async runs.
+            # driver polled the board, up to 0.2 s later (``Feeder.wait``), which would skew per-step times
+            # and samples/s in async runs.
             ends = [span["end"] for span in item["spans"]]
             if ends:
                 pending["_end"] = max(pending.get("_end", 0.0), max(ends))

@@ -3,8 +3,8 @@
 Megatron's ``torch_dist`` save strategy writes every file from processes it *forks*
 (``FileSystemWriterAsync.write_preloaded_data_multiproc``), even for a synchronous save. A Ray worker is
 heavily multi-threaded (Ray's core worker, the TransferQueue client, torch's OpenMP pool, gloo), and a fork
-of such a process may inherit a lock held by another thread: on this machine a run's actor once waited
-forever on a forked writer during the kill-and-resume test. ``InProcessSaveStrategy`` runs Megatron's own
+of such a process may inherit a lock held by another thread, and the forked writer then waits forever
+(a run's actor hangs in its save). ``InProcessSaveStrategy`` runs Megatron's own
 per-file writer (``write_preloaded_data``) in the calling process instead, one file after another; the
 plan, the files and the metadata are exactly Megatron's.
 

@@ -41,8 +41,8 @@ def check_same_batches(fingerprints: list[torch.Tensor], group, what: str) -> No
     """Raise on every rank of ``group`` unless all of them hold the same fingerprint list.
 
     Model-parallel ranks that computed on different rows would not fail by themselves: they would silently
-    combine the logits of different sequences (this once happened when the TransferQueue freed rows after
-    the first rank's read and the next step's rows reused the storage).
+    combine the logits of different sequences (e.g. rows freed after the first rank's read, their storage reused
+    by the next step's rows before the other ranks read them).
     """
     everyone: list = [None] * torch.distributed.get_world_size(group)
     torch.distributed.all_gather_object(everyone, [f.tolist() for f in fingerprints], group=group)

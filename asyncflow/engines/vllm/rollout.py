@@ -101,8 +101,8 @@ class VllmRollout(RolloutEngine):
                 max_tokens=int(budgets[i] or self.cfg.max_new_tokens),  # per prompt: long-tailed budgets
                 logprobs=0,  # the sampled token's logprob only
                 ignore_eos=ignore_eos,
-                detokenize=False,  # token ids only: nothing reads the text (decoding it and each logprob's token
-                # cost ~5% of a tiny model's engine step on CPU)
+                detokenize=False,  # token ids only: nothing reads the text, and decoding it (and each logprob's
+                # token) costs time in every engine step
             )
             for j in range(n):
                 request_id = f"r{next(self._request_ids)}"

@@ -114,7 +114,7 @@ class VllmStream:
 
         params = SamplingParams(n=1, temperature=self.temperature, max_tokens=req.budget - len(req.tokens),
                                 logprobs=0, ignore_eos=self.ignore_eos, stop_token_ids=list(req.stop),
-                                detokenize=False,  # token ids only: no text is read, and decoding costs ~5%
+                                detokenize=False,  # token ids only: no text is read, and decoding costs time
                                 output_kind=RequestOutputKind.DELTA)  # new tokens only: tagged with the version
         request_id = f"s{next(self._ids)}"
         self._live[request_id] = req

@@ -26,7 +26,7 @@ Fault injection: ``ASYNCFLOW_APPLY_PAUSE_S`` (seconds, unset in real runs) holds
 its first bucket, with the worker's title showing the version, so that a test can kill a worker half-way
 through an apply every time instead of polling for the few milliseconds an apply of a tiny model lasts. With
 ``ASYNCFLOW_APPLY_PAUSE_FILE`` set too, the worker appends ``pid version`` to that file as the hold begins: the
-test reads the victim from there (once on CI the title never showed in ``/proc``, cause unknown).
+test reads the victim from there (a process title in ``/proc`` is not guaranteed to show).
 """
 
 from __future__ import annotations
