@@ -1,6 +1,6 @@
 """How much a prediction moves when one side's fitted cost is off: the bottleneck, and tipping points.
 
-A profile's fit is good to some percent (``docs/simulator.md``: 10-20% between invocations on a shared machine).
+A profile's fit is good to some percent (10-20% between profiles of a shared machine).
 A pipeline far from balance moves with its bottleneck's cost and not at all with the other side's; one near
 balance can move by much more than the error that tipped it: with continuous rollout the actor either keeps up
 (its micro-batches fill as responses finish, roughly by length, and pad little) or falls a step behind (it finds

@@ -40,7 +40,7 @@ class Workload:
     rollout_instances: int = 1
     """Rollout engines; each pulls ``rollout_chunk`` rows at a time."""
     rollout_chunk: int = 64
-    """Rows a rollout instance takes per request (today's loop generates each chunk as one engine batch)."""
+    """Rows a rollout instance takes per request (the chunked loop generates each chunk as one engine batch)."""
     max_num_seqs: int = 256
     """Sequences one engine runs at once; the rest of a chunk waits for a free slot."""
     score_chunk: int = 64
