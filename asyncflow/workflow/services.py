@@ -346,7 +346,7 @@ class RolloutService(TaskService):
                 t0 = time.perf_counter()
                 samples = self.engine.generate(prompts, n=1, on_sample=on_sample, max_new_tokens=budgets,
                                                ignore_eos=budgets is not None)
-                # The engine's own time, without the puts: ``simulator.calibrate`` sets the profile's speed by it.
+                # The engine's own time, without the puts: ``bench/calibrate.py`` sets the profile's speed by it.
                 span["engine_s"] = time.perf_counter() - t0 - puts[0]
                 flush()
             rows += len(samples)

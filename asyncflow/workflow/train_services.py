@@ -131,7 +131,7 @@ class TrainerService(TaskService):
                 tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
                 t0 = time.perf_counter()
                 out = forward(tokens)
-                span["engine_s"] = time.perf_counter() - t0  # the forward alone (``simulator.calibrate``)
+                span["engine_s"] = time.perf_counter() - t0  # the forward alone (``bench/calibrate.py``)
                 if self.ranks.writer:
                     self.tq.put(partition_name(step), {out_field: response_slices(out, prompts, responses)},
                                 indexes=batch.indexes)
@@ -295,7 +295,7 @@ class ActorService(TrainerService):
                 mb["old_logprobs"] = out["old_logprobs"]  # the proximal policy of this step
             for _ in range(self.algo.ppo_epochs - 1):
                 results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
-            # Forward, backward and the optimizer, without the reads (``simulator.calibrate``).
+            # Forward, backward and the optimizer, without the reads (``bench/calibrate.py``).
             span["engine_s"] = time.perf_counter() - t1 - reads[0]
         self.verify_same_rows(step)
         self.engine.version += 1
