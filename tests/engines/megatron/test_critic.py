@@ -22,11 +22,11 @@ def _worker(rank, world, port, tp, pp, model_dir, out_dir):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from asyncflow.algorithms.objective import make_value_objective
-    from asyncflow.config import AlgorithmConfig, MegatronConfig
+    from asyncflow.config import AlgorithmConfig, CriticConfig
     from asyncflow.engines.megatron.critic import MegatronCritic
     from asyncflow.models.parallel import destroy_megatron
 
-    critic = MegatronCritic(MegatronConfig(tensor_parallel=tp, pipeline_parallel=pp, micro_batch_size=2, lr=1e-2),
+    critic = MegatronCritic(CriticConfig(tensor_parallel=tp, pipeline_parallel=pp, micro_batch_size=2, lr=1e-2),
                             model_dir)
     head = critic.trainer.model.module.output_layer if pp == 1 or rank >= world // 2 else None
     zero_at_start = None
