@@ -102,8 +102,9 @@ class MegatronEngineConfig:
     """Dotted path to your own ``fn(config, pre_process, post_process) -> GPTModel`` (Megatron-LM's
     model_provider shape); None builds the Llama/Qwen GPTModel from the checkpoint's config.json."""
 
-    # Memory features (``asyncflow plan RECIPE`` estimates what each one saves). Validated and turned into
-    # Megatron's own config arguments in ``asyncflow.engines.megatron.features``.
+    # Memory features (``asyncflow plan RECIPE`` estimates what each one saves). The rules between them are in
+    # ``asyncflow.config_rules``; what the machine can run, and Megatron's own config arguments, in
+    # ``asyncflow.engines.megatron.features``.
     use_distributed_optimizer: bool = False
     """Shard the fp32 master weights and Adam moments over the data-parallel ranks (Megatron's distributed
     optimizer, ZeRO-1): 6 + 12/DP bytes per bf16 parameter instead of 18. Needs CUDA."""
