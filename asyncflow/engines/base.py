@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -168,6 +168,51 @@ class CriticEngine(TrainableEngine):
         ``compute_logprobs`` (position t: before token t+1)."""
 
 
+class RolloutStream(abc.ABC):
+    """Continuous batching on one rollout engine (``RolloutEngine.stream``): responses are admitted whenever a
+    slot is free and come back the moment they finish, with no batch barrier; one caller thread."""
+
+    @abc.abstractmethod
+    def __len__(self) -> int:
+        """Responses in flight (admitted, not finished)."""
+
+    @property
+    @abc.abstractmethod
+    def free(self) -> int:
+        """Slots the caller may still fill."""
+
+    @abc.abstractmethod
+    def running(self) -> int:
+        """Sequences the engine is decoding right now."""
+
+    @abc.abstractmethod
+    def add(self, key: Hashable, prompt: list[int], max_new_tokens: int | None = None,
+            stop_token_ids: tuple[int, ...] = ()) -> None:
+        """Admit one response of ``prompt`` (``key`` comes back with it) at the engine's current version;
+        ``max_new_tokens`` budgets the whole response, every turn included (None: the engine's own)."""
+
+    @abc.abstractmethod
+    def step(self) -> list[tuple[Hashable, Sample]]:
+        """One decoding step of every running response; the ``(key, sample)`` pairs that finished in it. With
+        ``turns``, a turn ends at a stop token too, and the response waits for ``continue_turn``/``release``."""
+
+    @abc.abstractmethod
+    def continue_turn(self, key: Hashable, observation: list[int]) -> bool:
+        """Append ``observation`` (loss mask 0) to the finished turn of ``key`` and generate the next turn;
+        False (nothing admitted) when the budget leaves no token for the model."""
+
+    @abc.abstractmethod
+    def release(self, key: Hashable) -> None:
+        """Forget the finished turn of ``key`` (its trajectory is done)."""
+
+    @abc.abstractmethod
+    def swap_weights(self, apply: Callable[[], object], keep_kv: bool = False
+                     ) -> tuple[object, list[tuple[Hashable, Sample]]]:
+        """Partial rollout: at this token boundary run ``apply()`` (it changes the engine's weights) and carry
+        every in-flight response on under the new weights (its prefix recomputed, or with ``keep_kv`` its KV
+        cache kept). Returns ``apply``'s result and the responses that finished meanwhile."""
+
+
 class RolloutEngine(abc.ABC):
     """An inference engine that generates with per-token logprobs and applies versions staged by the trainer.
 
@@ -201,9 +246,9 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """The version the engine serves (-1 while none is complete)."""
 
-    def stream(self, ignore_eos: bool = False, turns: bool = False):
-        """A continuous-batching handle (``asyncflow.engines.vllm.stream.VllmStream``'s interface: ``add``,
-        ``step``, ``swap_weights``, ``running``). Engines without one support the chunked rollout only."""
+    def stream(self, ignore_eos: bool = False, turns: bool = False) -> RolloutStream:
+        """A continuous-batching handle (``ignore_eos``: responses use their whole budget; ``turns``: multi-turn
+        agent loops). Engines without one support the chunked rollout only."""
         raise NotImplementedError(f"{type(self).__name__} has no continuous-batching stream")
 
     def sleep(self) -> int:

@@ -8,6 +8,7 @@ from asyncflow.engines.base import (
     ROLLOUT_ENGINES,
     TRAIN_ENGINES,
     RolloutEngine,
+    RolloutStream,
     Sample,
     TrainableEngine,
     make_rollout_engine,
@@ -74,6 +75,34 @@ def test_what_the_workflow_reads_of_a_trainable_engine_is_abstract():
     assert {"ranks", "micro_batch_size", "fixed_seq_len", "gather_data_parallel", "check_same_rows",
             "group_timeout_s", "train_step", "save", "load"} == TrainableEngine.__abstractmethods__
     assert not {"apply_weights", "pause", "resume", "abort"} & set(dir(RolloutEngine))
+
+
+def test_the_workflow_calls_every_abstract_engine_method_and_nothing_outside_the_interfaces():
+    import ast
+    from pathlib import Path
+
+    from asyncflow.engines.base import CriticEngine, TrainEngine
+
+    used = set()
+    for path in (Path(__file__).resolve().parents[2] / "asyncflow" / "workflow").glob("*.py"):
+        used |= {node.attr for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Attribute) and node.value.attr == "engine"}
+    classes = (TrainEngine, CriticEngine, RolloutEngine)
+    offered = {name for cls in classes for name in dir(cls) if not name.startswith("_")} | {"version"}
+    assert used <= offered, used - offered
+    assert set().union(*(cls.__abstractmethods__ for cls in classes)) <= used
+
+
+def test_the_continuous_stream_interface_is_what_the_rollout_loop_calls():
+    import ast
+    import inspect
+
+    import asyncflow.workflow.rollout_stream as rollout_stream
+
+    called = {node.attr for node in ast.walk(ast.parse(inspect.getsource(rollout_stream)))
+              if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+              and node.value.attr == "stream"}
+    assert called == RolloutStream.__abstractmethods__ - {"__len__"}
 
 
 def test_unknown_engine_lists_valid_names():

@@ -24,7 +24,7 @@ import dataclasses
 import itertools
 from collections.abc import Callable, Hashable
 
-from asyncflow.engines.base import Sample
+from asyncflow.engines.base import RolloutStream, Sample
 
 
 @dataclasses.dataclass
@@ -42,7 +42,7 @@ class _Request:
     turns: int = 0
 
 
-class VllmStream:
+class VllmStream(RolloutStream):
     """Continuous batching over a ``VllmRollout``'s engine (one caller thread; in-process or multi-process).
 
     ``capacity`` (default ``max_num_seqs``) is how many requests the caller should keep in flight; the
