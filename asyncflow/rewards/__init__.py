@@ -7,7 +7,6 @@ dotted path (``my_pkg.rewards:make_score``) in ``algorithm.reward``. A function 
 isolated: the sample gets ``algorithm.reward_on_error`` and the failure is counted and reported.
 """
 
-from asyncflow.rewards import math as _math  # noqa: F401  registers "math" (math-verify is imported lazily)
 from asyncflow.rewards.registry import REWARD_FUNCTIONS, make_reward_fn
 
 __all__ = ["REWARD_FUNCTIONS", "make_reward_fn"]

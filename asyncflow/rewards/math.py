@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import threading
 
-from asyncflow.rewards.registry import REWARD_FUNCTIONS, RewardFn
+from asyncflow.rewards.registry import RewardFn
 
 TIMEOUT_S = 5
 """math-verify's limit on parsing or comparing one expression (it uses SIGALRM: main thread only)."""
@@ -50,7 +50,6 @@ def _as_final_answer(ground_truth: str) -> str:
     return f"\\boxed{{{ground_truth}}}"
 
 
-@REWARD_FUNCTIONS.register("math")
 def make_math_reward(tokenizer, timeout_s: int | None = TIMEOUT_S) -> RewardFn:
     """``fn(prompt_ids, response_ids, ground_truth=...) -> 1.0 | 0.0``: the response (decoded, special
     tokens skipped) has the reference's answer. A missing reference raises ValueError (the workflow

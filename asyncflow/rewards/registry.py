@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from asyncflow.registry import Registry
 
-REWARD_FUNCTIONS = Registry("reward function")
+REWARD_FUNCTIONS = Registry("reward function", builtins={"math": "asyncflow.rewards.math:make_math_reward"})
 RewardFn = Callable[[list[int], list[int]], float]
 
 

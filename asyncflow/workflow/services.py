@@ -11,7 +11,7 @@
 ``run_step(step)`` processes one partition (one global step) as its rows become ready; ``run(steps)``
 loops over steps and posts each step's report to the version board. The same ``run_step`` serves
 the async mode (every service loops on its own) and the sync mode (the driver calls them in turn).
-Each service runs in its own Ray actor (the Megatron ones, in ``train_services``, in one actor per
+Each service runs in its own Ray actor (the trained models', in ``train_services``, in one actor per
 rank); it receives only the config sections it needs.
 """
 
