@@ -53,6 +53,7 @@ def test_local_cluster_actors_and_clean_shutdown():
     assert not any(_alive(p) for p in pids), "actor processes outlived ray.shutdown()"
 
 
+@pytest.mark.slow
 def test_a_run_joins_a_running_cluster_even_where_the_recipe_sets_num_cpus():
     """``ray.address`` joins the cluster as it is: Ray refuses ``num_cpus`` when connecting, and the tiny recipes
     set it for the local cluster they would otherwise start."""

@@ -40,6 +40,7 @@ def test_unsupported_version_gets_clear_error(version):
         megatron_patches.check_version(version)
 
 
+@pytest.mark.slow
 def test_apply_is_idempotent_and_redirects_cuda():
     out = _run(
         """
@@ -90,6 +91,7 @@ def test_rng_tracker_forks_and_restores_cpu_state():
     assert out.strip() == "True"
 
 
+@pytest.mark.slow
 def test_mixed_precision_reports_cuda_type_names_only_inside_the_optimizers():
     out = _run(
         """

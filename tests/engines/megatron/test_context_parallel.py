@@ -16,6 +16,8 @@ import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
 
+pytestmark = pytest.mark.slow  # every test reads a module fixture of spawned Megatron ranks
+
 SEQ, ROWS, CP = 11, 3, 2  # 11 tokens: padded to 12 = 3 x (2 x CP) chunks of 3
 
 

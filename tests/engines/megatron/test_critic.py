@@ -61,6 +61,7 @@ def reference(tiny_model_dir, tmp_path_factory):
     return _run(1, 1, tiny_model_dir, tmp_path_factory.mktemp("critic") / "tp1")[0]
 
 
+@pytest.mark.slow
 def test_critic_learns_and_starts_from_zero(reference):
     assert reference["zero_at_start"]
     before, after = torch.tensor(reference["before"]), torch.tensor(reference["after"])

@@ -32,6 +32,8 @@ import torch
 
 from asyncflow.transfer_queue.batch import Batch, BatchMeta
 
+pytestmark = pytest.mark.slow  # every test reads a module fixture of spawned Megatron ranks
+
 ROWS, MBS = 4, 2
 
 

@@ -66,6 +66,7 @@ def test_entropy_without_parallel_state_matches_categorical():
     assert not x.grad.isnan().any() and x.grad[..., VOCAB:].abs().max() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vocab_parallel_entropy_and_gradient_match_categorical(tp, tmp_path):
     mp.start_processes(_worker, args=(tp, free_port(), str(tmp_path)), nprocs=tp, join=True, start_method="spawn")

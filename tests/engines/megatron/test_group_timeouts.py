@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 READ = """
@@ -42,6 +44,7 @@ print("completed")
 """
 
 
+@pytest.mark.slow
 def test_every_group_is_created_with_the_configured_timeout():
     out = subprocess.run([sys.executable, "-c", READ], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -50,6 +53,7 @@ def test_every_group_is_created_with_the_configured_timeout():
     assert timeouts and set(timeouts.values()) == {4321.0}, timeouts
 
 
+@pytest.mark.slow
 def test_a_collective_with_a_missing_peer_fails_at_the_configured_timeout():
     """A real gloo all-reduce whose peer never arrives raises after the short timeout given (with torch's
     default the child would hang for 10 minutes and this test would hit its own limit)."""

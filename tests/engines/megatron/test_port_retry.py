@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[3]
 
 CHILD = """
@@ -30,6 +32,7 @@ print("ok", picked)
 """
 
 
+@pytest.mark.slow
 def test_a_world_of_one_picks_another_port_when_its_port_was_taken():
     out = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, cwd=REPO, timeout=300)
     assert out.returncode == 0 and out.stdout.startswith("ok"), out.stdout[-2000:] + out.stderr[-3000:]
