@@ -21,6 +21,8 @@ ONE_FILE_FIXTURES = {"demo_run"}
 SHM = Path("/dev/shm")
 SLOW_S = 10.0  # a test over this (set-up included) is marked slow: make test-fast runs the others
 _FAST_SECONDS: dict[str, float] = {}
+FILE_SECONDS_KEY = "asyncflow/file_seconds"  # in pytest's cache (.pytest_cache): each file's seconds, last run
+_FILE_SECONDS: dict[str, float] = {}
 _SHM_BEFORE = pytest.StashKey[set]()
 _SHM_LEFT = pytest.StashKey[list]()
 
@@ -70,10 +72,11 @@ def _file(item) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-    """Check ``ONE_FILE_FIXTURES``, then put the files that hold a slow test first (stable: a file's tests stay
-    together and in order). ``make test`` passes ``--no-loadscope-reorder``, so xdist hands out files in this
-    order: the long runs of the loop start early and the short files fill in at the end, instead of one worker
-    idling while the other finishes a long run."""
+    """Check ``ONE_FILE_FIXTURES``, then put the files that hold a slow test first, the longest of the last run
+    first among them where pytest's cache has their times (stable: a file's tests stay together and in order).
+    ``make test`` passes ``--no-loadscope-reorder``, so xdist hands out files in this order: the long runs of the
+    loop start early and the short files fill in at the end, instead of one worker idling while the other
+    finishes a long run."""
     users: dict[str, set[str]] = {}
     for item in items:
         for name in ONE_FILE_FIXTURES & set(item.fixturenames):
@@ -84,7 +87,9 @@ def pytest_collection_modifyitems(config, items):
                                     "xdist worker that runs one of them, so keep its tests in one file "
                                     "(ONE_FILE_FIXTURES in tests/conftest.py)")
     slow = {_file(item) for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: _file(item) not in slow)
+    cache = getattr(config, "cache", None)
+    seconds = cache.get(FILE_SECONDS_KEY, {}) if cache is not None else {}
+    items.sort(key=lambda item: (_file(item) not in slow, -seconds.get(_file(item), 0.0)))
 
 
 # The shared-memory check. It runs in the process that holds the session (the xdist controller, or pytest itself
@@ -128,8 +133,12 @@ def pytest_sessionstart(session):
 
 @pytest.hookimpl(trylast=True)  # after the session fixtures' teardown (pytest's runner does it in this hook)
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the session when a segment made during it is left in /dev/shm (psm_*, vllm_dist_*, sem.mp-*, a
-    TransferQueue arena or a weight staging segment that a killed process never unlinked)."""
+    """Record each file's seconds in pytest's cache (the next run's order); fail the session when a segment made
+    during it is left in /dev/shm (psm_*, vllm_dist_*, sem.mp-*, a TransferQueue arena or a weight staging
+    segment that a killed process never unlinked)."""
+    cache = getattr(session.config, "cache", None)
+    if cache is not None and _FILE_SECONDS and _is_controller(session.config):
+        cache.set(FILE_SECONDS_KEY, {**cache.get(FILE_SECONDS_KEY, {}), **_FILE_SECONDS})
     before = session.config.stash.get(_SHM_BEFORE, None)
     if before is None:
         return
@@ -140,8 +149,10 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 def pytest_runtest_logreport(report):
-    """Each test's set-up, call and teardown seconds, for the summary of fast tests that were not (on the
-    controller: xdist forwards the workers' reports)."""
+    """Each test's set-up, call and teardown seconds, summed per file for the next run's order and kept for the
+    summary of unmarked tests over ``SLOW_S`` (on the controller: xdist forwards the workers' reports)."""
+    file = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[file] = _FILE_SECONDS.get(file, 0.0) + report.duration
     if "slow" not in report.keywords:
         _FAST_SECONDS[report.nodeid] = _FAST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
