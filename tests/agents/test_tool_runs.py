@@ -1,11 +1,12 @@
-"""Multi-turn rollouts end to end (real Megatron, vLLM, Ray, TransferQueue).
+"""Multi-turn rollouts end to end.
 
 - A tool that raises: the sample gets algorithm.reward_on_error, the failure is counted in agent/errors,
   and the run goes on; every prompt is still trained exactly once. Per-turn rewards of the agent loop are
-  added to the end-of-trajectory reward (the same run).
-- The tool recipe (recipes/tiny_cpu/tool_async.yaml) learns: its reward climbs only once the model calls
-  the calculator. Measured on a loaded 2-core machine: mean reward of the first 5 steps about 0.02; of
-  steps 75-79 0.32-0.38 (one run; 80 s); the threshold below leaves room for seed and scheduling noise.
+  added to the end-of-trajectory reward (the same run). On the fake engines (``asyncflow.engines.fake``): the
+  agent loop, the stream's turns and the services are real, only the models are fakes.
+- On the real stack (Megatron, vLLM's continuous stream): the tool recipe (recipes/tiny_cpu/tool_async.yaml)
+  learns: its reward climbs only once the model calls the calculator (mean reward of the first 5 steps about
+  0.02, of steps 75-79 0.32-0.38; the threshold below leaves room for seed and scheduling noise).
 """
 
 import json
@@ -15,25 +16,21 @@ from collections import Counter
 
 import pytest
 
-from tests.recipe_runs import REPO
+from tests.recipe_runs import REPO, SMALL, run_fake
 from tests.recipe_runs import records as _records
-from tests.recipe_runs import run_recipe as _run
-
-pytestmark = pytest.mark.slow
 
 TOOL = ["workflow.task=calc", "algorithm.reward=calc", "rollout.max_new_tokens=12", "rollout.max_model_len=32",
         "agent.max_turns=2"]
 
 
-def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path):
-    # One run checks both (each start costs about 40 s here): the loop's tool raises on even first operands,
-    # and every model turn earns TURN_REWARD.
+def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path, tiny_model_dir):
+    # One run checks both: the loop's tool raises on even first operands, and every model turn earns TURN_REWARD.
     from tests.agents.flaky_loop import TURN_REWARD
 
     on_error = -1.0
-    s = _run(tmp_path, "async", 1, "flaky", *TOOL, "workflow.steps=3", f"algorithm.reward_on_error={on_error}",
-             "agent.loop=tests.agents.flaky_loop:make_flaky",
-             "algorithm.kl_coef=0")  # no reference model: one Megatron process fewer, nothing here reads it
+    s = run_fake(tmp_path, tiny_model_dir, "flaky", *SMALL, *TOOL, "workflow.steps=3",
+                 f"algorithm.reward_on_error={on_error}", "agent.loop=tests.agents.flaky_loop:make_flaky",
+                 "algorithm.kl_coef=0")  # no reference model: one process fewer, nothing here reads it
     assert s["steps"] == 3
     for r in _records(s):
         rows, errors = r["rollout/rows"], r["agent/errors"]
@@ -56,6 +53,7 @@ def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path
     assert set(counts) == set(range(3 * 8)) and set(counts.values()) == {4}
 
 
+@pytest.mark.slow
 def test_tool_recipe_learns(tmp_path):
     out = tmp_path / "tool"
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/tool_async.yaml"),
