@@ -175,8 +175,9 @@ def connect_ray(cfg: AsyncFlowConfig) -> None:
     if cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
         local = ({"num_gpus": cfg.ray.local_devices} if cfg.ray.accelerator == "GPU"
                  else {"resources": {cfg.ray.accelerator: cfg.ray.local_devices}})
-    ray.init(num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False, log_to_driver=False,
-             **local)
+    # "local": always a new instance; without it Ray would join any cluster ``ray start`` left on this machine.
+    ray.init(address="local", num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
+             log_to_driver=False, **local)
 
 
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
