@@ -1,34 +1,20 @@
-"""Other algorithms through the real stack: DAPO's dynamic sampling in both modes.
+"""DAPO's dynamic sampling in both modes, on the fake engines (the sampling is the loop's: the advantage task
+judges groups, drops the flat ones and the driver tops the step up; the engines only make the rows).
 
-GRPO's learning (`make demo`'s claim) is checked on the async run of ``test_e2e``, and PPO's with a Megatron
-critic on the run that ``test_resume`` kills and resumes: each run costs about 40 s of start-up here.
+GRPO's learning is checked on the fake runs of ``test_loop`` and on the real demo run of ``test_e2e``, PPO's
+(with a critic) on the run that ``test_resume`` kills and resumes.
 """
-
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.recipe_runs import records, run_fake
 
 
-def _train(tmp_path, recipe: str, *overrides: str) -> tuple[dict, list[dict]]:
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / recipe), f"model.path={tmp_path / 'model'}",
-           f"observability.output_dir={out}", "observability.tensorboard=false", *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return json.loads((out / "summary.json").read_text()), metrics
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("mode, steps", [("async", 6), ("sync", 3)])
-def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, mode, steps):
-    summary, metrics = _train(tmp_path, "recipes/tiny_cpu/dapo_async.yaml", f"workflow.mode={mode}",
-                              f"workflow.steps={steps}")
+def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, tiny_model_dir, mode, steps):
+    summary = run_fake(tmp_path, tiny_model_dir, "run", f"workflow.mode={mode}", f"workflow.steps={steps}",
+                       recipe="dapo_async.yaml")
+    metrics = records(summary)
     assert [m["step"] for m in metrics] == list(range(steps))
     for m in metrics:
         assert m["actor/rows"] == 256 and m["sampling/kept_rows"] == 256  # the step is full ...
