@@ -19,8 +19,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
-
 
 def _bf16_cfg(**overrides):
     from asyncflow.config import MegatronConfig
@@ -106,6 +104,7 @@ def _dp2_worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) 
     destroy_megatron()
 
 
+@pytest.mark.slow  # two gloo ranks
 def test_distributed_optimizer_dp2_main_params_equal_loaded_weights(tiny_model_dir, tmp_path):
     import torch.multiprocessing as tmp
 
