@@ -287,7 +287,7 @@ def bench_peer_startup_cold() -> float:
 
     # Its controller and each storage unit reserve 1 CPU: on a 2-core machine Ray must be started with
     # more logical CPUs first, or init waits forever for its placement group.
-    code = ("import os, time; t0 = time.perf_counter(); import ray; ray.init(num_cpus=RAY_CPUS, "
+    code = ("import os, time; t0 = time.perf_counter(); import ray; ray.init(address=\"local\", num_cpus=RAY_CPUS, "
             "include_dashboard=False); import transfer_queue as tq; tq.init(); "
             "print(time.perf_counter() - t0, flush=True); os._exit(0)").replace("RAY_CPUS", str(RAY_CPUS))
     try:
@@ -396,7 +396,7 @@ def main() -> None:
     if not args.no_ray or have_peer:
         import ray
 
-        ray.init(num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=RAY_CPUS, include_dashboard=False, log_to_driver=False)
         try:
             if not args.no_ray:
                 ray_res = bench_ray(sizes)

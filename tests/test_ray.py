@@ -32,7 +32,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.slow
 def test_local_cluster_actors_and_clean_shutdown():
-    ray.init(num_cpus=2, include_dashboard=False, namespace="asyncflow-test", log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="asyncflow-test", log_to_driver=False)
     try:
         pg = placement_group([{"CPU": 1}, {"CPU": 1}], strategy="PACK")
         ray.get(pg.ready(), timeout=60)
@@ -60,7 +60,7 @@ def test_a_run_joins_a_running_cluster_even_where_the_recipe_sets_num_cpus():
     import subprocess
     import sys
 
-    ray.init(num_cpus=1, include_dashboard=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False)
     try:
         address = ray.get_runtime_context().gcs_address
         code = ("import ray\nfrom asyncflow.config import load_config\n"
