@@ -1,18 +1,17 @@
 """Fake engines for workflow tests: the whole pipeline runs for real (Ray actors, the TransferQueue, the version
 board, the services, the driver loop), only the models are a table.
 
-Select them by dotted path (``trainer.engine=asyncflow.engines.fake.FakeTrainEngine``, ``critic.engine=
-asyncflow.engines.fake.FakeCriticEngine``, ``rollout.engine=asyncflow.engines.fake.FakeRolloutEngine``; the
-recipe ``recipes/tiny_cpu/fake_engines.yaml`` sets all three). They import neither Megatron nor vLLM and take
-microseconds per call.
+Select them as ``fake`` (``trainer.engine``, ``critic.engine``, ``rollout.engine``) or by dotted path
+(``asyncflow.engines.fake.FakeTrainEngine``, ...; ``tests/recipe_runs.FAKE`` sets all three). They import neither
+Megatron nor vLLM and take microseconds per call.
 
-The policy is a bigram table ``W[previous token] -> logits over the vocabulary``, the same function on both
-sides: the trainer's ``compute_logprobs`` of a response equals the logprobs the rollout reported for it at the
-same version (the loop's logprob-gap check holds exactly), and ``train_step`` is a real gradient step on the
-table through the run's loss function. Versions travel the loop's weight path for real: the exporting trainer
-rank stages the table into a shared-memory segment (two slots, a sequence-locked header ``[seq, version]`` like
-``asyncflow.bridge.staging``), announces it on the board, and the rollout engine reads it back when the
-service applies that version. A version the rollout did not read is a version it cannot serve.
+The policy is an additive n-gram table, ``logits = sum_k W[k, token t-k]`` over the last ``CONTEXT`` tokens,
+the same function on both sides: the trainer's ``compute_logprobs`` of a response equals the logprobs the rollout
+reported for it at the same version (the loop's logprob-gap check holds exactly), and ``train_step`` is a real
+gradient step on the table through the run's loss function. Versions travel the loop's weight path for real: the
+exporting trainer rank stages the table into a shared-memory segment (two slots, a sequence-locked header
+``[seq, version]`` like ``asyncflow.bridge.staging``), announces it on the board, and the rollout engine reads it
+back when the service applies that version. A version the rollout did not read is a version it cannot serve.
 
 Faults for the failure tests come from environment variables (``FakeFaults``), which Ray's workers inherit
 from the driver's environment.
@@ -284,7 +283,7 @@ class _FakeTrainable:
 
 @TRAIN_ENGINES.register("fake")
 class FakeTrainEngine(_FakeTrainable, TrainEngine):
-    """A bigram policy as a train engine (actor, or reference with ``trainable=False``)."""
+    """The n-gram policy as a train engine (actor, or reference with ``trainable=False``)."""
 
     def forward(self, tokens: torch.Tensor, entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         logp = torch.log_softmax(ngram_logits(self.table, contexts(tokens)), dim=-1)
@@ -407,7 +406,7 @@ class _Request:
 
 @ROLLOUT_ENGINES.register("fake")
 class FakeRolloutEngine(RolloutEngine):
-    """Samples from the bigram table it was last given; one engine step is one token of every running sequence."""
+    """Samples from the n-gram table it was last given; one engine step is one token of every running sequence."""
 
     def __init__(self, cfg, model_dir: str | Path, *, share_device: bool = False, cpus=None, visible_devices=None):
         self.cfg = cfg
@@ -459,8 +458,8 @@ class FakeStream:
     """``asyncflow.engines.vllm.stream.VllmStream``'s interface on the fake engine: ``add``, ``step``,
     ``swap_weights``, ``running``, ``free``, and multi-turn ``continue_turn`` / ``release``.
 
-    A bigram has no KV cache: after a swap every next token is exactly what the new version gives for the whole
-    sequence, as vLLM's recomputed prefix makes it."""
+    An n-gram has no KV cache: after a swap every next token is exactly what the new version gives for the
+    whole sequence, as vLLM's recomputed prefix makes it."""
 
     def __init__(self, engine: FakeRolloutEngine, ignore_eos: bool = False, turns: bool = False):
         self.engine, self.ignore_eos, self.turns = engine, ignore_eos, turns
