@@ -17,23 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import check_tq_and_weights_across_hosts, check_weight_bytes, load_two_host
+from tests.cluster.conftest import check_tq_and_weights_across_hosts, check_weight_bytes, load_two_host, make_cluster
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def hosts_2_4():
-    two_host = load_two_host()
-    try:
-        cluster = two_host.up(devices=2, devices_b=4)
-    except two_host.TwoHostError as exc:
-        message = f"the two-host cluster cannot be made here: {exc}"
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
+    cluster = make_cluster(devices=2, devices_b=4)
     try:
         yield cluster
     finally:
-        two_host.down(cluster)
+        load_two_host().down(cluster)
 
 
 def _node_ids(cluster) -> dict[str, str]:
