@@ -67,7 +67,6 @@ def test_one_gpu_declares_one_device_and_shares_it(mode):
     assert [a for a in args if a.startswith("ray.local_devices")] == ["ray.local_devices=1"]
 
 
-@pytest.mark.slow  # a local Ray cluster
 def test_one_device_placement_of_an_async_run():
     """The one-GPU layout on a local Ray cluster that declares one GPU: the placement group of an async run
     (rollout and trainer bundles) is ready, and its workers ask for shares of that one device."""
