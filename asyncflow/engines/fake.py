@@ -40,6 +40,7 @@ from asyncflow.engines.base import (
     CriticEngine,
     Ranks,
     RolloutEngine,
+    RolloutStream,
     Sample,
     TrainEngine,
 )
@@ -454,9 +455,9 @@ class FakeRolloutEngine(RolloutEngine):
                 "seconds": time.perf_counter() - t0, "buckets": 1}
 
 
-class FakeStream:
-    """``asyncflow.engines.vllm.stream.VllmStream``'s interface on the fake engine: ``add``, ``step``,
-    ``swap_weights``, ``running``, ``free``, and multi-turn ``continue_turn`` / ``release``.
+class FakeStream(RolloutStream):
+    """Continuous batching on the fake engine (``RolloutStream``, like ``asyncflow.engines.vllm.stream.VllmStream``):
+    ``add``, ``step``, ``swap_weights``, ``running``, ``free``, and multi-turn ``continue_turn`` / ``release``.
 
     An n-gram has no KV cache: after a swap every next token is exactly what the new version gives for the
     whole sequence, as vLLM's recomputed prefix makes it."""
