@@ -67,6 +67,32 @@ def demo_run(tmp_path_factory):
                       sizes=[f"workflow.steps={LEARN_STEPS}"])
 
 
+_SHARED_RAY = None  # this process's SharedRay, once a test asked for it
+
+
+@pytest.fixture(scope="session")
+def shared_ray():
+    """The process's one local Ray for the in-process fake runs (``tests.recipe_runs.SharedRay``); shut down
+    before a test that does not use it (such a test may start a Ray of its own), started again on next use."""
+    global _SHARED_RAY
+    from tests.recipe_runs import SharedRay
+
+    _SHARED_RAY = SharedRay()
+    _SHARED_RAY.up()
+    yield _SHARED_RAY
+    _SHARED_RAY.down()
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures: a module fixture may start its own Ray
+def pytest_runtest_setup(item):
+    if _SHARED_RAY is None:
+        return
+    if "shared_ray" in item.fixturenames:
+        _SHARED_RAY.up()
+    else:
+        _SHARED_RAY.down()
+
+
 def _file(item) -> str:
     return item.nodeid.split("::", 1)[0]
 

@@ -2,8 +2,11 @@
 
 Real-stack runs (Megatron, vLLM) cost about 40 s of start-up each on 2 cores: ``demo_run`` (``tests/conftest.py``)
 is the demo recipe's learning run, made once per session and read by ``tests/workflow/test_e2e.py``. Runs on the
-fake engines (``asyncflow.engines.fake``, ``run_fake``) keep everything else real (Ray actors, the TransferQueue,
-the version board, the services, the driver loop) and check the workflow's semantics in seconds.
+fake engines (``asyncflow.engines.fake``) keep everything else real (Ray actors, the TransferQueue, the version
+board, the services, the driver loop) and check the workflow's semantics in seconds: ``run_fake`` in pytest's own
+process, through ``asyncflow.workflow.loop.train``, on the session's one local Ray (``SharedRay``, the
+``shared_ray`` fixture); a test that kills the driver or watches its processes runs ``asyncflow train`` in a
+subprocess instead (``train``).
 """
 
 import json
@@ -54,14 +57,45 @@ def run_recipe(tmp_path, mode: str, k: int, name: str, *extra: str, sizes: list[
     return summary
 
 
-def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_async.yaml",
-             env: dict | None = None) -> dict:
-    """A recipe of ``recipes/tiny_cpu`` on the fake engines with ``extra`` overrides (``env``: fault and speed
-    settings of ``asyncflow.engines.fake.FakeFaults``); its summary, with ``_out``."""
+class SharedRay:
+    """One local Ray for the in-process fake runs of a pytest process (``asyncflow.workflow.loop.train`` joins the
+    Ray its process is connected to and leaves it up). It declares the devices the placement tests lay out (4 NPUs,
+    4 GPUs this machine does not have) and cores for one run at a time; its workers find the repository's test
+    modules (agent loops and engines named by dotted path) through ``PYTHONPATH``, set before Ray starts."""
+
+    def __init__(self):
+        self.started = False
+
+    def up(self) -> None:
+        """Start it, unless this process is already connected to it."""
+        import ray
+
+        if self.started and ray.is_initialized():
+            return
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        ray.init(address="local", num_cpus=4, num_gpus=4, resources={"NPU": 4}, namespace="asyncflow-tests",
+                 include_dashboard=False, log_to_driver=False)
+        self.started = True
+
+    def down(self) -> None:
+        """Shut it down (before a test that starts a Ray of its own in this process)."""
+        import ray
+
+        if self.started and ray.is_initialized():
+            ray.shutdown()
+        self.started = False
+
+
+def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_async.yaml") -> dict:
+    """A recipe of ``recipes/tiny_cpu`` on the fake engines with ``extra`` overrides, run in this process on the
+    Ray it is connected to (the ``shared_ray`` fixture); its summary, with ``_out``."""
+    from asyncflow.config import load_config
+    from asyncflow.workflow.loop import train as train_here
+
     out = tmp_path / name
-    proc = train([str(REPO / "recipes/tiny_cpu" / recipe), f"model.path={model_dir}",
-                  f"observability.output_dir={out}", *FAKE, *extra], tmp_path, env)
-    return _summary(out, proc)
+    cfg = load_config(REPO / "recipes/tiny_cpu" / recipe, [f"model.path={model_dir}",
+                                                           f"observability.output_dir={out}", *FAKE, *extra])
+    return {**train_here(cfg), "_out": out}
 
 
 def records(run: dict) -> list[dict]:

@@ -44,10 +44,11 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     model_dir = ensure_model(cfg.model)
     # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
     # process's imports (transformers, torch): side by side they overlap.
-    try:  # until a pipeline owns Ray, a failure here shuts it down
+    started = False
+    try:  # until a pipeline owns Ray, a failure here shuts down a Ray started for the run
         with ThreadPoolExecutor(1) as pool:
             loading = pool.submit(_prompt_source, cfg, model_dir)
-            connect_ray(cfg)
+            started = connect_ray(cfg)
             source = loading.result()
         ckpt = RunCheckpoints(cfg, source)
         start, resume_dir, meta = ckpt.resume() if resume else (0, None, {})
@@ -57,9 +58,11 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         if start >= wf.steps:
             raise ValueError(f"the checkpoint is at step {start}; workflow.steps={wf.steps} leaves nothing to train")
         pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, hasattr(source, "sample_budgets"),
-                              answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start)
+                              answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start,
+                              owns_ray=started)
     except BaseException:
-        ray.shutdown()
+        if started:
+            ray.shutdown()
         raise
     reporter = None
     try:

@@ -19,7 +19,7 @@ from asyncflow.workflow.partitions import partition_name
 
 @dataclasses.dataclass
 class Pipeline:
-    """Handles of a running pipeline; ``close()`` stops every actor and server it started."""
+    """Handles of a running pipeline; ``close()`` stops every actor, server and placement group it started."""
 
     cfg: AsyncFlowConfig
     tq: object
@@ -38,6 +38,9 @@ class Pipeline:
     or ``weight_sync.transport: relay``), alive for the whole run."""
     weight_routes: list = dataclasses.field(default_factory=list)
     """Each (trainer rank, rollout instance) pair's weight transport and why (``bridge.routes.describe``)."""
+    owns_ray: bool = True
+    """Ray was started for this run: ``close()`` shuts it down. A Ray the process was already connected to (a
+    notebook's, a test session's) stays up, with nothing of the run left in it."""
 
     @property
     def services(self) -> list:
@@ -139,8 +142,10 @@ class Pipeline:
         return layout
 
     def close(self) -> None:
-        """Kill the actors, stop the TransferQueue, shut Ray down (safe to call twice)."""
+        """Kill the actors, remove the placement group, stop the TransferQueue, and shut Ray down when the run
+        started it (safe to call twice)."""
         import ray
+        from ray.util import remove_placement_group
 
         try:  # while every worker is still up: how the run was laid out, for its output directory
             self.record_layout()
@@ -156,21 +161,27 @@ class Pipeline:
             except Exception:  # already dead: nothing to stop
                 pass
         try:
+            remove_placement_group(self.placement_group)
+        except Exception:  # removed by an earlier close, or Ray is gone: nothing is reserved
+            pass
+        try:
             self.client.close()
         finally:
             self.tq.shutdown()
-            ray.shutdown()
+            if self.owns_ray:
+                ray.shutdown()
 
 
-def connect_ray(cfg: AsyncFlowConfig) -> None:
-    """Start Ray (or join ``ray.address``) for a run; nothing when this process is already connected."""
+def connect_ray(cfg: AsyncFlowConfig) -> bool:
+    """Start Ray (or join ``ray.address``) for a run; nothing when this process is already connected. True when
+    this call connected (the run then shuts Ray down when it ends)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     if cfg.ray.address is not None:  # a running cluster has its resources: Ray refuses num_cpus here
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
-        return
+        return True
     local = {}
     if cfg.ray.local_devices is not None and cfg.ray.accelerator is not None:
         local = ({"num_gpus": cfg.ray.local_devices} if cfg.ray.accelerator == "GPU"
@@ -178,15 +189,19 @@ def connect_ray(cfg: AsyncFlowConfig) -> None:
     # "local": always a new instance; without it Ray would join any cluster ``ray start`` left on this machine.
     ray.init(address="local", num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
              log_to_driver=False, **local)
+    return True
 
 
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
-                   answers: bool = False, resume_dir: Path | None = None, start_step: int = 0) -> Pipeline:
+                   answers: bool = False, resume_dir: Path | None = None, start_step: int = 0,
+                   owns_ray: bool = False) -> Pipeline:
     """Bring up Ray, the TransferQueue, the version board and every worker group for ``cfg.workflow.mode``.
 
     ``budgets``: rows carry per-sample generation budgets (``max_new_tokens``), used to the end.
     ``answers``: rows carry reference answers (``ground_truth``) for the reward function.
     ``resume_dir``: a committed run checkpoint the actor (and critic) load; training continues at ``start_step``.
+    ``owns_ray``: the caller started Ray for this run (``connect_ray``); the pipeline's ``close`` shuts it down,
+    as it does a Ray that ``start_pipeline`` starts itself.
     """
     import ray
 
@@ -196,7 +211,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     from asyncflow.workflow.workers import WorkerGroups
 
     critic, reference = estimator_scope(cfg.algorithm.advantage) == "critic", cfg.algorithm.kl_coef > 0
-    connect_ray(cfg)
+    owns_ray = connect_ray(cfg) or owns_ray
     model_dir = Path(model_dir).resolve()  # workers on other nodes start in other folders: never a relative path
     check_nodes(cfg, model_dir)
     net = network.resolve_connected(cfg)
@@ -209,7 +224,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     workers = WorkerGroups(cfg, model_dir, tq, board, where, relay, seq_len, budgets, answers, resume_dir, start_step)
     groups = build_groups(workers, reference, critic)
     pipeline = Pipeline(cfg, tq, tq.client(), board, groups, where.pg, seq_len, consumer_tasks(groups),
-                        sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes)
+                        sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes, owns_ray)
     try:
         _wait_until_up(pipeline, workers)
     except BaseException:

@@ -23,7 +23,7 @@ TOOL = ["workflow.task=calc", "algorithm.reward=calc", "rollout.max_new_tokens=1
         "agent.max_turns=2"]
 
 
-def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path, tiny_model_dir):
+def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path, tiny_model_dir, shared_ray):
     # One run checks both: the loop's tool raises on even first operands, and every model turn earns TURN_REWARD.
     from tests.agents.flaky_loop import TURN_REWARD
 

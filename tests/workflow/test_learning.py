@@ -11,7 +11,7 @@ from tests.recipe_runs import records, run_fake
 
 
 @pytest.mark.parametrize("mode, steps", [("async", 6), ("sync", 3)])
-def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, tiny_model_dir, mode, steps):
+def test_dapo_dynamic_sampling_trains_only_groups_with_signal(tmp_path, tiny_model_dir, shared_ray, mode, steps):
     summary = run_fake(tmp_path, tiny_model_dir, "run", f"workflow.mode={mode}", f"workflow.steps={steps}",
                        recipe="dapo_async.yaml")
     metrics = records(summary)

@@ -14,7 +14,7 @@ from tests.recipe_runs import FAKE
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_device_layout_places_ranks_on_their_own_devices(tiny_model_dir, tmp_path):
+def test_device_layout_places_ranks_on_their_own_devices(tiny_model_dir, tmp_path, shared_ray):
     """On NPUs (the colocated test below declares GPUs): the layout depends on the resource name only."""
     import ray
 
@@ -51,7 +51,7 @@ def _colocated_cfg(tiny_model_dir, tmp_path, *extra):
         "workflow.steps=2", "workflow.prompts_per_step=8", *extra])
 
 
-def test_sync_on_devices_colocates_rollout_with_the_trainer(tiny_model_dir, tmp_path):
+def test_sync_on_devices_colocates_rollout_with_the_trainer(tiny_model_dir, tmp_path, shared_ray):
     """The colocated baseline: rollout engine i runs on trainer device i; a reference placed ``own`` gets
     devices of its own."""
     import ray

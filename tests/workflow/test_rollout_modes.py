@@ -27,7 +27,8 @@ STEPS, PROMPTS, GROUP, SEQS = 4, 16, 4, 4
 LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout.max_model_len=64",
             f"rollout.max_num_seqs={SEQS}", f"workflow.steps={STEPS}", "algorithm.kl_coef=0", "rollout.partial=true",
             f"workflow.prompts_per_step={PROMPTS}", "workflow.rollout_instances=2"]
-SLOW_TOKENS = {"ASYNCFLOW_FAKE_TOKEN_S": "0.005"}  # a step's rollout outlasts the training tail of the previous one
+# A step's rollout outlasts the training tail of the previous one.
+SLOW_TOKENS = "rollout.engine=tests.fakes.slowed.SlowTokens"
 
 
 @pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.slow)])
@@ -36,7 +37,8 @@ def partial(request, tmp_path_factory, tiny_model_dir):
     the larger one, a mean the mean)."""
     tmp = tmp_path_factory.mktemp(f"modes_{request.param}")
     if request.param == "fake":
-        return run_fake(tmp, tiny_model_dir, "partial", *SMALL, *LONGTAIL, env=SLOW_TOKENS)
+        request.getfixturevalue("shared_ray").up()  # only this param runs in this process
+        return run_fake(tmp, tiny_model_dir, "partial", *SMALL, *LONGTAIL, SLOW_TOKENS)
     return run_recipe(tmp, "async", 1, "partial", *LONGTAIL, "weight_sync.transport=relay")
 
 
