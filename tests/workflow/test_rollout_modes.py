@@ -32,12 +32,11 @@ SLOW_TOKENS = "rollout.engine=tests.fakes.slowed.SlowTokens"
 
 
 @pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.slow)])
-def partial(request, tmp_path_factory, tiny_model_dir):
+def partial(request, tmp_path_factory, tiny_model_dir, shared_ray):
     """The partial-rollout run's summary (a step's metrics merge both engines' reports: counts add up, a max is
     the larger one, a mean the mean)."""
     tmp = tmp_path_factory.mktemp(f"modes_{request.param}")
     if request.param == "fake":
-        request.getfixturevalue("shared_ray").up()  # only this param runs in this process
         return run_fake(tmp, tiny_model_dir, "partial", *SMALL, *LONGTAIL, SLOW_TOKENS)
     return run_recipe(tmp, "async", 1, "partial", *LONGTAIL, "weight_sync.transport=relay")
 
