@@ -8,6 +8,7 @@ parameters still hold the sharded fused layout that GPU vLLM computes with.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -83,3 +84,9 @@ def compare_rank(rank: int, world: int, port: int, model_dirs: list[str], out_di
                 problems.append(f"reference differs from vLLM: {vname}")
         report[model_dir] = {"problems": problems, "compared": len(boxes)}
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(report))
+    # The TP group's shared-memory broadcaster unlinks its /dev/shm segment when dropped, never at process exit.
+    from vllm.distributed import destroy_distributed_environment, destroy_model_parallel
+
+    destroy_model_parallel()
+    destroy_distributed_environment()
+    gc.collect()
