@@ -14,7 +14,8 @@ exporting trainer rank stages the table into a shared-memory segment (two slots,
 back when the service applies that version. A version the rollout did not read is a version it cannot serve.
 
 Faults for the failure tests come from environment variables (``FakeFaults``), which Ray's workers inherit
-from the driver's environment.
+from the driver's environment when the run starts its own Ray; runs that join a Ray already up (the tests'
+in-process runs) name a subclass that sets its faults instead (``tests/fakes/slowed.py``).
 """
 
 from __future__ import annotations

@@ -28,7 +28,10 @@ _GENERATION = ("rollout", "reward", "advantage")
 
 
 def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
-    """Run ``cfg.workflow.steps`` RL steps (from the newest checkpoint with ``resume``); return the summary."""
+    """Run ``cfg.workflow.steps`` RL steps (from the newest checkpoint with ``resume``); return the summary.
+
+    Runs on the Ray this process is connected to, if any (left up at the end, with nothing of the run in it),
+    else on one it starts for the run (``connect_ray``) and shuts down at the end."""
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
