@@ -107,9 +107,13 @@ class ReadPlan:
         if unknown:
             raise BadRequestError(f"unknown field(s) {unknown}; this batch has {meta.fields}")
         self.fields = {}
+        self.unwritten: list[str] = []  # fields no row of the partition ever got (only in an empty reply)
         self.by_unit: dict[int, list[tuple[int, int, memoryview]]] = {}
         for name in names:
             spec_wire, units, offsets, nbytes, len0 = meta.locations[name]
+            if spec_wire is None and not len(units):
+                self.unwritten.append(name)
+                continue
             spec = FieldSpec.from_wire(spec_wire)
             units, offsets = np.asarray(units, np.int64), np.asarray(offsets, np.int64)
             nbytes, len0 = np.asarray(nbytes, np.int64), np.asarray(len0, np.int64)
@@ -131,6 +135,7 @@ class ReadPlan:
     def finish(self, meta: BatchMeta, ragged: str) -> Batch:
         data = {name: finish_output(spec, out, dst, nbytes, len0, ragged)
                 for name, (spec, out, dst, nbytes, len0) in self.fields.items()}
+        data.update((name, []) for name in self.unwritten)
         return Batch(meta, data)
 
 

@@ -64,7 +64,7 @@ class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
         self.leases: list[tuple] = []  # heap of (lease end, hand-out, partition, task, rows)
         self._ids = itertools.count(1)
         self.live_rows = 0
-        self.heartbeats = HeartbeatListener(self.server.ctx, self.server)
+        self.heartbeats = HeartbeatListener(self.server.ctx, self.server, pause_s=config.heartbeat_timeout_s / 2)
         self.server.on_close.append(self.heartbeats.stop)
         for op in ("hello", "register_unit", "create_partition", "prepare_put", "commit_put",
                    "abort_put", "get_meta", "renew", "ack", "release", "seal", "clear", "status"):

@@ -168,7 +168,12 @@ class GetHandlers:
         fields = {}
         units = set()
         for name in p.fields:
-            f = part.fields[name]
+            f = part.fields.get(name)
+            if f is None:
+                # A final, empty reply ("done") can name a field no row ever got: the rows that were to
+                # get it were lost with a dead unit or cleared. Nothing to locate.
+                fields[name] = [None, [], [], [], []]
+                continue
             on = f.unit[idx].tolist()
             units.update(on)
             fields[name] = [f.spec.to_wire(), on, f.offset[idx].tolist(), f.nbytes[idx].tolist(),

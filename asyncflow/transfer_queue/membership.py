@@ -2,7 +2,11 @@
 
 Heartbeats arrive on a socket of their own, read by a thread that does nothing else (it records when
 each unit was last heard of), so that a controller busy with a flood of requests never mistakes a
-healthy unit for a dead one. The request thread compares those times with ``heartbeat_timeout_s``.
+healthy unit for a dead one. The request thread compares those times with ``heartbeat_timeout_s``,
+counting a unit's silence only while the controller was listening: up to the last time the listener had
+read every heartbeat waiting on its socket, and from no earlier than the end of the controller's own
+last pause. A pause of the whole machine (swapping, an overloaded host) stops the units and the controller
+alike; counting it as the units' silence would declare healthy units dead and lose their rows.
 
 A unit declared dead (its process died, or it was silent too long: a pause, swapping) loses its rows
 for good: waiters were already told, the partition went on without them, and rows may have been
@@ -58,9 +62,15 @@ class Unit:
 class HeartbeatListener:
     """A thread that records heartbeats (incarnation -> last time heard) and answers dead ones."""
 
-    def __init__(self, ctx: zmq.Context, server):
+    def __init__(self, ctx: zmq.Context, server, pause_s: float):
+        """``pause_s``: a gap this long between two turns of the listener's loop (which otherwise turns every
+        0.1 s) means the controller's process was not running."""
         self.heard: dict[int, float] = {}
         self.alive: frozenset[int] = frozenset()  # replaced (never mutated) by the request thread
+        self.pause_s = pause_s
+        now = time.monotonic()
+        self.caught_up = now  # when the listener last found its socket empty (every heartbeat sent was read)
+        self.resumed = now  # when the controller's process last came back from a pause
         self._signer = server.signer
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -81,8 +91,15 @@ class HeartbeatListener:
         self.sock.close(linger=0)
 
     def _run(self) -> None:
+        turned = time.monotonic()
         while not self._stop.is_set():
-            if not self.sock.poll(100):
+            ready = self.sock.poll(100)
+            now = time.monotonic()
+            if now - turned > self.pause_s:
+                self.resumed = now
+            turned = now
+            if not ready:
+                self.caught_up = now
                 continue
             frames = self.sock.recv_multipart(copy=False)
             msg = decode(self._signer, frames[1:])
@@ -146,9 +163,13 @@ class MembershipHandlers:
                 "floor": self._epoch_high + 1}
 
     def _check_units(self, now: float) -> None:
+        # Silence counts up to the last time the listener had read everything (after a pause of this process
+        # the request thread may run before the listener has read the heartbeats waiting for it), and from
+        # the end of the listener's last pause at the earliest (the units may have been paused with it).
+        listening = self.heartbeats
         for unit in list(self.units.values()):
-            last = self.heartbeats.heard.get(unit.incarnation, unit.registered)
-            if unit.alive and now - last > self.config.heartbeat_timeout_s:
+            last = max(listening.heard.get(unit.incarnation, unit.registered), listening.resumed)
+            if unit.alive and listening.caught_up - last > self.config.heartbeat_timeout_s:
                 self._unit_died(unit)
 
     def _unit_died(self, unit: Unit) -> None:

@@ -193,3 +193,48 @@ def test_unit_death_wakes_a_consumer_of_a_sealed_partition(tq_procs):
         thread.join(60)
         assert not thread.is_alive()
         assert sorted(got["batch"].indexes) == placed[0] and got["batch"].meta.lost_rows == 4
+
+
+def test_consumers_of_a_step_lost_before_any_response_get_an_empty_final_batch(tq_procs):
+    # A step's prompts sit on one unit (one small put); the unit dies before any response is written. The
+    # rollout's and the trainer's reads end with an empty final batch that counts the lost rows, even for a
+    # field no row of the partition ever got (the controller once answered that with a raw KeyError).
+    with tq_procs.client() as client:
+        client.create_partition("step", consumers=["rollout", "actor"], expected_rows=4, auto_clear=True)
+        client.put("step", {"prompt_ids": torch.zeros(4, 8, dtype=torch.long)})
+        meta = client.get_meta("step", "look", ["prompt_ids"], 4)
+        client.release("step", "look")
+        (unit,) = set(meta.locations["prompt_ids"][1])
+        tq_procs.kill_unit(unit)
+        wait_until(lambda: not unit_state(client, unit)["alive"])
+        rollout = client.get("step", "rollout", ["prompt_ids"], 4, timeout=60)
+        assert rollout.done and rollout.meta.lost_rows == 4 and not rollout.indexes
+        actor = client.get("step", "actor", ["prompt_ids", "response_ids"], 4, timeout=60)
+        assert actor.done and actor.meta.lost_rows == 4 and not actor.indexes
+        assert actor["response_ids"] == [] and len(actor["prompt_ids"]) == 0
+        assert list(client.iter_batches("step", "actor", ["response_ids"], 4, timeout=60)) == []
+
+
+def test_a_pause_of_the_whole_host_declares_no_unit_dead(make_tq):
+    # Controller and units frozen together past the heartbeat timeout (a swapping or overloaded host): the
+    # units were silent only while nobody listened, so none is declared dead and no row is lost.
+    tq = make_tq(deployment="processes", heartbeat_timeout_s=1.0)
+    with tq.client() as client:
+        client.create_partition("p")
+        spread_rows(client, "p")
+        before = {uid: unit_state(client, uid)["incarnation"] for uid in (0, 1)}
+        pids = [p.pid for p in tq.procs]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(3.0)  # three heartbeat timeouts; what is asserted is the state afterwards
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        for _ in range(20):  # the controller checks the units every 50 ms: give it many checks
+            status = client.status("p")
+            assert all(u["alive"] for u in status["units"].values()), status["units"]
+            time.sleep(0.1)
+        assert {uid: unit_state(client, uid)["incarnation"] for uid in (0, 1)} == before
+        assert status["partitions"]["p"]["lost_rows"] == 0
+        assert torch.equal(client.get("p", "t", ["x"], 8)["x"], torch.zeros(8, 16))
