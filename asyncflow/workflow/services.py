@@ -53,9 +53,20 @@ class TaskService:
     def stream(self, step: int, fields: list[str], batch_size: int, task: str | None = None, **kwargs):
         """Micro-batches of this task's unread rows of ``step`` until the partition is exhausted
         (``task``: the TransferQueue consumer name, when a service runs more than one task)."""
+        from asyncflow.transfer_queue import StorageUnitError
+
         kwargs.setdefault("allow_partial", self.partial_batches)
-        return self.tq.iter_batches(partition_name(step), task or self.name, fields, batch_size,
-                                    timeout=self.timeout_s, **kwargs)
+        while True:
+            batch = self.tq.get(partition_name(step), task or self.name, fields, batch_size, timeout=self.timeout_s,
+                                **kwargs)
+            # Lost rows would otherwise end the step early: a step trained on part of its rows, or none.
+            if batch.meta.lost_rows:
+                raise StorageUnitError(f"step {step}: {batch.meta.lost_rows} of its rows were lost with a "
+                                       "TransferQueue storage unit that died (or stopped sending heartbeats for "
+                                       "transfer_queue.heartbeat_timeout_s); the run cannot train that step whole")
+            if batch.done:
+                return
+            yield batch
 
     def post(self, report: dict | None) -> None:
         """Hand a step's report to the board (ranks that do not report return None)."""
