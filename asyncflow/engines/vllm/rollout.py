@@ -33,6 +33,51 @@ def _environment(cfg: VllmConfig, cpus: list[int] | None, visible_devices: list[
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(tp)))
 
 
+# The CPU tensor-parallel group's shared-memory communicator: its segments are unlinked by a C++ destructor that runs
+# only when a worker exits normally; a worker vLLM has to kill at shutdown (slow to exit) leaves them behind.
+_SHM_DIR = "/dev/shm/"
+_CPU_SHM_MARK = "-cpushm_"
+
+
+def _mapped_segments(pids) -> set[str]:
+    """The files under /dev/shm that processes ``pids`` map."""
+    found = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:
+                    parts = line.split(None, 5)  # address, perms, offset, device, inode, path (when a file)
+                    if len(parts) == 6 and parts[5].startswith(_SHM_DIR):
+                        found.add(parts[5].rstrip("\n"))
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _worker_segments() -> set[str]:
+    """The CPU communicator segments of this process's descendants (vLLM's TP workers); empty off Linux."""
+    import psutil
+
+    try:
+        pids = [child.pid for child in psutil.Process().children(recursive=True)]
+    except psutil.Error:
+        return set()
+    return {path for path in _mapped_segments(pids) if _CPU_SHM_MARK in path}
+
+
+def _unlink_unused(segments: set[str]) -> None:
+    """Unlink those of ``segments`` still present that no process maps any more (their workers are gone)."""
+    left = {path for path in segments if os.path.exists(path)}
+    if not left:
+        return
+    in_use = _mapped_segments(int(p) for p in os.listdir("/proc") if p.isdigit())
+    for path in left - in_use:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:  # a worker's own cleanup got there first
+            pass
+
+
 class VllmRollout(RolloutEngine):
     """Owns one vLLM ``LLM``; every call is synchronous and made from the owning process."""
 
@@ -243,7 +288,9 @@ class VllmRollout(RolloutEngine):
         """
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
+            segments = _worker_segments()
             core.shutdown()
+            _unlink_unused(segments)
 
     def served_versions(self) -> list[int]:
         """The weight version each vLLM rank reports."""
