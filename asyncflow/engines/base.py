@@ -65,6 +65,31 @@ class Sample:
     """Model turns in the response (multi-turn agent loops)."""
 
 
+@dataclasses.dataclass
+class StreamRequest:
+    """One response under construction in a ``RolloutStream`` (it may span several engine requests across weight
+    swaps, and several turns)."""
+
+    key: Hashable
+    prompt: list[int]
+    budget: int
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)
+    mask: list[int] = dataclasses.field(default_factory=list)  # 1: the model's token, 0: an observation's
+    stop: tuple[int, ...] = ()  # token ids that end a turn (a tool call), besides end-of-sequence
+    turns: int = 0
+
+    def to_sample(self, finish_reason: str | None, request_id: str, version: int) -> Sample:
+        """The response so far; ``version`` (the engine's) where it has no token yet. Copies: a multi-turn request
+        goes on growing after this turn's sample was handed out. The row's version is its oldest token's, so the
+        staleness bound holds for every token."""
+        return Sample(prompt_ids=list(self.prompt), response_ids=list(self.tokens),
+                      response_logprobs=list(self.logprobs), weight_version=min(self.versions, default=version),
+                      finish_reason=finish_reason, request_id=request_id, token_versions=list(self.versions),
+                      loss_mask=list(self.mask), turns=self.turns)
+
+
 class TrainableEngine(abc.ABC):
     """What every trained model offers: its place in the worker group, a streaming optimizer step, model +
     optimizer checkpoints.

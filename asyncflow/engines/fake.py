@@ -43,6 +43,7 @@ from asyncflow.engines.base import (
     RolloutEngine,
     RolloutStream,
     Sample,
+    StreamRequest,
     TrainEngine,
 )
 
@@ -391,21 +392,6 @@ def read_staged(segment: str, shape: Sequence[int], version: int) -> torch.Tenso
 
 
 # ---------------------------------------------------------------------------------------------- rollout
-@dataclasses.dataclass
-class _Request:
-    """One response under construction (``VllmStream``'s, minus vLLM's request ids)."""
-
-    key: Hashable
-    prompt: list[int]
-    budget: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    mask: list[int] = dataclasses.field(default_factory=list)
-    stop: tuple[int, ...] = ()
-    turns: int = 0
-
-
 @ROLLOUT_ENGINES.register("fake")
 class FakeRolloutEngine(RolloutEngine):
     """Samples from the n-gram table it was last given; one engine step is one token of every running sequence."""
@@ -466,8 +452,8 @@ class FakeStream(RolloutStream):
     def __init__(self, engine: FakeRolloutEngine, ignore_eos: bool = False, turns: bool = False):
         self.engine, self.ignore_eos, self.turns = engine, ignore_eos, turns
         self.capacity = engine.cfg.max_num_seqs
-        self._live: dict[int, _Request] = {}
-        self._ended: dict[Hashable, _Request] = {}
+        self._live: dict[int, StreamRequest] = {}
+        self._ended: dict[Hashable, StreamRequest] = {}
         self._ids = itertools.count()
         self.swaps = self.resumed = 0
 
@@ -485,7 +471,7 @@ class FakeStream(RolloutStream):
     def add(self, key: Hashable, prompt: list[int], max_new_tokens: int | None = None,
             stop_token_ids: tuple[int, ...] = ()) -> None:
         budget = int(max_new_tokens or self.engine.cfg.max_new_tokens)
-        self._live[next(self._ids)] = _Request(key, list(prompt), budget, stop=tuple(stop_token_ids))
+        self._live[next(self._ids)] = StreamRequest(key, list(prompt), budget, stop=tuple(stop_token_ids))
 
     def continue_turn(self, key: Hashable, observation: list[int]) -> bool:
         req = self._ended.pop(key)
@@ -532,11 +518,8 @@ class FakeStream(RolloutStream):
                 done.append((req.key, self._sample(req, "stop" if stopped else "length", rid)))
         return done
 
-    def _sample(self, req: _Request, finish_reason: str, rid: int) -> Sample:
-        return Sample(prompt_ids=list(req.prompt), response_ids=list(req.tokens), response_logprobs=list(req.logprobs),
-                      weight_version=min(req.versions, default=self.engine.version), finish_reason=finish_reason,
-                      request_id=f"f{rid}", token_versions=list(req.versions), loss_mask=list(req.mask),
-                      turns=req.turns)
+    def _sample(self, req: StreamRequest, finish_reason: str, rid: int) -> Sample:
+        return req.to_sample(finish_reason, f"f{rid}", self.engine.version)
 
     def swap_weights(self, apply: Callable[[], object], keep_kv: bool = False) -> tuple[object, list]:
         """Apply a newer version between two steps; every in-flight response carries on under it."""

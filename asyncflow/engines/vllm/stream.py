@@ -20,26 +20,10 @@ probability it was sampled with, not what any single version gives for the whole
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from collections.abc import Callable, Hashable
 
-from asyncflow.engines.base import RolloutStream, Sample
-
-
-@dataclasses.dataclass
-class _Request:
-    """One response under construction (it may span several vLLM requests across weight swaps)."""
-
-    key: Hashable
-    prompt: list[int]
-    budget: int
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    mask: list[int] = dataclasses.field(default_factory=list)  # 1: the model's token, 0: an observation's
-    stop: tuple[int, ...] = ()  # token ids that end a turn (a tool call), besides end-of-sequence
-    turns: int = 0
+from asyncflow.engines.base import RolloutStream, Sample, StreamRequest
 
 
 class VllmStream(RolloutStream):
@@ -55,12 +39,12 @@ class VllmStream(RolloutStream):
         self.temperature = rollout.cfg.temperature if temperature is None else temperature
         self.ignore_eos = ignore_eos
         self.capacity = rollout.cfg.max_num_seqs
-        self._live: dict[str, _Request] = {}  # vLLM request id -> response under construction
+        self._live: dict[str, StreamRequest] = {}  # vLLM request id -> response under construction
         self._ids = itertools.count()
         self.swaps = 0
         # Multi-turn: finished turns are kept until the caller continues them (``continue_turn``) or lets go.
         self.turns = turns
-        self._ended: dict[Hashable, _Request] = {}
+        self._ended: dict[Hashable, StreamRequest] = {}
         self.resumed = 0  # requests carried across a weight swap
 
     def __len__(self) -> int:
@@ -89,7 +73,7 @@ class VllmStream(RolloutStream):
             raise RuntimeError("this vLLM engine holds a half-applied weight version; apply a complete version "
                                "before generating")
         budget = int(max_new_tokens or self.rollout.cfg.max_new_tokens)
-        self._submit(_Request(key, list(prompt), budget, stop=tuple(stop_token_ids)))
+        self._submit(StreamRequest(key, list(prompt), budget, stop=tuple(stop_token_ids)))
 
     def continue_turn(self, key: Hashable, observation: list[int]) -> bool:
         """Append ``observation`` (masked out of the loss) to the finished turn of ``key`` and generate the
@@ -108,7 +92,7 @@ class VllmStream(RolloutStream):
         """Forget the finished turn of ``key`` (its trajectory is done)."""
         self._ended.pop(key, None)
 
-    def _submit(self, req: _Request) -> None:
+    def _submit(self, req: StreamRequest) -> None:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -142,14 +126,8 @@ class VllmStream(RolloutStream):
                 done.append((req.key, self._sample(req, comp.finish_reason, out.request_id)))
         return done
 
-    def _sample(self, req: _Request, finish_reason: str | None, request_id: str) -> Sample:
-        # The row's version is its oldest token's: the staleness bound then holds for every token.
-        # Copies: a multi-turn request goes on growing after this turn's sample was handed out.
-        return Sample(prompt_ids=list(req.prompt), response_ids=list(req.tokens),
-                      response_logprobs=list(req.logprobs),
-                      weight_version=min(req.versions, default=self.rollout.version), finish_reason=finish_reason,
-                      request_id=request_id, token_versions=list(req.versions), loss_mask=list(req.mask),
-                      turns=req.turns)
+    def _sample(self, req: StreamRequest, finish_reason: str | None, request_id: str) -> Sample:
+        return req.to_sample(finish_reason, request_id, self.rollout.version)
 
     def swap_weights(self, apply: Callable[[], object], keep_kv: bool = False
                      ) -> tuple[object, list[tuple[Hashable, Sample]]]:
