@@ -4,8 +4,8 @@ checkpoints are real.
 
 Checked: no prompt group is trained twice and none is skipped, every step is logged once, the weights
 (actor and critic) and the weight version continue from the checkpoint, old checkpoints are pruned and
-crashed staging folders are cleaned, and the run still learns across the kill (the reward rises, and the value
-head, starting at zero, learns to follow it).
+crashed staging folders are cleaned. The run is a few small steps, too few to learn: whether the fake policy
+learns is ``test_loop``'s (``test_the_loop_carries_a_learning_signal``).
 
 The run is in partial-rollout mode (a continuous stream, each token recording its version): resuming does not
 depend on the rollout mode (the driver feeds the prompts after the checkpoint again, whatever rollout had in
@@ -24,9 +24,10 @@ from pathlib import Path
 from tests.recipe_runs import FAKE, REPO
 from tests.workflow.processes import kill_session
 
-GROUP = 8
+GROUP = 4
 # (recipe, steps, prompts per step, checkpoint interval, overrides)
-CASE = ("ppo_async.yaml", 40, 32, 5, ["rollout.partial=true"])
+CASE = ("ppo_async.yaml", 12, 8, 3, ["rollout.partial=true", f"workflow.samples_per_prompt={GROUP}",
+                                     "trainer.micro_batch_size=8", "critic.micro_batch_size=8"])
 
 
 def _cmd(tmp_path: Path, model_dir, *extra: str) -> list[str]:
@@ -97,9 +98,3 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path, tiny
     # Partial rollout, per token: every token of a trained row came from a version that admitted its step.
     assert max(m["staleness/token_lag_max"] for m in metrics) <= 1
     assert min(m["staleness/token_lag_min"] for m in metrics) >= 0
-    # PPO learned across the kill.
-    assert metrics[0]["reward/mean"] < 0.2
-    assert summary["reward_last10_mean"] > 0.5, summary["rewards"]
-    late = metrics[-10:]  # the value head started at zero and learned to follow the rising reward
-    assert sum(m["critic/value_mean"] for m in late) / 10 > 0.3
-    assert all(m["critic/abs_error"] < 0.6 for m in late)
