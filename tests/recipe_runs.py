@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,3 +101,33 @@ def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_as
 
 def records(run: dict) -> list[dict]:
     return [json.loads(line) for line in (run["_out"] / "metrics.jsonl").read_text().splitlines()]
+
+
+def ray_leftovers(timeout_s: float = 60.0) -> tuple[list, list, list]:
+    """What runs left in the Ray this process is connected to: actors not dead, placement groups not removed and
+    TransferQueue server processes, each empty once a run that joined this Ray has closed (``ray.kill`` is
+    asynchronous: waits up to ``timeout_s`` for all three to empty)."""
+    import psutil
+    import ray
+    from ray.util import placement_group_table
+
+    assert ray.is_initialized()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        # The public state API (ray.util.state) needs the dashboard, which the tests' Ray does not start.
+        actors = [(a["ActorClassName"], a["State"]) for a in ray._private.state.actors().values()
+                  if a["State"] != "DEAD"]
+        groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
+        servers = [c.cmdline() for c in psutil.Process().children(recursive=True) if _is_tq_server(c)]
+        if not (actors or groups or servers) or time.monotonic() > deadline:
+            return actors, groups, servers
+        time.sleep(0.5)
+
+
+def _is_tq_server(proc) -> bool:
+    import psutil
+
+    try:
+        return "asyncflow.transfer_queue._server" in " ".join(proc.cmdline())
+    except psutil.Error:  # exited meanwhile
+        return False

@@ -9,12 +9,11 @@ no weights pass through Ray's object store, the outputs are written, and the loo
 """
 
 import json
-import time
 from collections import Counter
 
 import pytest
 
-from tests.recipe_runs import GROUP, PROMPTS, SMALL, STEPS, records, run_fake
+from tests.recipe_runs import GROUP, PROMPTS, SMALL, STEPS, ray_leftovers, records, run_fake
 
 LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP = 40, 32, 8
 NO_REFERENCE = ["algorithm.kl_coef=0"]
@@ -133,31 +132,11 @@ def test_step_times_are_when_the_step_was_trained(runs, name):
 
 def test_runs_leave_nothing_behind_in_a_ray_they_did_not_start(runs, shared_ray):
     # The runs joined this process's Ray: each left it up, and removed its actors (services, board), its
-    # placement group and its TransferQueue servers when it closed (ray.kill is asynchronous: a bounded wait).
-    import psutil
-    import ray
+    # placement group and its TransferQueue servers when it closed.
     from ray.util import placement_group_table
 
-    assert ray.is_initialized()
-    deadline = time.monotonic() + 60
-    while True:
-        # The public state API (ray.util.state) needs the dashboard, which the tests' Ray does not start.
-        actors = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
-        groups = [g for g in placement_group_table().values() if g["state"] != "REMOVED"]
-        servers = [c for c in psutil.Process().children(recursive=True) if _is_tq_server(c)]
-        if not (actors or groups or servers) or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert not actors, [(a["ActorClassName"], a["State"]) for a in actors]
+    actors, groups, servers = ray_leftovers()
+    assert not actors, actors
     assert not groups, groups
-    assert not servers, [c.cmdline() for c in servers]
+    assert not servers, servers
     assert len(placement_group_table()) >= len(runs)  # the runs did make theirs in this Ray
-
-
-def _is_tq_server(proc) -> bool:
-    import psutil
-
-    try:
-        return "asyncflow.transfer_queue._server" in " ".join(proc.cmdline())
-    except psutil.Error:  # exited meanwhile
-        return False
