@@ -26,7 +26,7 @@ from tests.workflow.processes import kill_session
 
 GROUP = 4
 # (recipe, steps, prompts per step, checkpoint interval, overrides)
-CASE = ("ppo_async.yaml", 12, 8, 3, ["rollout.partial=true", f"workflow.samples_per_prompt={GROUP}",
+CASE = ("ppo_async.yaml", 9, 8, 3, ["rollout.partial=true", f"workflow.samples_per_prompt={GROUP}",
                                      "trainer.micro_batch_size=8", "critic.micro_batch_size=8"])
 
 
@@ -53,8 +53,8 @@ def test_killed_run_resumes_without_repeating_or_skipping_prompts(tmp_path, tiny
                             start_new_session=True, env=env)
     try:
         deadline = time.time() + 600
-        # Kill once the second checkpoint is committed: the services are then busy with the steps after it.
-        kill_after = f"step_{2 * interval:06d}"
+        # Kill once the first checkpoint is committed: the services are then busy with the steps after it.
+        kill_after = f"step_{interval:06d}"
         while not (ckpts / "latest").is_file() or (ckpts / "latest").read_text().strip() < kill_after:
             assert proc.poll() is None, (tmp_path / "first.log").read_text()[-4000:]
             assert time.time() < deadline, "no checkpoint within 10 minutes"
