@@ -97,6 +97,7 @@ def _file(item) -> str:
     return item.nodeid.split("::", 1)[0]
 
 
+@pytest.hookimpl(trylast=True)  # after `-m` deselected: the order is that of the tests that run
 def pytest_collection_modifyitems(config, items):
     """Check ``ONE_FILE_FIXTURES``, then put the files that hold a slow test first, the longest of the last run
     first among them where pytest's cache has their times (stable: a file's tests stay together and in order).
@@ -113,9 +114,12 @@ def pytest_collection_modifyitems(config, items):
                                     "xdist worker that runs one of them, so keep its tests in one file "
                                     "(ONE_FILE_FIXTURES in tests/conftest.py)")
     slow = {_file(item) for item in items if item.get_closest_marker("slow")}
+    # Where the cache has no times (a fresh clone), the files that run the loop on fake engines (each run starts
+    # its services: seconds, not milliseconds) go before the unit tests, which fill in at the end.
+    loop = {_file(item) for item in items if "shared_ray" in item.fixturenames or item.get_closest_marker("loop")}
     cache = getattr(config, "cache", None)
     seconds = cache.get(FILE_SECONDS_KEY, {}) if cache is not None else {}
-    items.sort(key=lambda item: (_file(item) not in slow, -seconds.get(_file(item), 0.0)))
+    items.sort(key=lambda item: (_file(item) not in slow, -seconds.get(_file(item), 0.0), _file(item) not in loop))
 
 
 # The shared-memory check. It runs in the process that holds the session (the xdist controller, or pytest itself

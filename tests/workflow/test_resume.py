@@ -21,8 +21,12 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.recipe_runs import FAKE, REPO
 from tests.workflow.processes import kill_session
+
+pytestmark = pytest.mark.loop
 
 GROUP = 4
 # (recipe, steps, prompts per step, checkpoint interval, overrides)
