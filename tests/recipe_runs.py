@@ -99,6 +99,22 @@ def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_as
     return {**train_here(cfg), "_out": out}
 
 
+def check_staleness_and_exactly_once(summary: dict, k: int, steps: int, prompts: int, group: int) -> None:
+    """The loop's contract on a run's summary: no step trained a row more than ``k`` versions old, and every prompt
+    of every step was trained once, in its own step, with its whole GRPO group (group ids are step x prompts + i)."""
+    from collections import Counter
+
+    assert summary["steps"] == steps
+    assert max(summary["lags_max_per_step"]) <= k
+    trained = summary["trained_groups"]
+    assert sorted(map(int, trained)) == list(range(steps))
+    all_groups = Counter(g for groups in trained.values() for g in groups)
+    assert set(all_groups) == set(range(steps * prompts))
+    assert set(all_groups.values()) == {group}
+    for step, groups in trained.items():
+        assert {g // prompts for g in groups} == {int(step)}
+
+
 def records(run: dict) -> list[dict]:
     return [json.loads(line) for line in (run["_out"] / "metrics.jsonl").read_text().splitlines()]
 

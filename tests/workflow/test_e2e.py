@@ -13,11 +13,18 @@ as it can.
 """
 
 import json
-from collections import Counter
 
 import pytest
 
-from tests.recipe_runs import GROUP, LEARN_GROUP, LEARN_PROMPTS, LEARN_STEPS, PROMPTS, STEPS
+from tests.recipe_runs import (
+    GROUP,
+    LEARN_GROUP,
+    LEARN_PROMPTS,
+    LEARN_STEPS,
+    PROMPTS,
+    STEPS,
+    check_staleness_and_exactly_once,
+)
 from tests.recipe_runs import records as _records
 from tests.recipe_runs import run_recipe as _run
 
@@ -54,18 +61,7 @@ def _sizes(name: str) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("name,k", [("async", 1)] + [(n, 0) for n in SYNC_LAYOUTS])
 def test_staleness_bound_and_exactly_once(runs, name, k):
-    s = runs[name]
-    steps, prompts, group = _sizes(name)
-    assert s["steps"] == steps
-    assert max(s["lags_max_per_step"]) <= k
-    trained = s["trained_groups"]
-    assert sorted(map(int, trained)) == list(range(steps))
-    all_groups = Counter(g for groups in trained.values() for g in groups)
-    # Group ids are step * prompts + i: every prompt of every step, each with its whole group, once.
-    assert set(all_groups) == set(range(steps * prompts))
-    assert set(all_groups.values()) == {group}
-    for step, groups in trained.items():
-        assert {g // prompts for g in groups} == {int(step)}
+    check_staleness_and_exactly_once(runs[name], k, *_sizes(name))
 
 
 def test_async_grpo_learns_add1(runs):

@@ -9,11 +9,19 @@ no weights pass through Ray's object store, the outputs are written, and the loo
 """
 
 import json
-from collections import Counter
 
 import pytest
 
-from tests.recipe_runs import GROUP, PROMPTS, SMALL, STEPS, ray_leftovers, records, run_fake
+from tests.recipe_runs import (
+    GROUP,
+    PROMPTS,
+    SMALL,
+    STEPS,
+    check_staleness_and_exactly_once,
+    ray_leftovers,
+    records,
+    run_fake,
+)
 
 LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP = 40, 32, 8
 NO_REFERENCE = ["algorithm.kl_coef=0"]
@@ -42,18 +50,7 @@ def _sizes(name: str) -> tuple[int, int, int]:
 
 @pytest.mark.parametrize("name,k", [("async", 1), ("async_k0", 0), ("async_k2", 2), ("sync", 0)])
 def test_staleness_bound_and_exactly_once(runs, name, k):
-    s = runs[name]
-    steps, prompts, group = _sizes(name)
-    assert s["steps"] == steps
-    assert max(s["lags_max_per_step"]) <= k
-    trained = s["trained_groups"]
-    assert sorted(map(int, trained)) == list(range(steps))
-    all_groups = Counter(g for groups in trained.values() for g in groups)
-    # Group ids are step * prompts + i: every prompt of every step, each with its whole group, once.
-    assert set(all_groups) == set(range(steps * prompts))
-    assert set(all_groups.values()) == {group}
-    for step, groups in trained.items():
-        assert {g // prompts for g in groups} == {int(step)}
+    check_staleness_and_exactly_once(runs[name], k, *_sizes(name))
 
 
 def test_async_runs_ahead_up_to_its_bound(runs):
