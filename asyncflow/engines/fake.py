@@ -15,7 +15,7 @@ back when the service applies that version. A version the rollout did not read i
 
 Faults for the failure tests come from environment variables (``FakeFaults``), which Ray's workers inherit
 from the driver's environment when the run starts its own Ray; runs that join a Ray already up (the tests'
-in-process runs) name a subclass that sets its faults instead (``tests/fakes/slowed.py``).
+in-process runs) name a subclass that sets its faults instead (``tests/fakes/slowed.py``, ``tests/fakes/faulty.py``).
 """
 
 from __future__ import annotations
