@@ -2,7 +2,8 @@
 
 All tensors are per token, ``[b, t]``, aligned so that position ``t`` scores response token ``t``;
 ``mask`` is 1 on response tokens. A policy loss returns the per-token loss (aggregated by
-``aggregate``) and a dict of per-token diagnostics; so does a value (critic) loss,
+``aggregate``) and a dict of per-token diagnostics (off-policy losses: ``is_weight``, the truncated
+importance weight, and ``is_truncated``, 1 where the cap cut it); so does a value (critic) loss,
 ``fn(values, old_values, returns, *, clip) -> (per_token_loss, info)``.
 
 Off-policy correction (``max_staleness >= 1``): rollout logprobs (``behaviour``) come from weights up
@@ -31,6 +32,12 @@ def _clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high):
     return loss, ratio, clip_frac
 
 
+def _truncated_weight(target_logprobs, behaviour_logprobs, is_cap):
+    """``min(target/behaviour, is_cap)`` per token (detached) and 1.0 where the cap cut the ratio."""
+    raw = torch.exp(target_logprobs.detach() - behaviour_logprobs)
+    return raw.clamp(max=is_cap), (raw > is_cap).float()
+
+
 @POLICY_LOSSES.register("ppo")
 def ppo(logprobs, old_logprobs, behaviour_logprobs, advantages, *, clip_low=0.2, clip_high=0.2, is_cap=2.0):
     """PPO clipped surrogate against ``old_logprobs`` (ignores ``behaviour_logprobs``)."""
@@ -43,17 +50,18 @@ def decoupled_ppo(logprobs, old_logprobs, behaviour_logprobs, advantages, *, cli
                   is_cap=2.0):
     """PPO clipped against the proximal policy, weighted by min(proximal/behaviour, is_cap) (detached)."""
     loss, ratio, clip_frac = _clipped_surrogate(logprobs, old_logprobs, advantages, clip_low, clip_high)
-    weight = torch.exp(old_logprobs - behaviour_logprobs).clamp(max=is_cap).detach()
-    return loss * weight, {"ratio": ratio.detach(), "clip_frac": clip_frac, "is_weight": weight}
+    weight, truncated = _truncated_weight(old_logprobs, behaviour_logprobs, is_cap)
+    return loss * weight, {"ratio": ratio.detach(), "clip_frac": clip_frac, "is_weight": weight,
+                           "is_truncated": truncated}
 
 
 @POLICY_LOSSES.register("tis")
 def truncated_is(logprobs, old_logprobs, behaviour_logprobs, advantages, *, clip_low=0.2, clip_high=0.2,
                  is_cap=2.0):
     """Policy gradient with the truncated importance ratio min(current/behaviour, is_cap) (detached)."""
-    weight = torch.exp(logprobs - behaviour_logprobs).clamp(max=is_cap).detach()
+    weight, truncated = _truncated_weight(logprobs, behaviour_logprobs, is_cap)
     loss = -weight * advantages * logprobs
-    return loss, {"is_weight": weight}
+    return loss, {"is_weight": weight, "is_truncated": truncated}
 
 
 @VALUE_LOSSES.register("clipped")

@@ -420,10 +420,23 @@ def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> di
         metrics["actor/kl"] = sum(float(o["kl_sum"]) for o in first) / max(tokens, 1)
     if "entropy_sum" in first[0]:
         metrics["actor/entropy"] = sum(float(o["entropy_sum"]) for o in first) / max(tokens, 1)
+    if "is_weight_sum" in first[0]:  # the off-policy correction, from the first pass (its proximal policy)
+        metrics.update(_is_metrics(first, tokens))
     if "clip_sum" in first[0]:
         metrics["actor/clip_frac"] = sum(float(o["clip_sum"]) for o in results[-1]["micro"]) / max(tokens, 1)
     for stat, value in gap.items():  # mean, p99, max and the number of checked tokens
         metrics[f"check/fresh_logprob_gap_{stat}"] = value
     if "fresh_spanning_tokens" in first[0]:
         metrics["check/fresh_spanning_tokens"] = sum(float(o["fresh_spanning_tokens"]) for o in first)
+    return metrics
+
+
+def _is_metrics(first: list[dict], tokens: float) -> dict:
+    """Importance weight proximal/behaviour (or current/behaviour for ``tis``) over the step's response tokens:
+    mean, max and the fraction the cap truncated. At ``max_staleness`` 0 the weight is 1 up to the logprob gap."""
+    tops = [float(o["is_weight_max"]) for o in first if not torch.isnan(torch.as_tensor(o["is_weight_max"]))]
+    metrics = {"actor/is_weight_mean": sum(float(o["is_weight_sum"]) for o in first) / max(tokens, 1),
+               "actor/is_weight_max": max(tops, default=float("nan"))}
+    if "is_truncated_sum" in first[0]:
+        metrics["actor/is_truncated_frac"] = sum(float(o["is_truncated_sum"]) for o in first) / max(tokens, 1)
     return metrics
