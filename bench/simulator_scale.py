@@ -44,7 +44,7 @@ def scenario(name: str, gpus: int, mfu: float, steps: int) -> dict:
     base = recipe.cluster.nodes * recipe.cluster.devices_per_node
     tr, ro = cfg.trainer, cfg.rollout
     mp, rtp = tr.tensor_parallel * tr.pipeline_parallel, ro.tensor_parallel
-    costs = h100_costs(recipe.arch, mp, ro.max_model_len, train_mfu=mfu)
+    costs = h100_costs(recipe.arch, mp, train_mfu=mfu)
     model = costs.variant(f"device-tp{rtp}")
     w = from_config(cfg, lengths=f"lognormal:{ro.max_new_tokens // 8}:1")
     prompts = cfg.workflow.prompts_per_step * gpus // base

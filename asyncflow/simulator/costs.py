@@ -34,10 +34,26 @@ class RolloutCosts:
     """Cost per prompt token of prefill."""
     per_request_s: float = 0.0
     """Fixed cost per request (added and finished)."""
+    expert_read_s: float = 0.0
+    """MoE: seconds to read every routed expert's weights once (0 for a dense model). A step reads only the experts
+    its tokens route to (``fixed_s``), not all of them: at batch 1 that is top-k of E."""
+    experts: int = 0
+    """MoE: routed experts per layer."""
+    experts_topk: int = 0
+    """MoE: experts each token routes to."""
+
+    def fixed_s(self, tokens: int) -> float:
+        """Seconds of one engine step beyond the per-sequence and attention terms, for ``tokens`` tokens in the
+        step: ``step_s`` plus the routed experts those tokens touch, ``1 - (1 - k/E)^tokens`` of them in
+        expectation under uniform routing."""
+        if not self.experts:
+            return self.step_s
+        touched = 1.0 - (1.0 - self.experts_topk / self.experts) ** max(tokens, 1)
+        return self.step_s + self.expert_read_s * touched
 
     def decode_step(self, batch: int, ctx_tokens: float) -> float:
         """Seconds of one decode step over ``batch`` sequences attending to ``ctx_tokens`` tokens in total."""
-        return self.step_s + self.per_seq_s * batch + self.per_ctx_token_s * ctx_tokens
+        return self.fixed_s(batch) + self.per_seq_s * batch + self.per_ctx_token_s * ctx_tokens
 
 
 @dataclasses.dataclass
@@ -60,6 +76,13 @@ class TrainCosts:
     """Reference forward per (padded) token."""
     ref_per_token_seq_s: float = 0.0
     """Reference forward per (padded) token and per token of its padded row (attention)."""
+    grad_allreduce_s: float = 0.0
+    """One replica's gradients (bf16) over its data-parallel link, in seconds (bytes / link bandwidth); a ring
+    all-reduce over DP replicas costs ``2 (DP - 1) / DP`` of it per optimizer step (``allreduce_s``)."""
+
+    def allreduce_s(self, data_parallel: int) -> float:
+        """The gradient all-reduce of one optimizer step over ``data_parallel`` replicas (ring)."""
+        return self.grad_allreduce_s * 2 * (data_parallel - 1) / data_parallel
 
     def micro_s(self, tokens: int, seq: float) -> float:
         """Forward + backward of one micro-batch of ``tokens`` padded tokens in rows of ``seq``."""
@@ -157,6 +180,26 @@ class ServiceCosts:
 
 
 @dataclasses.dataclass
+class SwitchCosts:
+    """What a colocated step pays to switch its devices between generating and training, per step (nothing on
+    split devices): the trainer's state offloaded to host memory and back, the rollout engine put to sleep and
+    woken (its weights off and on the device, its KV cache dropped and re-allocated), and the new weights
+    resharded into the engine."""
+
+    offload_s: float = 0.0
+    """The trainer's weights, gradients and optimizer state to host memory and back."""
+    sleep_wake_s: float = 0.0
+    """The rollout engine's sleep and wake-up (weights off and on the device, KV cache re-allocated)."""
+    reload_s: float = 0.0
+    """The trained weights resharded into the rollout engine."""
+
+    @property
+    def total_s(self) -> float:
+        """Seconds of switching per colocated step."""
+        return self.offload_s + self.sleep_wake_s + self.reload_s
+
+
+@dataclasses.dataclass
 class CostModel:
     """Every cost of one variant of one machine (one ``asyncflow profile`` measurement)."""
 
@@ -172,15 +215,26 @@ class CostModel:
     """Reward and advantage."""
     service: ServiceCosts = dataclasses.field(default_factory=ServiceCosts)
     """The services' overhead beyond the engine calls (none by default)."""
+    switch: SwitchCosts = dataclasses.field(default_factory=SwitchCosts)
+    """A colocated step's switching between generating and training (none by default)."""
     weight_bytes: float = 0.0
     """Bytes of one exporting rank's weights as staged (the profiled model; ``Workload`` may override)."""
+    rollout_weight_bytes: float = 0.0
+    """Bytes one rollout rank reads to apply a version: its TP shard of the whole model, not a trainer rank's
+    shard (0: ``weight_bytes``, a profile where both are the same single-device model)."""
+
+    @property
+    def apply_bytes(self) -> float:
+        """Bytes one rollout rank reads to apply a version."""
+        return self.rollout_weight_bytes or self.weight_bytes
 
     def scaled(self, factor: float) -> CostModel:
         """Every time term multiplied by ``factor`` (the machine is ``factor`` times slower than when profiled)."""
         service = _scale(self.service, factor, {f.name for f in dataclasses.fields(ServiceCosts)} - RATIOS)
         return dataclasses.replace(self, rollout=_scale(self.rollout, factor), train=_scale(self.train, factor),
                                    weight_sync=_scale(self.weight_sync, factor), queue=_scale(self.queue, factor),
-                                   light=_scale(self.light, factor), service=service)
+                                   light=_scale(self.light, factor), service=service,
+                                   switch=_scale(self.switch, factor))
 
     def in_loop(self) -> CostModel:
         """The engines' costs at their speed inside the loop: ``RolloutCosts`` times
@@ -206,7 +260,7 @@ class CostModel:
 
 RATIOS = {"async_floating", "rollout_engine_scale", "reference_engine_scale", "train_engine_scale"}
 """The ``ServiceCosts`` fields that are ratios, not times: ``CostModel.scaled`` leaves them as they are."""
-ACTOR_TERMS = {"per_micro_s", "per_token_s", "per_token_seq_s", "optimizer_s"}
+ACTOR_TERMS = {"per_micro_s", "per_token_s", "per_token_seq_s", "optimizer_s", "grad_allreduce_s"}
 """The actor's ``TrainCosts`` terms (the others are the reference forward's)."""
 REFERENCE_TERMS = {f.name for f in dataclasses.fields(TrainCosts)} - ACTOR_TERMS
 """The reference forward's ``TrainCosts`` terms."""
@@ -214,8 +268,8 @@ REFERENCE_TERMS = {f.name for f in dataclasses.fields(TrainCosts)} - ACTOR_TERMS
 
 def _scale(section, factor: float, names: set[str] | None = None):
     """``section`` (a costs dataclass) with its fields (or only ``names``) multiplied by ``factor``."""
-    return dataclasses.replace(section, **{f.name: getattr(section, f.name) * factor
-                                           for f in dataclasses.fields(section) if names is None or f.name in names})
+    scaled = [f.name for f in dataclasses.fields(section) if (names is None or f.name in names) and f.type != "int"]
+    return dataclasses.replace(section, **{name: getattr(section, name) * factor for name in scaled})
 
 
 @dataclasses.dataclass

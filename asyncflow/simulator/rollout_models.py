@@ -76,12 +76,13 @@ class Engine:
             ctx = sum(self.prompt_len + done for done in self.running.values())
             if admitted:  # one engine step: prefill the admitted rows (their first token), decode the others
                 steps = 1
-                work += (costs.step_s + costs.per_seq_s * batch + costs.per_ctx_token_s * ctx
+                tokens = len(self.running) + self.prompt_len * len(admitted)
+                work += (costs.fixed_s(tokens) + costs.per_seq_s * batch + costs.per_ctx_token_s * ctx
                          + (costs.prefill_per_token_s * self.prompt_len + costs.per_request_s) * len(admitted))
             else:  # decode steps up to the next finish: context ctx, ctx + B, ctx + 2B, ...
                 steps = min(self.lengths[key] - done for key, done in self.running.items())
                 steps = steps if max_steps is None else min(steps, max_steps - taken)
-                work += (steps * (costs.step_s + costs.per_seq_s * batch)
+                work += (steps * (costs.fixed_s(batch) + costs.per_seq_s * batch)
                          + costs.per_ctx_token_s * (steps * ctx + batch * steps * (steps - 1) / 2))
             taken += steps
             for key in self.running:
@@ -130,7 +131,7 @@ def _apply(pipe, instance: int, extra_s: float = 0.0) -> Generator:
     newest = pipe.board.version
     if newest != pipe.served[instance]:
         start, ws = pipe.sim.now, pipe.costs.weight_sync
-        yield pipe.device("rollout", instance).run(ws.apply_fixed_s + ws.apply_per_byte_s * pipe.costs.weight_bytes
+        yield pipe.device("rollout", instance).run(ws.apply_fixed_s + ws.apply_per_byte_s * pipe.costs.apply_bytes
                                                    + extra_s)
         pipe.served[instance] = newest
         pipe.span("rollout", "load_weights", instance, start, version=newest)

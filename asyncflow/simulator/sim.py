@@ -304,13 +304,24 @@ class Pipe:
         self.timeline.add(group, name, start, self.sim.now, worker, args)
 
     def padded(self, step: int, rows: list[int]) -> int:
-        """Tokens of a micro-batch of ``rows`` as the trainer pads it (``batching.fit_seq_len``)."""
+        """Tokens of a micro-batch of ``rows`` as the trainer pads it (``batching.fit_seq_len``; packed: the rows'
+        own tokens)."""
         w = self.w
+        if w.packing:
+            return self.row_tokens(step, rows)
         if w.fixed_shape:
             return len(rows) * w.seq_cap
         prompts = [[0] * w.prompt_len] * len(rows)
         responses = [[0] * self.lengths[step][r] for r in rows]
         return len(rows) * fit_seq_len(prompts, responses, w.seq_cap)
+
+    def attended(self, step: int, rows: list[int], padded: int) -> float:
+        """The row length that prices a micro-batch's attention (``TrainCosts``' ``tokens x seq`` terms): its padded
+        row, or packed, ``sum(len^2) / sum(len)`` (each row attends only within itself)."""
+        if not self.w.packing:
+            return padded / len(rows)
+        own = [self.w.prompt_len + self.lengths[step][r] for r in rows]
+        return sum(x * x for x in own) / sum(own)
 
     def row_tokens(self, step: int, rows: list[int]) -> int:
         """Tokens the rows hold themselves (prompt and response, no padding): what the TransferQueue moves and
@@ -373,7 +384,7 @@ def reference_step(pipe: Pipe, step: int):
         start = pipe.sim.now
         chunks = _deal(w, rows, w.score_chunk)
         padded = [pipe.padded(step, c) for c in chunks]
-        work = replicas.add([tc.reference_s(p, p / len(c)) for p, c in zip(padded, chunks)])
+        work = replicas.add([tc.reference_s(p, pipe.attended(step, c, p)) for p, c in zip(padded, chunks)])
         own = max(pipe.row_tokens(step, c) for c in chunks)  # the replicas' calls run side by side
         resp = max(sum(pipe.lengths[step][r] for r in c) for c in chunks)
         service = pipe.costs.service
@@ -406,7 +417,8 @@ def actor_step(pipe: Pipe, step: int, version: int):
         # Replicas run side by side on distinct rows (one micro-batch each here) and meet at the all-reduce.
         parts = _deal(w, rows, mbs)
         padded = [pipe.padded(step, part) for part in parts]
-        work = replicas.add([tc.micro_s(tokens, tokens / mbs) for tokens in padded])
+        work = replicas.add([tc.micro_s(tokens, pipe.attended(step, part, tokens))
+                             for tokens, part in zip(padded, parts)])
         own = max(pipe.row_tokens(step, part) for part in parts)
         first_tokens, first_own, engine_s = first_tokens + max(padded), first_own + own, engine_s + work
         # The engine computes on the padded micro-batch (``work``); the service moves and packs the rows' own

@@ -51,6 +51,11 @@ class Workload:
     """Trainer data-parallel replicas (they work in parallel on distinct rows)."""
     fixed_shape: bool = False
     """Pipeline parallelism pads every micro-batch to ``prompt_len + max_new_tokens``."""
+    packing: bool = False
+    """Sequence packing: a micro-batch (actor and reference) costs its rows' own tokens, each row attending only
+    within itself, with no padding (``fixed_shape`` then does not apply)."""
+    pipeline_parallel: int = 1
+    """Trainer pipeline stages (the stream and colocated models charge the pipeline bubble)."""
     row_order: str = "shortest"
     """Which ready rows the actor and the reference take (``MegatronConfig.row_order``): ``shortest`` or
     ``arrival`` (the partition's ready order)."""
@@ -113,13 +118,14 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         raise ConfigError(f"agent.loop={cfg.agent.loop!r}: multi-turn rollouts are not simulated (tool calls and "
                          "observations have no cost model); simulate the single-turn recipe with "
                          "rollout.continuous=true instead")
+    packing = bool(getattr(tr, "packing", False))  # the trainer's sequence packing, where the config has it
     model = "partial" if cfg.rollout.partial else "continuous" if cfg.rollout.continuous else "chunked"
     return Workload(
         mode=wf.mode, max_staleness=0 if sync else wf.max_staleness, steps=wf.steps,
         prompts_per_step=wf.prompts_per_step, samples_per_prompt=wf.samples_per_prompt,
         rollout_instances=wf.rollout_instances, rollout_chunk=wf.rollout_chunk, max_num_seqs=cfg.rollout.max_num_seqs,
         score_chunk=wf.score_chunk, micro_batch_size=tr.micro_batch_size, data_parallel=tr.data_parallel,
-        fixed_shape=tr.pipeline_parallel > 1,
+        fixed_shape=tr.pipeline_parallel > 1 and not packing, packing=packing, pipeline_parallel=tr.pipeline_parallel,
         row_order="arrival" if tr.pipeline_parallel > 1 else tr.row_order, ppo_epochs=cfg.algorithm.ppo_epochs,
         reference=cfg.algorithm.kl_coef > 0,
         prompt_len=prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,

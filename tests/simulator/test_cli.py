@@ -107,7 +107,7 @@ def test_published_h100_decode_step_is_the_weight_read_roofline():
 
     recipe, _ = load_recipe(REPO / "recipes/qwen2.5-7b")
     arch: GPTArch = recipe.arch
-    costs = pub.h100_costs(arch, trainer_devices_per_replica=2, seq=5120)
+    costs = pub.h100_costs(arch, trainer_devices_per_replica=2)
     one = costs.variant("device-tp1").rollout
     n = pub.active_params(arch)
     # Batch 1, no context: the step overhead plus one read of the bf16 weights at 77% of HBM bandwidth, plus
