@@ -74,6 +74,22 @@ def test_every_version_reaches_the_rollout(runs):
         assert runs[name]["fresh_logprob_gap_max"] == 0.0, name
 
 
+def test_off_policy_diagnostics_in_the_metrics(runs):
+    # decoupled_ppo (the default) reports its importance weights proximal/behaviour over the response tokens:
+    # exactly 1 at k=0 (the fakes compute the same function on both sides), off 1 once rows are a version old.
+    def steps(name):
+        return [r for r in records(runs[name]) if "actor/is_weight_mean" in r]
+
+    on_policy, stale = steps("async_k0"), [r for r in steps("async_k2") if r["staleness/version_lag_max"] >= 1]
+    assert len(on_policy) == STEPS and stale
+    for r in on_policy:
+        assert r["actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+        assert r["actor/is_weight_max"] == pytest.approx(1.0, abs=1e-5)
+        assert r["actor/is_truncated_frac"] == 0.0
+    assert any(abs(r["actor/is_weight_max"] - 1.0) > 1e-4 for r in stale)
+    assert all(0.0 <= r["actor/is_truncated_frac"] <= 1.0 for r in stale)
+
+
 def test_the_loop_carries_a_learning_signal(runs):
     # The fake policy can represent add-one (it sees the digit an answer is about): rewards, advantages, the
     # loss and the optimizer step go through the real services, and the reward rises from the random start.
