@@ -89,6 +89,11 @@ class MegatronEngineConfig:
     """Gradient-norm clip (0 disables)."""
     micro_batch_size: int = 4
     """Sequences per micro-batch in the pipeline schedule."""
+    micro_batch_tokens: int = 0
+    """Sequence packing: form micro-batches by this token budget (rows x the micro-batch's longest row) instead of
+    ``micro_batch_size`` rows. Rows of like length go together and each micro-batch is padded to its own longest
+    row, under pipeline parallelism too (Megatron's variable sequence lengths); every data-parallel replica runs
+    the same number of micro-batches. The actor then reads its step's rows before its first pass. 0: rows."""
     row_order: Literal["shortest", "arrival"] = "shortest"
     """Which of a step's ready rows each micro-batch takes (the actor's passes, the reference and critic
     forwards). ``shortest``: the shortest ready rows (the TransferQueue's ``shortest`` sampler), so rows of

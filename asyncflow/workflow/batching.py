@@ -4,11 +4,17 @@ Position ``t`` of the ``[m, s-1]`` tensors scores token ``t+1``; response token 
 prompt has ``P`` tokens sits at position ``P - 1 + j``. Every micro-batch of a run has the same ``s``
 (``max_prompt_len + max_new_tokens``) when pipeline stages exchange fixed shapes; without pipeline
 parallelism each micro-batch is padded only to its own longest row (``fit_seq_len``).
+
+With a token budget (``micro_batch_tokens`` > 0: sequence packing) the rows of a step are grouped by length
+(``plan_micro_batches``) instead of taken ``micro_batch_size`` at a time, and every micro-batch is padded to its
+own longest row, under pipeline parallelism too (the engine then exchanges variable shapes).
 """
 
 from __future__ import annotations
 
 import torch
+
+from asyncflow.transfer_queue.batch import Batch, BatchMeta
 
 ACTOR_FIELDS = ["prompt_ids", "response_ids", "behaviour_logprobs", "advantages"]
 """Fields the actor update needs (plus ``ref_logprobs`` when the KL is a loss term)."""
@@ -95,3 +101,70 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
     if "token_versions" in batch:  # partial rollout: each token's lag (a row spans weight versions)
         mb["token_lag"] = (train_version - place_per_token(batch["token_versions"], prompts, seq_len)) * mask
     return mb
+
+
+def row_tokens(prompts, responses) -> list[int]:
+    """Real tokens of each row (prompt + response)."""
+    return [len(p) + len(r) for p, r in zip(prompts, responses)]
+
+
+def plan_micro_batches(lengths: list[int], token_budget: int, cap: int, multiple: int = 8) -> list[list[int]]:
+    """Rows grouped into micro-batches of at most ``token_budget`` padded tokens each (rows x the group's longest
+    row rounded up to ``multiple``, at most ``cap``); a row longer than the budget goes alone.
+
+    Rows are taken shortest first, so each micro-batch holds rows of like length and its padding stays small
+    (length-bucketed padding); the plan depends only on ``lengths``, so every model-parallel rank of a replica,
+    which reads the same rows, makes the same plan.
+    """
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be at least 1, got {token_budget}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    plan: list[list[int]] = []
+    current: list[int] = []
+    for i in order:
+        width = min(cap, -(-lengths[i] // multiple) * multiple)  # the longest so far: rows come shortest first
+        if current and (len(current) + 1) * width > token_budget:
+            plan.append(current)
+            current = []
+        current.append(i)
+    if current:
+        plan.append(current)
+    return plan
+
+
+def split_to_count(plan: list[list[int]], count: int) -> list[list[int]]:
+    """``plan`` (shortest rows first) with its largest micro-batches halved until it has ``count`` of them (so
+    that every data-parallel replica runs the same number); fails when there are fewer rows than ``count``."""
+    plan = [list(mb) for mb in plan]
+    while len(plan) < count:
+        largest = max(reversed(range(len(plan))), key=lambda k: len(plan[k]))  # ties: the longer rows
+        rows = plan[largest]
+        if len(rows) < 2:
+            raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, plan))} rows")
+        plan[largest:largest + 1] = [rows[: len(rows) // 2], rows[len(rows) // 2:]]
+    return plan
+
+
+def merge_batches(batches: list) -> Batch:
+    """Several TransferQueue batches of one partition as one (rows in order), to be regrouped by
+    ``plan_micro_batches`` and ``Batch.select``. A field whose rows all have one shape is stacked (sequence-level
+    advantages stay ``[N]``); ragged fields become lists of rows."""
+    first = batches[0].meta
+    meta = BatchMeta(first.partition, first.task, [i for b in batches for i in b.meta.indexes],
+                     [v for b in batches for v in b.meta.versions], [g for b in batches for g in b.meta.group_ids],
+                     [n for b in batches for n in b.meta.lengths])
+    data = {}
+    for name in batches[0].keys():
+        rows = [row for b in batches for row in _rows(b[name])]
+        same = rows and all(isinstance(r, torch.Tensor) for r in rows) and len({r.shape for r in rows}) == 1
+        data[name] = torch.stack(rows) if same else rows
+    return Batch(meta, data)
+
+
+def _rows(value) -> list:
+    if isinstance(value, torch.Tensor):
+        return list(value.unbind(0))
+    if hasattr(value, "to_list"):  # a packed ragged field
+        return value.to_list()
+    return list(value)
+

@@ -20,8 +20,12 @@ from asyncflow.observability.logprob_gap import gap_stats
 from asyncflow.workflow.batching import (
     ACTOR_FIELDS,
     fit_seq_len,
+    merge_batches,
     pack_tokens,
+    plan_micro_batches,
     response_slices,
+    row_tokens,
+    split_to_count,
     to_critic_micro_batch,
     to_micro_batch,
 )
@@ -47,6 +51,8 @@ class TrainerService(TaskService):
         self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
         self.fixed_shape = self.engine.fixed_seq_len
+        self.token_budget = megatron_cfg.micro_batch_tokens  # 0: micro-batches of micro_batch_size rows
+        self.moved = [0, 0]  # real and padded tokens through the engine since the last report
         # Rows of like length in one micro-batch (``row_order``); fixed shapes pad to the cap anyway.
         self.sampler = "shortest" if megatron_cfg.row_order == "shortest" and not self.fixed_shape else "sequential"
         self.ranks = self.engine.ranks
@@ -128,14 +134,51 @@ class TrainerService(TaskService):
         for batch in self.stream(step, fields, chunk, task=task):
             with self.timeline.span(task or self.name, out_field, self.worker, rows=len(batch)) as span:
                 prompts, responses = batch["prompt_ids"], batch["response_ids"]
-                tokens, _ = pack_tokens(prompts, responses, self.seq_len_for(prompts, responses), self.pad_id)
+                plan = plan_micro_batches(row_tokens(prompts, responses), self.token_budget, self.seq_len) \
+                    if self.token_budget else [list(range(len(batch)))]
+                slices: list = [None] * len(batch)
                 t0 = time.perf_counter()
-                out = forward(tokens)
-                span["engine_s"] = time.perf_counter() - t0  # the forward alone (``bench/calibrate.py``)
+                for rows in plan:  # packing: one forward per micro-batch of the plan, each as wide as its rows
+                    p, r = [prompts[i] for i in rows], [responses[i] for i in rows]
+                    tokens, _ = pack_tokens(p, r, self.seq_len_for(p, r), self.pad_id)
+                    self.count_moved(row_tokens(p, r), tokens.numel())
+                    out = forward(tokens)
+                    if self.ranks.writer:
+                        for i, piece in zip(rows, response_slices(out, p, r)):
+                            slices[i] = piece
+                span["engine_s"] = time.perf_counter() - t0  # the forwards alone (``bench/calibrate.py``)
                 if self.ranks.writer:
-                    self.tq.put(partition_name(step), {out_field: response_slices(out, prompts, responses)},
-                                indexes=batch.indexes)
+                    self.tq.put(partition_name(step), {out_field: slices}, indexes=batch.indexes)
         self.verify_same_rows(step)
+
+    def count_moved(self, real: list[int], padded: int) -> None:
+        """Add a micro-batch's real row tokens and the padded tokens the engine computes on."""
+        self.moved[0] += sum(real)
+        self.moved[1] += padded
+
+    def moved_metrics(self, prefix: str) -> dict:
+        """``<prefix>/padded_tokens_ratio`` (tokens the engine computed on / real tokens) and the real tokens of
+        this replica since the last call, then the counter restarts."""
+        (real, padded), self.moved = self.moved, [0, 0]
+        return {f"{prefix}/real_tokens": float(real), f"{prefix}/padded_tokens_ratio": padded / max(real, 1)}
+
+    def packed_micro_batches(self, step: int, fields: list[str], build, task: str | None = None
+                             ) -> tuple[list[dict], list]:
+        """Packing: this replica's rows of ``step`` read whole, grouped by ``micro_batch_tokens`` and built by
+        ``build(batch)``, as many micro-batches as the replica with most (so every replica's schedule has the
+        same length); also the batches read, in order."""
+        batches = list(self.stream(step, fields, self.mbs, task=task, allow_partial=False))
+        if not batches:
+            return [], []
+        merged = merge_batches(batches)
+        plan = plan_micro_batches(row_tokens(merged["prompt_ids"], merged["response_ids"]), self.token_budget,
+                                  self.seq_len)
+        plan = split_to_count(plan, max(self.engine.gather_data_parallel([len(plan)])))
+        micro = [build(merged.select(rows)) for rows in plan]
+        for rows, mb in zip(plan, micro):
+            self.count_moved([len(merged["prompt_ids"][i]) + len(merged["response_ids"][i]) for i in rows],
+                             mb["tokens"].numel())
+        return micro, batches
 
     def seq_len_for(self, prompts, responses) -> int:
         """Micro-batch width: fixed under pipeline parallelism, the longest row otherwise."""
@@ -178,7 +221,8 @@ class ReferenceService(TrainerService):
 
     def run_step(self, step: int) -> dict | None:
         self.forward_pass(step, self.fields, self.chunk, "ref_logprobs", self.engine.compute_logprobs)
-        return self.report(step, {}) if self.reporter else None
+        metrics = self.moved_metrics("reference")
+        return self.report(step, metrics) if self.reporter else None
 
 
 class ActorService(TrainerService):
@@ -273,6 +317,9 @@ class ActorService(TrainerService):
 
         reads = [0.0]  # seconds the engine waited on the stream (TransferQueue gets, packing)
 
+        def build(batch):
+            return to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
+
         def first_pass():
             batches = iter(self.stream(step, self.fields, self.mbs, allow_partial=False))
             while True:
@@ -280,7 +327,8 @@ class ActorService(TrainerService):
                 batch = next(batches, None)
                 if batch is not None:
                     groups.extend(batch.meta.group_ids)
-                    mb = to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
+                    mb = build(batch)
+                    self.count_moved(row_tokens(batch["prompt_ids"], batch["response_ids"]), mb["tokens"].numel())
                     cache.append(mb)
                 reads[0] += time.perf_counter() - t
                 if batch is None:
@@ -288,13 +336,20 @@ class ActorService(TrainerService):
                 yield mb
 
         t0 = time.time()
+        num_micro, passes = self.num_micro, first_pass()
+        if self.token_budget:  # the step's rows are read whole, then grouped by length
+            t = time.perf_counter()
+            cache[:], batches = self.packed_micro_batches(step, self.fields, build)
+            groups.extend(g for b in batches for g in b.meta.group_ids)
+            reads[0] += time.perf_counter() - t
+            num_micro, passes = len(cache), iter(list(cache))
         with self.timeline.span(self.name, "train", self.worker, step=step) as span:
             t1 = time.perf_counter()
-            results = [self.engine.train_step(first_pass(), self.num_micro, self.loss_fn)]
+            results = [self.engine.train_step(passes, num_micro, self.loss_fn)]
             for mb, out in zip(cache, results[0]["micro"]):
                 mb["old_logprobs"] = out["old_logprobs"]  # the proximal policy of this step
             for _ in range(self.algo.ppo_epochs - 1):
-                results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
+                results.append(self.engine.train_step(iter(cache), num_micro, self.loss_fn))
             # Forward, backward and the optimizer, without the reads (``bench/calibrate.py``).
             span["engine_s"] = time.perf_counter() - t1 - reads[0]
         self.verify_same_rows(step)
@@ -309,6 +364,7 @@ class ActorService(TrainerService):
         metrics["actor/rows"] = float(len(all_groups))  # every replica's rows, not only this one's
         metrics["actor/checkpoint_saved"] = float(saved)
         metrics["actor/flat_groups"] = float(_flat_groups(cache, groups))
+        metrics.update(self.moved_metrics("actor"))
         return self.report(step, metrics, trained_groups=sorted(all_groups))
 
 
@@ -349,19 +405,27 @@ class CriticService(TrainerService):
     def update_step(self, step: int) -> dict | None:
         """``ppo_epochs`` critic updates on the step's GAE returns; the first streams from the TransferQueue."""
         cache: list[dict] = []
+        fields = ["prompt_ids", "response_ids", "values", "returns"]
+
+        def build(batch):
+            return to_critic_micro_batch(batch, self.seq_len, self.pad_id, self.fixed_shape)
 
         def first_pass():
-            for batch in self.stream(step, ["prompt_ids", "response_ids", "values", "returns"], self.mbs,
-                                     task="critic", allow_partial=False):
-                mb = to_critic_micro_batch(batch, self.seq_len, self.pad_id, self.fixed_shape)
+            for batch in self.stream(step, fields, self.mbs, task="critic", allow_partial=False):
+                mb = build(batch)
+                self.count_moved(row_tokens(batch["prompt_ids"], batch["response_ids"]), mb["tokens"].numel())
                 cache.append(mb)
                 yield mb
 
         t0 = time.time()
+        num_micro, passes = self.num_micro, first_pass()
+        if self.token_budget:  # the step's rows are read whole, then grouped by length
+            cache[:], _ = self.packed_micro_batches(step, fields, build, task="critic")
+            num_micro, passes = len(cache), iter(list(cache))
         with self.timeline.span(self.name, "critic_train", self.worker, step=step):
-            results = [self.engine.train_step(first_pass(), self.num_micro, self.loss_fn)]
+            results = [self.engine.train_step(passes, num_micro, self.loss_fn)]
             for _ in range(self.algo.ppo_epochs - 1):
-                results.append(self.engine.train_step(iter(cache), self.num_micro, self.loss_fn))
+                results.append(self.engine.train_step(iter(cache), num_micro, self.loss_fn))
         self.verify_same_rows(step)
         self.engine.version += 1
         self.maybe_save(step, self.checkpoint)
@@ -375,6 +439,7 @@ class CriticService(TrainerService):
             "critic/abs_error": sum(float(o["abs_err_sum"]) for o in first) / tokens,
             "critic/grad_norm": results[-1]["grad_norm"],
             "critic/train_s": time.time() - t0,
+            **self.moved_metrics("critic"),  # the values forward's tokens and the update's
         }
         if "clip_sum" in last[0]:
             metrics["critic/clip_frac"] = sum(float(o["clip_sum"]) for o in last) / tokens

@@ -52,8 +52,8 @@ class MegatronActor(TrainEngine):
 
     @property
     def fixed_seq_len(self) -> bool:
-        """Pipeline stages exchange activations of one fixed shape."""
-        return self.trainer.cfg.pipeline_parallel > 1
+        """Pipeline stages exchange activations of one fixed shape (unless packing sends each one's shape)."""
+        return self.trainer.cfg.pipeline_parallel > 1 and not self.trainer.cfg.micro_batch_tokens
 
     def gather_data_parallel(self, items: list) -> list:
         """See ``TrainableEngine.gather_data_parallel``."""
@@ -69,10 +69,11 @@ class MegatronActor(TrainEngine):
 
     @torch.no_grad()
     def compute_logprobs(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """log p(tokens[:, 1:]) [b, s-1]; rows are padded up to a multiple of the micro-batch size."""
+        """log p(tokens[:, 1:]) [b, s-1]; rows are padded up to a multiple of the micro-batch size (with
+        ``micro_batch_tokens`` the caller packed ``tokens`` as one micro-batch)."""
         mbs = self.trainer.cfg.micro_batch_size
         rows = tokens.shape[0]
-        pad = (-rows) % mbs if rows > mbs else 0
+        pad = (-rows) % mbs if rows > mbs and not self.trainer.cfg.micro_batch_tokens else 0
         if pad:
             tokens = torch.cat([tokens, tokens[-1:].expand(pad, -1)], dim=0)
         out = self._logprobs(tokens)

@@ -77,6 +77,12 @@ def problems(cfg: MegatronEngineConfig, section: str = "trainer", *, is_moe: boo
             bad("tensor_parallel", moe_tp + "; the critic has none (its value head reads whole sequences): use 1")
     if cfg.moe_token_dispatcher == "alltoall" and not cuda:
         bad("moe_token_dispatcher", "the alltoall dispatcher creates CUDA streams; use allgather on CPU")
+    if cfg.micro_batch_tokens and cfg.context_parallel > 1:
+        bad("micro_batch_tokens", "sequence packing splits rows of one width over context-parallel ranks only "
+            "with packed (THD) attention, which is not wired for context parallelism; use 0")
+    if cfg.micro_batch_tokens and cfg.pipeline_parallel > 1 and is_moe and cfg.moe_token_dispatcher == "allgather":
+        bad("micro_batch_tokens", "variable sequence lengths between pipeline stages are refused by Megatron's "
+            "allgather MoE dispatcher; use moe_token_dispatcher=alltoall (CUDA) or 0")
     if cfg.moe_grouped_gemm and not te:
         bad("moe_grouped_gemm", "needs Transformer Engine's grouped linear (TEGroupedMLP); not on CPU")
     return found
@@ -85,7 +91,9 @@ def problems(cfg: MegatronEngineConfig, section: str = "trainer", *, is_moe: boo
 def transformer_kwargs(cfg: MegatronEngineConfig, is_moe: bool) -> dict[str, Any]:
     """``TransformerConfig`` arguments of the recompute, parallelism and MoE features."""
     kwargs: dict[str, Any] = dict(sequence_parallel=getattr(cfg, "sequence_parallel", False),
-                                  context_parallel_size=cfg.context_parallel)
+                                  context_parallel_size=cfg.context_parallel,
+                                  # packing: stages exchange each micro-batch's shape before its activations
+                                  variable_seq_lengths=bool(cfg.micro_batch_tokens) and cfg.pipeline_parallel > 1)
     if cfg.recompute == "selective":  # Megatron's default module list: core attention
         kwargs.update(recompute_granularity="selective")
     elif cfg.recompute == "full":  # keep each chunk's input; chunks of recompute_num_layers layers
@@ -93,6 +101,8 @@ def transformer_kwargs(cfg: MegatronEngineConfig, is_moe: bool) -> dict[str, Any
                       recompute_num_layers=cfg.recompute_num_layers)
     if is_moe:
         kwargs.update(moe_token_dispatcher_type=cfg.moe_token_dispatcher, moe_grouped_gemm=cfg.moe_grouped_gemm)
+    elif kwargs["variable_seq_lengths"]:  # Megatron refuses its default (allgather) dispatcher even without experts
+        kwargs.update(moe_token_dispatcher_type="alltoall")
     return kwargs
 
 

@@ -258,8 +258,9 @@ class MegatronTrainer:
     ) -> list[dict[str, torch.Tensor]]:
         """Run Megatron's schedule over ``micro_batches`` (an iterator may stream them as they arrive).
 
-        Each micro-batch is a dict with ``tokens`` [mbs, s] (same ``s`` for all: pipeline stages
-        exchange fixed shapes) plus whatever ``loss_fn`` reads. ``loss_fn(logprobs, micro_batch)`` gets
+        Each micro-batch is a dict with ``tokens`` [mbs, s] (the same shape for all under pipeline
+        parallelism, unless ``micro_batch_tokens`` turned on Megatron's variable sequence lengths) plus
+        whatever ``loss_fn`` reads. ``loss_fn(logprobs, micro_batch)`` gets
         log p(tokens[:, 1:]) [mbs, s-1] and returns ``(loss, metrics)`` where the *sum* of the losses
         over micro-batches is the batch loss. Returns the metrics of each micro-batch on the last
         pipeline stage, ``[]`` elsewhere. Gradients accumulate in Megatron's DDP buffers.
@@ -272,8 +273,9 @@ class MegatronTrainer:
 
         iterator = iter(micro_batches)
         first = next(iterator)
+        # With variable_seq_lengths (packing) the stages exchange each micro-batch's shape and these two only
+        # size the schedule's first receive; otherwise every micro-batch has this shape.
         mbs, seq = first["tokens"].shape
-        positions = torch.arange(seq, device=self.device).unsqueeze(0)
         cp = self.cfg.context_parallel
 
         def scaled_loss(mb, logprobs):
@@ -290,7 +292,8 @@ class MegatronTrainer:
                 scored = out  # every local position has its label (0 past the end, masked)
             else:
                 tokens = mb["tokens"]
-                out = model(tokens, positions.expand(tokens.shape[0], -1), None)
+                positions = torch.arange(tokens.shape[1], device=self.device).expand(tokens.shape[0], -1)
+                out = model(tokens, positions, None)
                 scored, labels = out[:, :-1], tokens[:, 1:]  # position t predicts token t+1
             if not parallel_state.is_pipeline_last_stage():
                 return out, functools.partial(scaled_loss, mb)  # hidden states for the next stage
@@ -335,7 +338,8 @@ class MegatronTrainer:
 
     def _split(self, tensors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         batch = next(iter(tensors.values())).shape[0]
-        mbs = min(self.cfg.micro_batch_size, batch)
+        # Packing: the caller formed the micro-batch by its token budget (``workflow.batching.plan_micro_batches``).
+        mbs = batch if self.cfg.micro_batch_tokens else min(self.cfg.micro_batch_size, batch)
         if batch % mbs:
             raise ValueError(f"batch of {batch} is not a multiple of micro_batch_size {mbs}")
         return [{k: v[i : i + mbs] for k, v in tensors.items()} for i in range(0, batch, mbs)]
