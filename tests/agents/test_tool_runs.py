@@ -5,8 +5,10 @@
   added to the end-of-trajectory reward (the same run). On the fake engines (``asyncflow.engines.fake``): the
   agent loop, the stream's turns and the services are real, only the models are fakes.
 - On the real stack (Megatron, vLLM's continuous stream): the tool recipe (recipes/tiny_cpu/tool_async.yaml)
-  learns: its reward climbs only once the model calls the calculator (mean reward of the first 5 steps about
-  0.02, of steps 75-79 0.32-0.38; the threshold below leaves room for seed and scheduling noise).
+  learns: its reward climbs only once the model calls the calculator. In 30 steps the model learns to call it
+  (nearly every trajectory holds a call from step 10 on) and starts to copy its result: mean reward of the first
+  5 steps about 0.015, of steps 25-29 about 0.2 (the thresholds below leave room for seed and scheduling noise;
+  the README's curve goes on to 200 steps).
 """
 
 import json
@@ -57,12 +59,12 @@ def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path
 def test_tool_recipe_learns(tmp_path):
     out = tmp_path / "tool"
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/tool_async.yaml"),
-           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}", "workflow.steps=80"]
+           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}", "workflow.steps=30"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["reward/mean"] for r in records[:5]) / 5
     last = sum(r["reward/mean"] for r in records[-5:]) / 5
-    assert last > 0.2 and last > first + 0.15, (first, last)
+    assert last > 0.12 and last > first + 0.09, (first, last)
     # It learned to call the tool: nearly every one of the 256 trajectories of a step holds a call.
     assert records[-1]["agent/observations"] > 200, records[-1]["agent/observations"]
