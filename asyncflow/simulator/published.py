@@ -78,6 +78,10 @@ WAKE_S = 1.0
 vLLM blog reports for level 1 (module docstring)."""
 TP_COMM_EFFICIENCY = {1: 1.0, 2: 0.9, 4: 0.8, 8: 0.7}
 """Fraction of ideal TP speed-up left after the all-reduces (assumed, NVLink within a node)."""
+FSDP_TRAFFIC = 1.5
+"""A sharded trainer's bytes per optimizer step over a ring all-reduce's (``TrainCosts.allreduce_s`` prices
+``2 (DP - 1) / DP`` of ``grad_allreduce_s``): two all-gathers of the weights and one reduce-scatter of the
+gradients, each ``(DP - 1) / DP`` of the model, are three of them."""
 TRAINER_STATE_BYTES = 16
 """Bytes per parameter a colocated trainer offloads and reloads each step: bf16 weights and gradients, fp32
 master weights and two Adam moments (2 + 2 + 4 + 4 + 4), sharded over the trainer's devices."""
@@ -110,9 +114,12 @@ def switch_costs(arch: GPTArch, trainer_devices: int, rollout_tp: int, gpu: Gpu 
 
 
 def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, train_mfu: float = TRAIN_MFU,
-              rollout_tps=(1, 2, 4, 8)) -> CostFile:
+              rollout_tps=(1, 2, 4, 8), sharded: bool = False) -> CostFile:
     """A cost file for ``arch`` in bf16 on ``gpu``: variant ``device-tp{N}`` per rollout TP (the trainer terms
-    are per data-parallel replica of ``trainer_devices_per_replica`` GPUs)."""
+    are per data-parallel replica of ``trainer_devices_per_replica`` GPUs). ``sharded``: the trainer shards every
+    parameter over all its GPUs (FSDP / ZeRO-3, verl's FSDP2 trainer): each optimizer step gathers the bf16
+    weights for the forward and again for the backward and reduce-scatters the gradients, three times the model's
+    bytes per GPU (``FSDP_TRAFFIC``), against Megatron's all-reduce of one replica rank's gradient shard."""
     n_total, n_active = float(vllm_params(arch, 1)), active_params(arch)
     n_dense = n_total - _expert_params(arch)
     attn = arch.num_layers * arch.num_attention_heads * arch.head_dim  # x 2 FLOPs per token per row token, causal
@@ -120,7 +127,8 @@ def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, 
     train = TrainCosts(per_micro_s=0.005, per_token_s=6 * n_active / replica, per_token_seq_s=6 * attn / replica,
                        optimizer_s=0.5, ref_per_call_s=0.005, ref_per_token_s=2 * n_active / replica,
                        ref_per_token_seq_s=2 * attn / replica,
-                       grad_allreduce_s=2 * n_total / trainer_devices_per_replica / LINK_BYTES_S)
+                       grad_allreduce_s=(FSDP_TRAFFIC * 2 * n_total if sharded
+                                         else 2 * n_total / trainer_devices_per_replica) / LINK_BYTES_S)
     weight_bytes = 2 * n_total / trainer_devices_per_replica  # one exporting rank's bf16 shards
     variants = {}
     for tp in rollout_tps:
@@ -139,7 +147,7 @@ def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, 
             queue=QueueCosts(per_request_s=1e-3, per_byte_s=1 / 5e9), weight_bytes=weight_bytes,
             rollout_weight_bytes=2 * n_total / tp,
             switch=switch_costs(arch, trainer_devices_per_replica, tp, gpu))
-    variants["device"] = variants["device-tp1"]
+    variants["device"] = variants[f"device-tp{rollout_tps[0]}"]
     return CostFile(variants, {"kind": f"published {gpu.name} figures (prediction, not a measurement)",
                                "train_mfu": train_mfu})
 

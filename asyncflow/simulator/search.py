@@ -11,11 +11,16 @@ the search then assumes ``TP_EFFICIENCY`` per doubling and says so).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from asyncflow.simulator.costs import CostFile, CostModel
 from asyncflow.simulator.sim import SimResult, simulate
 from asyncflow.simulator.workload import Workload
 
+PACKED_MODES = ("stream", "colocated")
+"""Modes whose trainer packs rows and balances them over any number of replicas (``simulator.stream``)."""
+STREAM_SHARES = (1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)
+"""Rollout's shares of the devices that ``mode_search`` tries."""
 TP_EFFICIENCY = 0.8
 """Assumed decode speed-up per doubling of rollout TP, relative to ideal, when the cost file has no
 ``device-tp{N}`` variant (an assumption, not a measurement)."""
@@ -94,8 +99,8 @@ def candidate_splits(devices: int, w: Workload, trainer_mp: int, devices_per_nod
             if rollout < tp or train < trainer_mp or train % trainer_mp:
                 continue
             dp = train // trainer_mp
-            if w.rows_per_step % (w.micro_batch_size * dp):
-                continue
+            if w.mode not in PACKED_MODES and w.rows_per_step % (w.micro_batch_size * dp):
+                continue  # the stream's packed trainer balances tokens: any DP size takes the step's rows
             out.add((rollout // tp, tp, dp))
     return sorted(out, key=lambda s: (s[1], s[0]))
 
@@ -115,3 +120,57 @@ def search(w: Workload, costs: CostFile, devices: int, recipe=None, trainer_mp: 
         if progress is not None:
             progress()
     return sorted(splits, key=lambda s: -(s.result.samples_per_s if s.result else -1.0))
+
+
+@dataclasses.dataclass
+class ModeChoice:
+    """One sample-stream candidate: rollout model, staleness and split, and its simulation."""
+
+    rollout_model: str
+    max_staleness: int
+    rollout_instances: int
+    rollout_tp: int
+    trainer_dp: int
+    result: SimResult
+
+    @property
+    def bound(self) -> str:
+        """The side that sets the pace: the trainer when it is never short of groups, else rollout."""
+        return "trainer" if self.result.idle_fraction.get("actor", 0.0) < 0.05 else "rollout"
+
+    def overrides(self) -> list[str]:
+        """The choice as ``section.key=value`` overrides."""
+        return ["workflow.mode=stream", f"workflow.max_staleness={self.max_staleness}",
+                f"rollout.partial={str(self.rollout_model == 'partial').lower()}",
+                f"workflow.rollout_instances={self.rollout_instances}", f"rollout.tensor_parallel={self.rollout_tp}",
+                f"trainer.data_parallel={self.trainer_dp}"]
+
+
+def mode_search(w: Workload, model: CostModel, devices: int, trainer_mp: int, rollout_tp: int, recipe=None,
+                shares=STREAM_SHARES, staleness=(1, 2), models=("partial", "continuous"), progress=None
+                ) -> list[ModeChoice]:
+    """The sample stream of ``w`` at every rollout share of ``devices`` (down to a quarter; any trainer DP: the
+    packed trainer balances tokens), rollout model and staleness bound; fitting ones simulated, best first."""
+    out = []
+    for share in shares:
+        instances = max(1, round(devices * share / rollout_tp))
+        dp = (devices - instances * rollout_tp) // trainer_mp
+        if dp < 1:
+            continue
+        split = Split(instances, rollout_tp, dp, True, "")
+        if not _memory(recipe, split.overrides())[0]:
+            continue
+        for rollout_model, k in itertools.product(models, staleness):
+            trial = dataclasses.replace(w, mode="stream", rollout_model=rollout_model, max_staleness=k,
+                                        rollout_instances=instances, data_parallel=dp, packing=True)
+            out.append(ModeChoice(rollout_model, k, instances, rollout_tp, dp, simulate(trial, model)))
+            if progress is not None:
+                progress(out[-1])
+    return sorted(out, key=lambda c: -c.result.samples_per_s)
+
+
+def colocated_baseline(w: Workload, model: CostModel, devices: int, trainer_mp: int, rollout_tp: int) -> SimResult:
+    """The colocated baseline on ``devices``: every device generates (``rollout_tp`` per engine), switches
+    (``CostModel.switch``), then trains (``trainer_mp`` per replica)."""
+    return simulate(dataclasses.replace(w, mode="colocated", max_staleness=0, rollout_instances=devices // rollout_tp,
+                                        data_parallel=devices // trainer_mp, packing=True), model)

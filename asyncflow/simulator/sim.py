@@ -215,6 +215,10 @@ class SimResult:
     busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
     """Per device: seconds in which it ran at least one job (all of its work, as a device is never idle with
     work)."""
+    dropped: int = 0
+    """``stream``: groups that fell out of the staleness bound and were generated again."""
+    trained: list[int] = dataclasses.field(default_factory=list)
+    """``stream``: the prompt id of every trained group, in training order."""
 
     @property
     def lag_mean(self) -> float:
@@ -464,6 +468,10 @@ def _sync_driver(pipe: Pipe):
 
 def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = None) -> SimResult:
     """Run the pipeline of ``w`` on ``costs``; ``lengths`` replaces the drawn response lengths."""
+    if w.mode in ("stream", "colocated"):
+        from asyncflow.simulator import stream
+
+        return stream.simulate_stream(w, costs) if w.mode == "stream" else stream.colocated(w, costs, lengths)
     if w.rows_per_step % (w.micro_batch_size * w.data_parallel):
         raise ValueError(f"rows per step {w.rows_per_step} must be a multiple of micro_batch_size x data_parallel")
     pipe = Pipe(w, costs, lengths)

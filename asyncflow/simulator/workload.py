@@ -27,8 +27,11 @@ from asyncflow.config import AsyncFlowConfig
 class Workload:
     """The simulated run (one typed config for the simulator; ``from_config`` fills it from a recipe)."""
 
-    mode: Literal["async", "sync"] = "async"
-    """``async``: tasks on their own devices, overlapping; ``sync``: lock-step on shared devices."""
+    mode: Literal["async", "sync", "stream", "colocated"] = "async"
+    """``async``: tasks on their own devices, overlapping; ``sync``: lock-step on shared devices; ``stream``: the
+    sample stream (``simulator.stream``: rollout generates continuously, each trainer step takes the first complete
+    groups within the staleness bound); ``colocated``: the colocated baseline (every device generates, switches,
+    then trains)."""
     max_staleness: int = 1
     """k: rollout starts step s once weights of version s - k exist."""
     steps: int = 10
@@ -56,6 +59,15 @@ class Workload:
     within itself, with no padding (``fixed_shape`` then does not apply)."""
     pipeline_parallel: int = 1
     """Trainer pipeline stages (the stream and colocated models charge the pipeline bubble)."""
+    mini_batches: int = 1
+    """Optimizer steps per training step (``stream``, ``colocated``): the step's groups in that many mini-batches,
+    each with its gradient all-reduce (verl's ``train_batch_size / ppo_mini_batch_size``)."""
+    old_logprob: bool = False
+    """``colocated``: a forward pass for the old policy's log-probs before training (verl's colocated trainer); the
+    stream uses rollout's."""
+    stream_ahead: float = 0.0
+    """``stream``: groups admitted to rollout and not yet trained, in steps' worth (verl's ``1 +
+    staleness_threshold``); 0: ``max_staleness + 1``."""
     row_order: str = "shortest"
     """Which ready rows the actor and the reference take (``MegatronConfig.row_order``): ``shortest`` or
     ``arrival`` (the partition's ready order)."""
@@ -118,7 +130,7 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         raise ConfigError(f"agent.loop={cfg.agent.loop!r}: multi-turn rollouts are not simulated (tool calls and "
                          "observations have no cost model); simulate the single-turn recipe with "
                          "rollout.continuous=true instead")
-    packing = bool(getattr(tr, "packing", False))  # the trainer's sequence packing, where the config has it
+    packing = getattr(tr, "micro_batch_tokens", 0) > 0  # the trainer's sequence packing (a token budget)
     model = "partial" if cfg.rollout.partial else "continuous" if cfg.rollout.continuous else "chunked"
     return Workload(
         mode=wf.mode, max_staleness=0 if sync else wf.max_staleness, steps=wf.steps,

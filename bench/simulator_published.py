@@ -1,0 +1,68 @@
+"""Predicted against published: the simulator configured as published RL runs (verl fully-async's 7B table,
+AReaL's sync / async comparison), one set of constants for every case (``asyncflow.simulator.published``,
+``asyncflow.simulator.published_runs``). PREDICTIONS on paper: nothing here ran on a GPU.
+
+    python bench/simulator_published.py [--steps 6] [--out outputs/simulator_published]
+
+Prints each run's published and predicted step time with their ratio, then for each pair (the colocated or sync
+baseline and the asynchronous run on the same GPUs) the published and predicted speed-up. The target is 20%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def rows(runs, steps: int) -> list[dict]:
+    """Published against predicted, one dict per run."""
+    out = []
+    for run in runs:
+        result = run.predict(steps)
+        out.append({"name": run.name, "gpus": run.gpus, "published_s": run.published_step_s,
+                    "predicted_s": result.step_time_s, "dropped": result.dropped,
+                    "idle": {k: round(v, 2) for k, v in result.idle_fraction.items()}, "source": run.source})
+        print(f"{run.name}: predicted {result.step_time_s:.1f} s, published {run.published_step_s:.1f} s", flush=True)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """The markdown tables: each run, then each baseline / async pair."""
+    lines = ["| run | GPUs | published step s | predicted step s | predicted / published |", "|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r['name']} | {r['gpus']} | {r['published_s']:.1f} | {r['predicted_s']:.1f} | "
+                     f"{r['predicted_s'] / r['published_s']:.2f} |")
+    lines += ["", "| baseline / async | published speed-up | predicted speed-up | predicted / published |",
+              "|---|---|---|---|"]
+    for base, fast in zip(results[::2], results[1::2]):
+        pub, pred = base["published_s"] / fast["published_s"], base["predicted_s"] / fast["predicted_s"]
+        lines.append(f"| {base['name']} / {fast['name']} | {pub:.2f}x | {pred:.2f}x | {pred / pub:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="simulated steps per run (the first 2 are warm-up)")
+    parser.add_argument("--out", default="outputs/simulator_published")
+    parser.add_argument("--only", default="verl,areal", help="comma-separated: verl, areal")
+    args = parser.parse_args(argv)
+    from asyncflow.simulator.published_runs import AREAL, VERL
+
+    runs = {"verl": VERL, "areal": AREAL}
+    results = [r for name in args.only.split(",") for r in rows(runs[name], args.steps)]
+    text = table(results)
+    print(f"\nPREDICTED against PUBLISHED (one set of constants, no per-case factor)\n\n{text}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
