@@ -77,7 +77,8 @@ def to_critic_micro_batch(batch, seq_len: int, pad_id: int, fixed_shape: bool = 
         seq_len = fit_seq_len(prompts, responses, seq_len)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
     return {"tokens": tokens, "mask": mask, "old_values": place_per_token(batch["values"], prompts, seq_len),
-            "returns": place_per_token(batch["returns"], prompts, seq_len)}
+            "returns": place_per_token(batch["returns"], prompts, seq_len),
+            "row_tokens": torch.tensor(row_tokens(prompts, responses))}
 
 
 def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_shape: bool = True
@@ -95,6 +96,7 @@ def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_s
         "advantages": _advantages(batch["advantages"], prompts, mask, seq_len),
         "behaviour_logprobs": place_per_token(batch["behaviour_logprobs"], prompts, seq_len),
         "lag": train_version - torch.as_tensor(batch.meta.versions, dtype=torch.long),
+        "row_tokens": torch.tensor(row_tokens(prompts, responses)),  # packed (THD) attention cuts rows by them
     }
     if "ref_logprobs" in batch:
         mb["ref_logprobs"] = place_per_token(batch["ref_logprobs"], prompts, seq_len)

@@ -162,12 +162,15 @@ class TrainerService(TaskService):
         (real, padded), self.moved = self.moved, [0, 0]
         return {f"{prefix}/real_tokens": float(real), f"{prefix}/padded_tokens_ratio": padded / max(real, 1)}
 
-    def packed_micro_batches(self, step: int, fields: list[str], build, task: str | None = None
+    def packed_micro_batches(self, step: int, fields: list[str], build, rows: int, task: str | None = None
                              ) -> tuple[list[dict], list]:
-        """Packing: this replica's rows of ``step`` read whole, grouped by ``micro_batch_tokens`` and built by
+        """Packing: this replica's ``rows`` of ``step`` read whole, grouped by ``micro_batch_tokens`` and built by
         ``build(batch)``, as many micro-batches as the replica with most (so every replica's schedule has the
-        same length); also the batches read, in order."""
-        batches = list(self.stream(step, fields, self.mbs, task=task, allow_partial=False))
+        same length); also the batches read, in order.
+
+        The TransferQueue's ``token_balanced`` sampler deals the step's rows out to the replicas, equal row
+        counts with token counts as equal as its greedy split allows."""
+        batches = list(self.stream(step, fields, rows, task=task, allow_partial=False, sampler="token_balanced"))
         if not batches:
             return [], []
         merged = merge_batches(batches)
@@ -339,7 +342,7 @@ class ActorService(TrainerService):
         num_micro, passes = self.num_micro, first_pass()
         if self.token_budget:  # the step's rows are read whole, then grouped by length
             t = time.perf_counter()
-            cache[:], batches = self.packed_micro_batches(step, self.fields, build)
+            cache[:], batches = self.packed_micro_batches(step, self.fields, build, self.num_micro * self.mbs)
             groups.extend(g for b in batches for g in b.meta.group_ids)
             reads[0] += time.perf_counter() - t
             num_micro, passes = len(cache), iter(list(cache))
@@ -420,7 +423,7 @@ class CriticService(TrainerService):
         t0 = time.time()
         num_micro, passes = self.num_micro, first_pass()
         if self.token_budget:  # the step's rows are read whole, then grouped by length
-            cache[:], _ = self.packed_micro_batches(step, fields, build, task="critic")
+            cache[:], _ = self.packed_micro_batches(step, fields, build, self.num_micro * self.mbs, task="critic")
             num_micro, passes = len(cache), iter(list(cache))
         with self.timeline.span(self.name, "critic_train", self.worker, step=step):
             results = [self.engine.train_step(passes, num_micro, self.loss_fn)]

@@ -72,10 +72,12 @@ def test_merge_and_select_give_the_micro_batch_of_the_same_rows():
 
 def test_packed_run_trains_every_prompt_once_and_reports_its_padding(tmp_path, tiny_model_dir, shared_ray):
     """The loop on the fake engines with ``micro_batch_tokens``: the actor reads its step whole and groups it by
-    length, the reference forward packs the same way; both report the tokens they moved."""
+    length, the reference forward packs the same way; both report the tokens they moved (replica 0's)."""
     from tests.recipe_runs import GROUP, PROMPTS, SMALL, STEPS, check_staleness_and_exactly_once, records, run_fake
 
-    summary = run_fake(tmp_path, tiny_model_dir, "packed", *SMALL, "trainer.micro_batch_tokens=64")
+    # Two replicas: the TransferQueue's token_balanced sampler deals the step out, both run as many micro-batches.
+    summary = run_fake(tmp_path, tiny_model_dir, "packed", *SMALL, "trainer.micro_batch_tokens=64",
+                       "trainer.data_parallel=2", "trainer.micro_batch_size=4")
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
     steps = [r for r in records(summary) if "actor/padded_tokens_ratio" in r]
     assert len(steps) == STEPS

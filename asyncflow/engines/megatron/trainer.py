@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.config import MegatronEngineConfig
-from asyncflow.engines.megatron import context_parallel
+from asyncflow.engines.megatron import context_parallel, thd
 from asyncflow.engines.megatron.logprobs import token_logprobs
 from asyncflow.models.device import CPU, engine_device, to_device
 from asyncflow.models.megatron import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
@@ -284,9 +284,17 @@ class MegatronTrainer:
             # loss_fn contract (losses sum to the batch loss) holds.
             return loss * num_microbatches, metrics
 
+        packed_attention = thd.enabled(self.cfg.micro_batch_tokens)
+
         def forward_step(data_iter, model):
             mb = to_device(next(data_iter), self.device)  # the one host -> device copy of a micro-batch
-            if cp > 1:  # this rank's 2 of 2 x CP chunks; labels are shifted before the split
+            unpack = None
+            if packed_attention and "row_tokens" in mb:  # rows concatenated, attention per row (untested: TE)
+                ids, pos, labels, params = thd.pack(mb["tokens"], mb["row_tokens"])
+                out = model(ids, pos, None, packed_seq_params=params)
+                scored = out
+                unpack = functools.partial(thd.unpack, lengths=mb["row_tokens"], seq=mb["tokens"].shape[1])
+            elif cp > 1:  # this rank's 2 of 2 x CP chunks; labels are shifted before the split
                 mb, pos, labels = context_parallel.split(mb, seq, cp)
                 out = model(mb["tokens"], pos, None)
                 scored = out  # every local position has its label (0 past the end, masked)
@@ -297,13 +305,14 @@ class MegatronTrainer:
                 scored, labels = out[:, :-1], tokens[:, 1:]  # position t predicts token t+1
             if not parallel_state.is_pipeline_last_stage():
                 return out, functools.partial(scaled_loss, mb)  # hidden states for the next stage
+            unpack = unpack or (lambda values: values)
             if self.head == "value":  # aligned like the logprobs: position t is the state before token t+1
-                return scored[..., 0].float(), functools.partial(scaled_loss, mb)
-            logprobs = token_logprobs(scored, labels, self.arch.vocab_size)
+                return unpack(scored[..., 0].float()), functools.partial(scaled_loss, mb)
+            logprobs = unpack(token_logprobs(scored, labels, self.arch.vocab_size))
             if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus reads the whole distribution
                 from asyncflow.engines.megatron.logprobs import token_entropy
 
-                mb = {**mb, "entropy": token_entropy(scored, self.arch.vocab_size)}
+                mb = {**mb, "entropy": unpack(token_entropy(scored, self.arch.vocab_size))}
             return logprobs, functools.partial(scaled_loss, mb)
 
         outputs = get_forward_backward_func()(
