@@ -1,18 +1,14 @@
-"""At scale, on paper: predicted throughput and best device split of the cluster recipes at 64, 256 and 1,024
-H100s, in sync and async, from published H100 figures (``asyncflow.simulator.published``). PREDICTIONS, not
-measurements: nothing here ran on a GPU.
+"""At scale, on paper: the sample stream against the colocated baseline for the cluster recipes, from published
+H100 figures (``asyncflow.simulator.published``). PREDICTIONS, not measurements: nothing here ran on a GPU.
 
-    python bench/simulator_scale.py [--out outputs/simulator_scale] [--mfu 0.47] [--steps 5]
+    python bench/simulator_scale.py [--gpus 256] [--steps 5] [--recipes qwen2.5-7b,...] [--out outputs/simulator_scale]
 
-Weak scaling: each recipe's global batch grows with the GPU count (rows per GPU as in the recipe), response
-lengths are long-tailed (lognormal, median max_new_tokens / 8, sigma 1). For every scale the split search
-tries rollout shares of 3/8 .. 3/4 of the GPUs at the recipe's rollout TP (memory checked by
-``asyncflow plan``'s estimate), async at the recipe's staleness; sync is shown twice: this loop's sync
-(rollout and trainer on their own GPUs, lock-step, at the async-best split) and the colocated baseline the
-AsyncFlow paper compares against (every GPU generates, with every prompt of the step in the engine at once,
-then every GPU trains). "async partial" is the async-best
-split with partial rollout (``rollout.partial``: one engine across steps, newer weights applied under the
-running tail, prefixes recomputed), at the same staleness.
+Weak scaling: each recipe's global batch grows with the GPU count (rows per GPU as in the recipe); response lengths
+are the heavy tail of every published case (``published_runs.heavy_tail``: mean ``max_new_tokens / 18``), prompts
+of ``PROMPT_LEN`` tokens. The colocated baseline generates on every GPU (the rows dealt evenly over the engines),
+pays its switching (``CostModel.switch``: offload, sleep and wake, weight reload), then trains on every GPU. The
+sample stream is searched (``search.mode_search``): rollout shares 1/4 .. 3/4, partial and continuous rollout,
+staleness 1 and 2; the best is shown with the side that binds it. Both trainers pack rows (sequence packing).
 """
 
 from __future__ import annotations
@@ -25,16 +21,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = ["qwen2.5-7b", "qwen2.5-32b", "qwen3-30b-a3b"]
-SCALES = [64, 256, 1024]
-SHARES = [3 / 8, 1 / 2, 5 / 8, 3 / 4]
 
 
-def scenario(name: str, gpus: int, mfu: float, steps: int) -> dict:
-    """Best async split, this loop's sync at that split, and the colocated sync baseline at ``gpus`` GPUs."""
+def scenario(name: str, gpus: int, steps: int, staleness=(1, 2), models=("partial", "continuous")) -> dict:
+    """The colocated baseline and the best sample stream of recipe ``name`` at ``gpus`` GPUs."""
     from asyncflow.recipes_check import load_recipe
     from asyncflow.simulator.published import h100_costs
-    from asyncflow.simulator.search import Split, _memory
-    from asyncflow.simulator.sim import simulate
+    from asyncflow.simulator.published_runs import PROMPT_LEN, heavy_tail
+    from asyncflow.simulator.search import colocated_baseline, mode_search
     from asyncflow.simulator.workload import from_config
 
     recipe, problems = load_recipe(REPO / "recipes" / name)
@@ -44,73 +38,53 @@ def scenario(name: str, gpus: int, mfu: float, steps: int) -> dict:
     base = recipe.cluster.nodes * recipe.cluster.devices_per_node
     tr, ro = cfg.trainer, cfg.rollout
     mp, rtp = tr.tensor_parallel * tr.pipeline_parallel, ro.tensor_parallel
-    costs = h100_costs(recipe.arch, mp, train_mfu=mfu)
-    model = costs.variant(f"device-tp{rtp}")
-    w = from_config(cfg, lengths=f"lognormal:{ro.max_new_tokens // 8}:1")
+    model = h100_costs(recipe.arch, mp, rollout_tps=(rtp,)).variant(f"device-tp{rtp}")
+    w = from_config(cfg, lengths=heavy_tail(ro.max_new_tokens))
     prompts = cfg.workflow.prompts_per_step * gpus // base
-    w = dataclasses.replace(w, steps=steps, warmup_steps=2, prompts_per_step=prompts)
-    best = None
-    for share in SHARES:
-        instances = max(1, round(gpus * share / rtp))
-        dp = (gpus - instances * rtp) // mp
-        if dp < 1 or (gpus - instances * rtp) % mp or w.rows_per_step % (w.micro_batch_size * dp):
-            continue
-        split = Split(instances, rtp, dp, True, "")
-        split.fits, split.memory = _memory(recipe, split.overrides())
-        if not split.fits:
-            continue
-        trial = dataclasses.replace(w, rollout_instances=instances, data_parallel=dp)
-        split.result = simulate(trial, model)
-        if best is None or split.result.samples_per_s > best.result.samples_per_s:
-            best = split
-    at_best = dataclasses.replace(w, rollout_instances=best.rollout_instances, data_parallel=best.trainer_dp)
-    partial = simulate(dataclasses.replace(at_best, rollout_model="partial"), model)
-    sync_split = simulate(dataclasses.replace(w, mode="sync", max_staleness=0, rollout_instances=best.rollout_instances,
-                                              data_parallel=best.trainer_dp), model)
-    # The paper's baseline hands each step's prompts to vLLM at once (continuous batching within the step), not
-    # in the recipe's rollout_chunk pieces.
-    colocated = simulate(dataclasses.replace(w, mode="sync", max_staleness=0, rollout_instances=gpus // rtp,
-                                             data_parallel=gpus // mp, rollout_model="continuous"), model)
+    w = dataclasses.replace(w, steps=steps, warmup_steps=2, prompts_per_step=prompts, prompt_len=PROMPT_LEN,
+                            packing=True, fixed_shape=False)
+    colocated = colocated_baseline(w, model, gpus, mp, rtp)
+    choices = mode_search(w, model, gpus, mp, rtp, recipe=recipe, staleness=staleness, models=models,
+                          progress=lambda c: print(f"  {name} {gpus}: {c.rollout_model} k={c.max_staleness} "
+                                                   f"{c.rollout_instances}x TP{c.rollout_tp} + DP{c.trainer_dp}: "
+                                                   f"{c.result.samples_per_s:.1f} samples/s", flush=True))
+    best = choices[0]
     return {"recipe": name, "gpus": gpus, "rows_per_step": w.rows_per_step,
-            "best": f"{best.rollout_instances}x TP{rtp} rollout + DP{best.trainer_dp} trainer",
-            "async": best.result.samples_per_s, "async_step_s": best.result.step_time_s,
-            "async_partial": partial.samples_per_s,
-            "sync_split": sync_split.samples_per_s, "sync_colocated": colocated.samples_per_s,
+            "colocated": colocated.samples_per_s, "colocated_step_s": colocated.step_time_s,
+            "switch_s": model.switch.total_s,
+            "stream": best.result.samples_per_s, "stream_step_s": best.result.step_time_s,
+            "split": f"{best.rollout_instances}x TP{best.rollout_tp} rollout + DP{best.trainer_dp} trainer",
+            "mode": f"{best.rollout_model}, k={best.max_staleness}", "bound": best.bound,
+            "dropped": best.result.dropped, "overrides": best.overrides(),
             "idle": {k: round(v, 2) for k, v in best.result.idle_fraction.items()}}
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of ``scenario`` rows."""
+    lines = ["| recipe | GPUs | rows/step | colocated samples/s (switch s/step) | best stream | split | "
+             "stream samples/s | stream / colocated | bound by |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['recipe']} | {r['gpus']} | {r['rows_per_step']} | {r['colocated']:.1f} "
+                     f"({r['switch_s']:.1f}) | {r['mode']} | {r['split']} | {r['stream']:.1f} | "
+                     f"{r['stream'] / r['colocated']:.2f}x | {r['bound']} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="outputs/simulator_scale")
-    parser.add_argument("--mfu", type=float, default=0.47)
+    parser.add_argument("--gpus", default="256", help="comma-separated GPU counts")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--recipes", default=",".join(RECIPES))
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    rows = []
-    for name in args.recipes.split(","):
-        for gpus in SCALES:
-            rows.append(scenario(name, gpus, args.mfu, args.steps))
-            r = rows[-1]
-            print(f"{name} {gpus} GPUs: async {r['async']:.1f} samples/s ({r['best']}), async partial "
-                  f"{r['async_partial']:.1f}, sync {r['sync_split']:.1f}, colocated sync {r['sync_colocated']:.1f}",
-                  flush=True)
-    lines = ["| recipe | GPUs | rows/step | best split (async) | async samples/s | async partial | sync (this loop) | "
-             "sync colocated | async / colocated | partial / colocated | scaling eff. vs 64 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        first = next(x for x in rows if x["recipe"] == r["recipe"])
-        eff = r["async"] / first["async"] / (r["gpus"] / first["gpus"])
-        lines.append(f"| {r['recipe']} | {r['gpus']} | {r['rows_per_step']} | {r['best']} | {r['async']:.1f} | "
-                     f"{r['async_partial']:.1f} | {r['sync_split']:.1f} | {r['sync_colocated']:.1f} | "
-                     f"{r['async'] / r['sync_colocated']:.2f}x | {r['async_partial'] / r['sync_colocated']:.2f}x | "
-                     f"{eff:.0%} |")
-    table = "\n".join(lines)
-    print(f"\nPREDICTED (published H100 figures, train MFU {args.mfu:.0%}; not measured)\n\n{table}")
+    rows = [scenario(name, int(gpus), args.steps) for name in args.recipes.split(",") for gpus in args.gpus.split(",")]
+    text = table(rows)
+    print(f"\nPREDICTED (published H100 figures; not measured)\n\n{text}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"table_mfu{int(args.mfu * 100)}.md").write_text(table + "\n")
-    (out / f"results_mfu{int(args.mfu * 100)}.json").write_text(json.dumps(rows, indent=2))
+    (out / "table.md").write_text(text + "\n")
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
     return 0
 
 

@@ -37,6 +37,9 @@ its mean response length)."""
 RESPONSE_SIGMA = 1.3
 """Spread of the lognormal response lengths (clipped at ``max_new_tokens``), for every case: with
 ``RESPONSE_MAX_OVER_MEAN`` a step of thousands of responses has a few at the cap, as DAPO's overlong ones."""
+PROMPT_LEN = 200
+"""Prompt tokens, for every case (neither publication gives its prompts' length; math prompts with their template
+run to a few hundred tokens)."""
 NO_BOUND = 10**6
 """``max_staleness`` of a run that bounds staleness only by admission (verl's ``staleness_threshold``), never by
 dropping a sample."""
@@ -122,8 +125,7 @@ def arch(name: str) -> GPTArch:
 VERL_SOURCE = "github.com/volcengine/verl verl/experimental/fully_async_policy/README.md, 7B table"
 # Qwen2.5-Math-7B has Qwen2.5-7B's architecture (28 layers, 3584 hidden, 28 heads, 4 KV heads, 18944 MLP).
 _VERL = dict(arch="qwen2.5-7b", gpu=H20, rollout_tp=4, trainer_replica=4, sharded=True, prompts=512, samples=16,
-             mini_batches=16, prompt_len=200, max_new_tokens=28672, max_num_seqs=256, source=VERL_SOURCE)
-"""``prompt_len``: DAPO-Math-17k's prompts are not measured in the source (up to 2,048 allowed); 200 assumed."""
+             mini_batches=16, prompt_len=PROMPT_LEN, max_new_tokens=28672, max_num_seqs=256, source=VERL_SOURCE)
 VERL = [
     Run("verl colocated 32", gpus=32, rollout_gpus=0, old_logprob=True, published_step_s=790.10, **_VERL),
     Run("verl fully-async 16:16", gpus=32, rollout_gpus=16, stream_ahead=1.5, published_step_s=294.77, **_VERL),
@@ -138,7 +140,7 @@ AREAL_SOURCE = "github.com/inclusionAI/AReaL blog/AReaL_v0_3.md, Table 2"
 # Not in the source, assumed: H800 (H100 compute and HBM), 512 prompts x 16 samples in one mini-batch, responses up
 # to 27K tokens (the same post's code runs), rollout TP 1 on 3/4 of the GPUs, an FSDP trainer, staleness 4.
 _AREAL = dict(gpu=H100, rollout_tp=1, trainer_replica=1, sharded=True, prompts=512, samples=16, mini_batches=1,
-              prompt_len=200, max_new_tokens=27648, max_num_seqs=256, source=AREAL_SOURCE)
+              prompt_len=PROMPT_LEN, max_new_tokens=27648, max_num_seqs=256, source=AREAL_SOURCE)
 AREAL = [
     Run("AReaL sync 1.5B, 128 GPUs", arch="r1-distill-qwen-1.5b", gpus=128, rollout_gpus=0, old_logprob=True,
         published_step_s=41.0 * 3600 / 1000, **_AREAL),

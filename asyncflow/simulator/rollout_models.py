@@ -24,7 +24,8 @@ device job, so a chunk costs a few jobs, not one per token.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import heapq
+from collections import defaultdict, deque
 from collections.abc import Generator
 
 from asyncflow.registry import Registry
@@ -39,16 +40,22 @@ every 0.05 s, about 16 steps of the tiny CPU model; at scale 16 steps are well u
 
 
 class Engine:
-    """One engine's waiting and running sequences, advanced one finish at a time (``segment``)."""
+    """One engine's waiting and running sequences, advanced one finish at a time (``segment``).
+
+    Bookkeeping is incremental, so a segment costs O(log n) in the running sequences, not O(n): an engine step
+    counter ``t``; each running sequence's first-token step (``start``) and finishing step in a heap; the attended
+    context of the running set is ``n (prompt_len + t) - sum(start)``."""
 
     def __init__(self, costs: RolloutCosts, prompt_len: int, max_seqs: int):
         self.costs, self.prompt_len, self.max_seqs = costs, prompt_len, max_seqs
-        self.waiting: list = []  # keys in arrival order
-        self.running: dict = {}  # key -> tokens generated so far
-        self.lengths: dict = {}  # key -> tokens it will generate
+        self.waiting: deque = deque()  # keys in arrival order
+        self.start: dict = {}  # running key -> the engine step whose prefill gave its first token, minus 1
+        self.ends: list = []  # heap of (the step at which it finishes, seq, key)
+        self.lengths: dict = {}  # key -> tokens it will generate (waiting and running)
+        self.t, self.seq, self.start_sum = 0, 0, 0
 
     def __len__(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.start)
 
     @property
     def free(self) -> int:
@@ -60,6 +67,10 @@ class Engine:
         self.waiting.append(key)
         self.lengths[key] = length
 
+    def done(self, key) -> int:
+        """Tokens a running sequence has generated."""
+        return self.t - self.start[key]
+
     def segment(self, max_steps: int | None = None) -> tuple[float, list]:
         """``(seconds, finished keys)`` up to the next engine step in which a sequence finishes, or after
         ``max_steps`` engine steps with no finish (``[]``).
@@ -69,40 +80,45 @@ class Engine:
         without an admission are summed in closed form (the attended context grows by one token per running
         sequence per step), so a batch costs one iteration per finish event, not one per token."""
         costs, work, taken = self.costs, 0.0, 0
-        while (self.waiting or self.running) and (max_steps is None or taken < max_steps):
-            admitted = self.waiting[: max(self.max_seqs - len(self.running), 0)]
-            self.waiting = self.waiting[len(admitted):]
-            batch = len(self.running) + len(admitted)
-            ctx = sum(self.prompt_len + done for done in self.running.values())
+        while (self.waiting or self.start) and (max_steps is None or taken < max_steps):
+            n_admit = min(max(self.max_seqs - len(self.start), 0), len(self.waiting))
+            admitted = [self.waiting.popleft() for _ in range(n_admit)]
+            running = len(self.start)
+            batch = running + n_admit
+            ctx = running * (self.prompt_len + self.t) - self.start_sum
             if admitted:  # one engine step: prefill the admitted rows (their first token), decode the others
                 steps = 1
-                tokens = len(self.running) + self.prompt_len * len(admitted)
+                tokens = running + self.prompt_len * n_admit
                 work += (costs.fixed_s(tokens) + costs.per_seq_s * batch + costs.per_ctx_token_s * ctx
-                         + (costs.prefill_per_token_s * self.prompt_len + costs.per_request_s) * len(admitted))
+                         + (costs.prefill_per_token_s * self.prompt_len + costs.per_request_s) * n_admit)
             else:  # decode steps up to the next finish: context ctx, ctx + B, ctx + 2B, ...
-                steps = min(self.lengths[key] - done for key, done in self.running.items())
+                steps = self.ends[0][0] - self.t
                 steps = steps if max_steps is None else min(steps, max_steps - taken)
                 work += (steps * (costs.fixed_s(batch) + costs.per_seq_s * batch)
                          + costs.per_ctx_token_s * (steps * ctx + batch * steps * (steps - 1) / 2))
             taken += steps
-            for key in self.running:
-                self.running[key] += steps
-            for key in admitted:
-                self.running[key] = 1
-            finished = [key for key, done in self.running.items() if done >= self.lengths[key]]
+            self.t += steps
+            for key in admitted:  # one token after this step
+                self.start[key] = self.t - 1
+                self.start_sum += self.t - 1
+                heapq.heappush(self.ends, (self.t - 1 + self.lengths[key], self.seq, key))
+                self.seq += 1
+            finished = []
+            while self.ends and self.ends[0][0] <= self.t:
+                key = heapq.heappop(self.ends)[2]
+                self.start_sum -= self.start.pop(key)
+                del self.lengths[key]
+                finished.append(key)
             if finished:
-                for key in finished:
-                    del self.running[key]
-                    del self.lengths[key]
                 return work, finished
         return work, []
 
     def recompute_s(self) -> float:
         """Prefill of every running sequence's prompt and tokens so far (a partial-rollout swap that drops the
         KV cache: the requests are re-added with their tokens as the prompt)."""
-        costs = self.costs
-        return sum(costs.prefill_per_token_s * (self.prompt_len + done) + costs.per_request_s
-                   for done in self.running.values())
+        costs, n = self.costs, len(self.start)
+        tokens = n * (self.prompt_len + self.t) - self.start_sum
+        return costs.prefill_per_token_s * tokens + costs.per_request_s * n
 
 
 def engine_batch(lengths: list[int], prompt_len: int, costs: RolloutCosts, max_seqs: int

@@ -72,3 +72,18 @@ def test_a_trainer_bound_stream_runs_at_the_trainers_pace():
     per_mini = stream.trainer_s(w, CostModel(train=slow), [8] * (w.rows_per_step // w.mini_batches))
     assert result.step_time_s == pytest.approx(w.mini_batches * per_mini)
     assert result.idle_fraction["actor"] < 0.1
+
+
+def test_mode_search_tries_rollout_shares_down_to_a_quarter_and_any_trainer_dp():
+    from asyncflow.simulator.search import colocated_baseline, mode_search
+
+    w = _w(steps=4, prompts_per_step=3, rollout_instances=1, data_parallel=1)  # 12 rows: no DP of 5 or 7 divides them
+    model = CostModel(rollout=ROLLOUT, train=TRAIN)
+    choices = mode_search(w, model, devices=8, trainer_mp=1, rollout_tp=1, staleness=(1,), models=("partial",))
+    assert sorted(c.rollout_instances for c in choices) == [2, 3, 4, 5, 6]
+    assert {c.trainer_dp for c in choices} == {6, 5, 4, 3, 2}
+    rates = [c.result.samples_per_s for c in choices]
+    assert rates == sorted(rates, reverse=True)
+    assert "workflow.mode=stream" in choices[0].overrides()
+    base = colocated_baseline(w, model, devices=8, trainer_mp=1, rollout_tp=1)
+    assert base.workload.rollout_instances == 8 and base.workload.data_parallel == 8
