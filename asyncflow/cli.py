@@ -172,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "at most 50)")
     simulate.add_argument("--devices", type=int, default=None,
                           help="search the split of this many devices between rollout and training")
+    simulate.add_argument("--modes", action="store_true", help="also search the sample stream's rollout share "
+                          "(down to 1/4), rollout mode and staleness against the colocated baseline")
     simulate.add_argument("--out", default="outputs/simulate", help="folder for timeline.png / timeline.json")
     simulate.set_defaults(func=_cmd_simulate)
 

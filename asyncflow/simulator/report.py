@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         devices = recipe.cluster.nodes * recipe.cluster.devices_per_node
     if devices and w.placement == "devices":
         print_search(w, costs, devices, recipe, cfg)
+        if getattr(args, "modes", False):
+            print_mode_search(w, costs, devices, recipe, cfg)
     elif devices:
         print("split search: only for device recipes (ray.accelerator set); the CPU layout has one split")
     return 0
@@ -139,3 +141,26 @@ def print_search(w: Workload, costs: CostFile, devices: int, recipe, cfg) -> Non
     best = next((s for s in splits if s.result), None)
     if best:
         print(f"\nbest: {' '.join(best.overrides())} ({best.result.samples_per_s:.1f} samples/s)")
+
+
+def print_mode_search(w: Workload, costs: CostFile, devices: int, recipe, cfg) -> None:
+    """Search the sample stream's rollout share, rollout mode and staleness on ``devices`` and print each candidate
+    against the colocated baseline (switching charged), best first."""
+    from asyncflow.simulator.search import colocated_baseline, mode_search
+
+    tr, tp = cfg.trainer, cfg.rollout.tensor_parallel
+    mp = tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel
+    model = model_for(costs, w, tp)
+    base = colocated_baseline(w, model, devices, mp, tp)
+    choices = mode_search(w, model, devices, mp, tp, recipe=recipe)
+    print(f"\nmode search over {devices} devices: the sample stream (workflow.mode=stream) against the colocated "
+          f"baseline, {base.samples_per_s:.1f} samples/s with {model.switch.total_s:.1f} s of switching a step\n")
+    print("| rollout | k | instances x TP | trainer DP | step s | samples/s | vs colocated | bound by | dropped |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for c in choices:
+        r = c.result
+        print(f"| {c.rollout_model} | {c.max_staleness} | {c.rollout_instances} x {c.rollout_tp} | {c.trainer_dp} | "
+              f"{r.step_time_s:.2f} | {r.samples_per_s:.1f} | {r.samples_per_s / base.samples_per_s:.2f}x | "
+              f"{c.bound} | {r.dropped} |")
+    if choices:
+        print(f"\nbest: {' '.join(choices[0].overrides())} ({choices[0].result.samples_per_s:.1f} samples/s)")

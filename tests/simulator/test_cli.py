@@ -118,3 +118,13 @@ def test_published_h100_decode_step_is_the_weight_read_roofline():
     assert 7e9 < n < 8e9  # Qwen2.5-7B: 7.6 B parameters
     moe, _ = load_recipe(REPO / "recipes/qwen3-30b-a3b")
     assert 2.5e9 < pub.active_params(moe.arch) < 4e9  # "A3B": about 3.3 B active of 30 B
+
+
+def test_simulate_modes_searches_the_sample_stream_against_the_colocated_baseline(cost_file, tmp_path, capsys):
+    rc = main(["simulate", str(REPO / "recipes/qwen2.5-7b"), "workflow.steps=3", "rollout.max_new_tokens=64",
+               "rollout.max_model_len=1088", "trainer.reference_placement=colocated", "workflow.prompts_per_step=4",
+               "--costs", str(cost_file), "--out", str(tmp_path), "--lengths", "lognormal:16:1", "--modes"])
+    text = capsys.readouterr().out
+    assert rc == 0
+    assert "mode search over 16 devices" in text and "against the colocated baseline" in text
+    assert "best: workflow.mode=stream" in text
