@@ -1,7 +1,7 @@
 """The two-host cluster (``tools/two_host.py``) as a fixture for the tests of this folder (one per module).
 
 Host B is a network namespace with a private /dev/shm and its own hostname; both hosts run a Ray node declaring
-2 ``NPU``. Making namespaces needs root: without it the tests fail with the reason when ``CI`` is set (CI runs as
+``NPU`` devices. Making namespaces needs root: without it the tests fail with the reason when ``CI`` is set (CI runs as
 root, so a skip there would hide that the cross-host tests never ran) and skip with the reason otherwise.
 """
 
@@ -47,12 +47,12 @@ def make_cluster(**kwargs):
 
 @pytest.fixture(scope="module")
 def two_hosts():
-    """A running two-host Ray cluster (``two_host.TwoHost``), removed after the module that uses it (a cluster
-    of another module, ``test_weights_across_hosts.py``, does not start beside it).
+    """A running two-host Ray cluster (``two_host.TwoHost``; host A declares 2 devices, host B 4, so that a layout
+    can pin work to host B), removed after the module that uses it.
 
     Pass ``cluster.env()`` to processes that join it (``asyncflow train ... ray.address=<cluster.address>``).
     """
-    cluster = make_cluster()
+    cluster = make_cluster(devices=2, devices_b=4)
     try:
         yield cluster
     finally:

@@ -1,15 +1,21 @@
-"""The two-host cluster of ``tools/two_host.py`` (``two_hosts``: 2 devices per host) and what runs across it: the
-hosts really differ, the TransferQueue's Ray deployment, a sync run of the tiny recipe and the start-up checks.
+"""The two-host cluster of ``tools/two_host.py`` (``two_hosts``: host A 2 devices, host B 4) and what runs across
+it: the hosts really differ, the TransferQueue's Ray deployment, a sync run and an async run of the tiny recipe,
+the start-up checks, and the cluster's teardown. One cluster serves every test of the file (making one costs
+about 17 s of a 2-core machine).
 
 What these runs prove: host B has its own address, hostname and /dev/shm; every address a worker on host B was
 given is host A's veth address (nothing goes through 127.0.0.1 between hosts: loopback of host B is not host A),
 no client reads another host's shared memory (the clients count bytes by shared memory and by socket), the weights
-reach host B through the relay, and vLLM's logprobs equal Megatron's at every version. The async layout (trainer
-on both hosts, rollout on host B) is ``test_weights_across_hosts.py``. What only a real cluster proves: other
-network fabrics (NCCL, RDMA), real devices, and filesystems that are really separate.
+reach host B through the relay, and vLLM's logprobs equal Megatron's at every version.
 
-Every test of this file shares one cluster (``two_hosts``).
+The async run: trainer TP2 x DP2 over both hosts and two rollout instances pinned to host B
+(``ray.rollout_label_selector``): every TP group lies on one host (from the ranks' node ids); each exporting
+rank on host A relays into host B's one receiver and one mirror, which both instances of host B read; an
+exporting rank on host B is read from its own segment there (``weight_sync.transport: auto``, per pair).
+What only a real cluster proves: other network fabrics (NCCL, RDMA), real devices, and filesystems that are
+really separate.
 """
+
 
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import check_tq_and_weights_across_hosts
+from tests.cluster.conftest import check_tq_and_weights_across_hosts, check_weight_bytes, load_two_host
 from tests.recipe_runs import REPO, SMALL
 
 STEPS = 3
@@ -91,7 +97,7 @@ def test_hosts_differ_in_address_hostname_and_shared_memory(two_hosts):
     assert proc.returncode == 0, proc.stderr[-3000:]
     hosts = sorted(json.loads(proc.stdout.strip().splitlines()[-1]), key=lambda h: h["ip"])
     assert [h["ip"] for h in hosts] == sorted([two_hosts.addr_a, two_hosts.addr_b])
-    assert [h["npu"] for h in hosts] == [2.0, 2.0]
+    assert sorted(h["npu"] for h in hosts) == [2.0, 4.0]
     assert hosts[0]["host"] != hosts[1]["host"]
     assert hosts[0]["shm_dev"] != hosts[1]["shm_dev"]  # B's /dev/shm is its own filesystem
     # A segment made on host A is invisible on host B.
@@ -150,3 +156,99 @@ def test_a_path_missing_on_one_node_is_named(two_hosts, tmp_path):
     assert err.startswith("asyncflow: error: model.path ") and str(model / "config.json") in err, err
     assert f"node {two_hosts.addr_b} ({two_hosts.hostname_b})" in err, err
     assert "TransferQueue" not in proc.stdout  # stopped before anything started
+
+
+def _node_ids(cluster) -> dict[str, str]:
+    probe = ("import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
+             "print(json.dumps({n['NodeManagerAddress']: n['NodeID'] for n in ray.nodes() if n['Alive']}))")
+    proc = subprocess.run([sys.executable, "-c", probe, cluster.address], capture_output=True, text=True,
+                          env=cluster.env(), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_tp_groups_stay_on_a_host_and_host_b_shares_one_receiver(two_hosts, tmp_path):
+    nodes = _node_ids(two_hosts)
+    node_a, node_b = nodes[two_hosts.addr_a], nodes[two_hosts.addr_b]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}", "model.make_tiny_if_missing=true",
+           f"ray.address={two_hosts.address}", "ray.accelerator=NPU", "ray.cpus_per_device=1",
+           f"ray.rollout_label_selector={json.dumps({'ray.io/node-id': node_b})}",
+           "trainer.tensor_parallel=2", "trainer.data_parallel=2", "trainer.micro_batch_size=4",
+           "workflow.rollout_instances=2", "workflow.steps=3", "workflow.prompts_per_step=4",
+           "workflow.samples_per_prompt=4", "workflow.rollout_chunk=8", "workflow.score_chunk=8",
+           "workflow.max_staleness=0", "algorithm.kl_coef=0",  # on-policy: every step checks the live gap
+           "workflow.step_timeout_s=1234"]
+    env = two_hosts.env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1500, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    layout = check_tq_and_weights_across_hosts(two_hosts, proc.stdout, out, steps=3)
+
+    # Each TP group (ranks 2g, 2g+1) on one host; the group's two ranks really share that host.
+    actor = layout["actor"]
+    groups = [{actor[2 * g]["node"], actor[2 * g + 1]["node"]} for g in range(2)]
+    assert all(len(g) == 1 for g in groups), groups
+    assert {n for g in groups for n in g} == {node_a, node_b}  # the trainer spans both hosts
+    assert [a["group_timeout_s"] for a in actor] == [1234.0] * 4  # the run's step timeout, not torch's 10 min
+
+    # Both rollout instances on host B, sharing one receiver: the first owns the mirrors, the second none.
+    rollout = layout["rollout"]
+    assert [r["node"] for r in rollout] == [node_b, node_b]
+    assert [r["weights"]["host"] for r in rollout] == [node_b, node_b]
+    assert [r["weights"]["owner"] for r in rollout] == [True, False] and rollout[1]["weights"]["mirrors"] == []
+
+    # Per pair: exporting ranks on A relay to B; those on B publish their own segment (no relay). Ranks fill
+    # nodes in address order, so the exporting TP group (data-parallel rank 0: ranks 0 and 1) is on host A.
+    exporting = [a for a in actor if a["weights"]]
+    on_a = [a for a in exporting if a["node"] == node_a]
+    assert len(exporting) == len(on_a) == 2, actor
+    for a in exporting:
+        assert a["weights"]["sends_to"] == ([node_b] if a["node"] == node_a else []), a
+    assert len(rollout[0]["weights"]["mirrors"]) == len(on_a)
+    assert all(0 < b <= 512 * 2**20 for b in rollout[0]["weights"]["buffer_bytes"])
+    assert any("relay (different nodes)" in line for line in layout["weight_routes"]) == bool(on_a)
+    # Bytes as read: host B's two instances took the ranks on A from the one mirror (the receiver's bytes came
+    # over the network once for both), never from A's shared memory.
+    table = check_weight_bytes(layout)
+    reads = load_two_host().weight_reads(layout)
+    assert {(r["rollout"], r["via"]) for r in reads} == {(0, "relay"), (1, "relay")}, reads
+    assert rollout[0]["weights"]["relay_received_bytes"] > 0 and rollout[1]["weights"]["relay_received_bytes"] == 0
+    print(f"bytes per transport per host (TP2 x DP2, rollout x2 on host B):\n{table}")
+
+
+@pytest.mark.slow
+def test_a_tp_group_larger_than_a_node_is_a_clear_error(two_hosts, tmp_path):
+    """Trainer TP 4 where host A has 2 devices and host B 2 left beside the rollout engines: no layout keeps
+    the TP group on one node, and the run stops with a config error naming the sizes, before any worker."""
+    from asyncflow.tiny_model import make_tiny_model
+
+    make_tiny_model(tmp_path / "model", hidden_size=128, num_heads=4, num_kv_heads=4)  # TP 4 can split it
+    node_b = _node_ids(two_hosts)[two_hosts.addr_b]
+    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+           f"model.path={tmp_path / 'model'}", f"observability.output_dir={tmp_path / 'run'}",
+           "model.make_tiny_if_missing=false", f"ray.address={two_hosts.address}", "ray.accelerator=NPU",
+           "ray.cpus_per_device=1", f"ray.rollout_label_selector={json.dumps({'ray.io/node-id': node_b})}",
+           "trainer.tensor_parallel=4", "workflow.rollout_instances=2", "algorithm.kl_coef=0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600, env=two_hosts.env())
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "asyncflow: config error: trainer TP 4 x EP 1 over 4 devices needs 4 consecutive ranks on one node" \
+        in proc.stderr, proc.stderr[-3000:]
+    assert not (tmp_path / "run" / "layout.json").exists()  # stopped before any worker started
+
+
+@pytest.mark.slow  # the cluster takes ~17 s to make
+def test_down_removes_everything_it_made(two_hosts):
+    """Last in the file: ``down`` of the cluster the runs above used (the fixture's own ``down`` then finds
+    nothing left to remove)."""
+    two_host = load_two_host()
+    own = two_host._own_host_a_pids(two_hosts)
+    assert own and two_host._netns_pids(two_hosts)
+    two_host.down(two_hosts)
+    state = two_host.status(two_hosts)
+    assert not state["netns"] and not state["veth"] and state["netns_pids"] == 0
+    assert not any(state["ray"].values())
+    assert not any(two_host._alive(p) for p in own)
+    assert not two_host._own_host_a_pids(two_hosts)
