@@ -163,10 +163,10 @@ class TrainerService(TaskService):
         return {f"{prefix}/real_tokens": float(real), f"{prefix}/padded_tokens_ratio": padded / max(real, 1)}
 
     def packed_micro_batches(self, step: int, fields: list[str], build, rows: int, task: str | None = None
-                             ) -> tuple[list[dict], list]:
+                             ) -> tuple[list[dict], list[int]]:
         """Packing: this replica's ``rows`` of ``step`` read whole, grouped by ``micro_batch_tokens`` and built by
         ``build(batch)``, as many micro-batches as the replica with most (so every replica's schedule has the
-        same length); also the batches read, in order.
+        same length); also the group id of every row, in micro-batch order.
 
         The TransferQueue's ``token_balanced`` sampler deals the step's rows out to the replicas, equal row
         counts with token counts as equal as its greedy split allows."""
@@ -174,14 +174,13 @@ class TrainerService(TaskService):
         if not batches:
             return [], []
         merged = merge_batches(batches)
-        plan = plan_micro_batches(row_tokens(merged["prompt_ids"], merged["response_ids"]), self.token_budget,
-                                  self.seq_len)
+        lengths = row_tokens(merged["prompt_ids"], merged["response_ids"])
+        plan = plan_micro_batches(lengths, self.token_budget, self.seq_len)
         plan = split_to_count(plan, max(self.engine.gather_data_parallel([len(plan)])))
         micro = [build(merged.select(rows)) for rows in plan]
         for rows, mb in zip(plan, micro):
-            self.count_moved([len(merged["prompt_ids"][i]) + len(merged["response_ids"][i]) for i in rows],
-                             mb["tokens"].numel())
-        return micro, batches
+            self.count_moved([lengths[i] for i in rows], mb["tokens"].numel())
+        return micro, [merged.meta.group_ids[i] for rows in plan for i in rows]
 
     def seq_len_for(self, prompts, responses) -> int:
         """Micro-batch width: fixed under pipeline parallelism, the longest row otherwise."""
@@ -342,8 +341,7 @@ class ActorService(TrainerService):
         num_micro, passes = self.num_micro, first_pass()
         if self.token_budget:  # the step's rows are read whole, then grouped by length
             t = time.perf_counter()
-            cache[:], batches = self.packed_micro_batches(step, self.fields, build, self.num_micro * self.mbs)
-            groups.extend(g for b in batches for g in b.meta.group_ids)
+            cache[:], groups[:] = self.packed_micro_batches(step, self.fields, build, self.num_micro * self.mbs)
             reads[0] += time.perf_counter() - t
             num_micro, passes = len(cache), iter(list(cache))
         with self.timeline.span(self.name, "train", self.worker, step=step) as span:
@@ -360,6 +358,7 @@ class ActorService(TrainerService):
         self.publish()
         saved = self.maybe_save(step, self.checkpoint)
         all_groups = self.engine.gather_data_parallel(groups)
+        moved = self.moved_metrics("actor")
         if not self.reporter:
             return None
         # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
@@ -367,7 +366,7 @@ class ActorService(TrainerService):
         metrics["actor/rows"] = float(len(all_groups))  # every replica's rows, not only this one's
         metrics["actor/checkpoint_saved"] = float(saved)
         metrics["actor/flat_groups"] = float(_flat_groups(cache, groups))
-        metrics.update(self.moved_metrics("actor"))
+        metrics.update(moved)
         return self.report(step, metrics, trained_groups=sorted(all_groups))
 
 
@@ -432,6 +431,7 @@ class CriticService(TrainerService):
         self.verify_same_rows(step)
         self.engine.version += 1
         self.maybe_save(step, self.checkpoint)
+        moved = self.moved_metrics("critic")  # the values forward's tokens and the update's
         if not self.reporter:
             return None
         first, last = results[0]["micro"], results[-1]["micro"]
@@ -442,7 +442,7 @@ class CriticService(TrainerService):
             "critic/abs_error": sum(float(o["abs_err_sum"]) for o in first) / tokens,
             "critic/grad_norm": results[-1]["grad_norm"],
             "critic/train_s": time.time() - t0,
-            **self.moved_metrics("critic"),  # the values forward's tokens and the update's
+            **moved,
         }
         if "clip_sum" in last[0]:
             metrics["critic/clip_frac"] = sum(float(o["clip_sum"]) for o in last) / tokens
