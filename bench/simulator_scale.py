@@ -51,7 +51,7 @@ def scenario(name: str, gpus: int, steps: int, staleness=(1, 2), models=("partia
     best = choices[0]
     return {"recipe": name, "gpus": gpus, "rows_per_step": w.rows_per_step,
             "colocated": colocated.samples_per_s, "colocated_step_s": colocated.step_time_s,
-            "switch_s": model.switch.total_s,
+            "switch_s": model.switch.step_s(gpus),
             "stream": best.result.samples_per_s, "stream_step_s": best.result.step_time_s,
             "split": f"{best.rollout_instances}x TP{best.rollout_tp} rollout + DP{best.trainer_dp} trainer",
             "mode": f"{best.rollout_model}, k={best.max_staleness}", "bound": best.bound,
@@ -76,9 +76,12 @@ def main(argv=None) -> int:
     parser.add_argument("--gpus", default="256", help="comma-separated GPU counts")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--recipes", default=",".join(RECIPES))
+    parser.add_argument("--models", default="partial,continuous", help="rollout models the search tries")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    rows = [scenario(name, int(gpus), args.steps) for name in args.recipes.split(",") for gpus in args.gpus.split(",")]
+    models = tuple(args.models.split(","))
+    rows = [scenario(name, int(gpus), args.steps, models=models) for name in args.recipes.split(",")
+            for gpus in args.gpus.split(",")]
     text = table(rows)
     print(f"\nPREDICTED (published H100 figures; not measured)\n\n{text}")
     out = Path(args.out)

@@ -187,16 +187,16 @@ class SwitchCosts:
     resharded into the engine."""
 
     offload_s: float = 0.0
-    """The trainer's weights, gradients and optimizer state to host memory and back."""
+    """The trainer's whole state (weights, gradients, optimizer) to host memory and back over one device's link;
+    a step pays it divided by the trainer's devices, over which the state is sharded (``step_s``)."""
     sleep_wake_s: float = 0.0
     """The rollout engine's sleep and wake-up (weights off and on the device, KV cache re-allocated)."""
     reload_s: float = 0.0
     """The trained weights resharded into the rollout engine."""
 
-    @property
-    def total_s(self) -> float:
-        """Seconds of switching per colocated step."""
-        return self.offload_s + self.sleep_wake_s + self.reload_s
+    def step_s(self, trainer_devices: int = 1) -> float:
+        """Seconds of switching per colocated step, the trainer's state sharded over ``trainer_devices``."""
+        return self.offload_s / trainer_devices + self.sleep_wake_s + self.reload_s
 
 
 @dataclasses.dataclass

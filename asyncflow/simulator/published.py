@@ -103,13 +103,13 @@ def _topk_share(arch: GPTArch) -> float:
     return arch.moe_router_topk / arch.num_experts if arch.is_moe else 1.0
 
 
-def switch_costs(arch: GPTArch, trainer_devices: int, rollout_tp: int, gpu: Gpu = H100) -> SwitchCosts:
+def switch_costs(arch: GPTArch, rollout_tp: int, gpu: Gpu = H100) -> SwitchCosts:
     """A colocated step's switches on ``gpu``: the trainer's state offloaded and reloaded over PCIe (sharded over
-    ``trainer_devices``), vLLM put to sleep and woken (its TP shard of the weights over PCIe, both ways, plus
-    ``WAKE_S``), and the new weights resharded from the trainer into vLLM over NVLink."""
+    the trainer's devices: ``SwitchCosts.step_s``), vLLM put to sleep and woken (its TP shard of the weights over
+    PCIe, both ways, plus ``WAKE_S``), and the new weights resharded from the trainer into vLLM over NVLink."""
     n_total = float(vllm_params(arch, 1))
     shard = 2 * n_total / rollout_tp
-    return SwitchCosts(offload_s=2 * TRAINER_STATE_BYTES * n_total / trainer_devices / PCIE_BYTES_S,
+    return SwitchCosts(offload_s=2 * TRAINER_STATE_BYTES * n_total / PCIE_BYTES_S,
                        sleep_wake_s=WAKE_S + 2 * shard / PCIE_BYTES_S, reload_s=shard / gpu.nvlink_bytes_s)
 
 
@@ -146,7 +146,7 @@ def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, 
                                         apply_fixed_s=0.05, apply_per_byte_s=1 / LINK_BYTES_S),
             queue=QueueCosts(per_request_s=1e-3, per_byte_s=1 / 5e9), weight_bytes=weight_bytes,
             rollout_weight_bytes=2 * n_total / tp,
-            switch=switch_costs(arch, trainer_devices_per_replica, tp, gpu))
+            switch=switch_costs(arch, tp, gpu))
     variants["device"] = variants[f"device-tp{rollout_tps[0]}"]
     return CostFile(variants, {"kind": f"published {gpu.name} figures (prediction, not a measurement)",
                                "train_mfu": train_mfu})

@@ -89,6 +89,7 @@ class Run:
             warmup_steps=2, prompts_per_step=self.prompts, samples_per_prompt=self.samples,
             rollout_instances=(self.gpus if colocated else self.rollout_gpus) // self.rollout_tp,
             max_num_seqs=self.max_num_seqs, data_parallel=trainer_gpus // self.trainer_replica, packing=True,
+            devices_per_replica=self.trainer_replica,
             ppo_epochs=1, mini_batches=self.mini_batches, reference=False, old_logprob=self.old_logprob and colocated,
             prompt_len=self.prompt_len, max_new_tokens=self.max_new_tokens, lengths=heavy_tail(self.max_new_tokens),
             rollout_model="partial" if self.partial else "continuous", placement="devices",

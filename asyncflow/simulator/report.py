@@ -154,7 +154,8 @@ def print_mode_search(w: Workload, costs: CostFile, devices: int, recipe, cfg) -
     base = colocated_baseline(w, model, devices, mp, tp)
     choices = mode_search(w, model, devices, mp, tp, recipe=recipe)
     print(f"\nmode search over {devices} devices: the sample stream (workflow.mode=stream) against the colocated "
-          f"baseline, {base.samples_per_s:.1f} samples/s with {model.switch.total_s:.1f} s of switching a step\n")
+          f"baseline, {base.samples_per_s:.1f} samples/s with {model.switch.step_s(devices):.1f} s of switching a "
+          "step\n")
     print("| rollout | k | instances x TP | trainer DP | step s | samples/s | vs colocated | bound by | dropped |")
     print("|---|---|---|---|---|---|---|---|---|")
     for c in choices:

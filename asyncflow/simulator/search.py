@@ -173,4 +173,5 @@ def colocated_baseline(w: Workload, model: CostModel, devices: int, trainer_mp: 
     """The colocated baseline on ``devices``: every device generates (``rollout_tp`` per engine), switches
     (``CostModel.switch``), then trains (``trainer_mp`` per replica)."""
     return simulate(dataclasses.replace(w, mode="colocated", max_staleness=0, rollout_instances=devices // rollout_tp,
-                                        data_parallel=devices // trainer_mp, packing=True), model)
+                                        data_parallel=devices // trainer_mp, devices_per_replica=trainer_mp,
+                                        packing=True), model)

@@ -113,7 +113,7 @@ def colocated(w: Workload, costs: CostModel, lengths: list[list[int]] | None = N
         gen = max(sum(s for s, _ in engine_batch(share, w.prompt_len, costs.rollout, w.max_num_seqs))
                   for share in shares if share)
         tl.add("rollout", "generate", t, t + gen, 0, {"step": step})
-        switch = costs.switch.total_s
+        switch = costs.switch.step_s(w.data_parallel * w.devices_per_replica)
         tl.add("actor", "switch", t + gen, t + gen + switch, 0, {"step": step})
         train = forward_s(w, costs, rows) if w.old_logprob else 0.0
         train += sum(trainer_s(w, costs, rows[i:i + per_mini]) for i in range(0, len(rows), per_mini))

@@ -59,6 +59,9 @@ class Workload:
     within itself, with no padding (``fixed_shape`` then does not apply)."""
     pipeline_parallel: int = 1
     """Trainer pipeline stages (the stream and colocated models charge the pipeline bubble)."""
+    devices_per_replica: int = 1
+    """Devices of one trainer data-parallel replica (TP x PP x CP): the colocated baseline's trainer state is
+    sharded over ``data_parallel`` x this many devices."""
     mini_batches: int = 1
     """Optimizer steps per training step (``stream``, ``colocated``): the step's groups in that many mini-batches,
     each with its gradient all-reduce (verl's ``train_batch_size / ppo_mini_batch_size``)."""
@@ -138,6 +141,7 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         rollout_instances=wf.rollout_instances, rollout_chunk=wf.rollout_chunk, max_num_seqs=cfg.rollout.max_num_seqs,
         score_chunk=wf.score_chunk, micro_batch_size=tr.micro_batch_size, data_parallel=tr.data_parallel,
         fixed_shape=tr.pipeline_parallel > 1 and not packing, packing=packing, pipeline_parallel=tr.pipeline_parallel,
+        devices_per_replica=tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel,
         row_order="arrival" if tr.pipeline_parallel > 1 else tr.row_order, ppo_epochs=cfg.algorithm.ppo_epochs,
         reference=cfg.algorithm.kl_coef > 0,
         prompt_len=prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,

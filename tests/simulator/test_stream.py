@@ -45,8 +45,8 @@ def test_a_group_out_of_the_bound_is_dropped_and_its_prompt_generated_again():
 
 def test_colocated_deals_the_rows_evenly_over_every_engine_and_charges_the_switch():
     w = _w(mode="colocated", steps=3, prompts_per_step=2, samples_per_prompt=4, rollout_instances=4, max_num_seqs=8,
-           mini_batches=1, lengths="constant:10", max_new_tokens=10)
-    switch = SwitchCosts(offload_s=1.0, sleep_wake_s=2.0, reload_s=0.5)
+           mini_batches=1, lengths="constant:10", max_new_tokens=10, data_parallel=2, devices_per_replica=2)
+    switch = SwitchCosts(offload_s=4.0, sleep_wake_s=2.0, reload_s=0.5)  # the state sharded over DP 2 x 2 devices
     plain = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN))
     switched = simulate(w, CostModel(rollout=ROLLOUT, train=TRAIN, switch=switch))
     # 8 rows on 4 engines: 2 each (not 8 on the first engine, which max_num_seqs = 8 would allow).
