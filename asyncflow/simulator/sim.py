@@ -15,14 +15,15 @@ step times, samples/s, idle fraction per task and the version lag of every train
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 from collections import defaultdict, deque
 from collections.abc import Callable
 
 from asyncflow.observability.timeline import Timeline
+from asyncflow.simulator import stream
 from asyncflow.simulator.costs import CostModel
 from asyncflow.simulator.events import Device, Event, Pool, Sim
+from asyncflow.simulator.result import SimResult
 from asyncflow.simulator.rollout_models import ROLLOUT_MODELS
 from asyncflow.simulator.workload import Workload, draw_lengths
 from asyncflow.workflow.batching import fit_seq_len
@@ -193,53 +194,6 @@ class SimBoard:
             return ev.succeed(self.version)
         self._waiters.append((version, ev))
         return ev
-
-
-@dataclasses.dataclass
-class SimResult:
-    """What a simulation predicts."""
-
-    workload: Workload
-    step_end_s: list[float]
-    """When each step's new weights were published (seconds from the start)."""
-    samples_per_s: float
-    """Trained rows per second after the first ``workload.warmup_steps`` steps."""
-    step_time_s: float
-    """Mean seconds per step after the warm-up steps."""
-    idle_fraction: dict[str, float]
-    """Per task: 1 - busy time / the run's span (as ``Timeline.idle_fractions`` reports real runs)."""
-    lags: list[list[int]]
-    """Per step: the version lag (training version - generating version) of every trained row."""
-    timeline: Timeline
-    """Every simulated span, for ``plot_gantt`` and the Chrome trace."""
-    busy_s: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Per device: seconds in which it ran at least one job (all of its work, as a device is never idle with
-    work)."""
-    dropped: int = 0
-    """``stream``: groups that fell out of the staleness bound and were generated again."""
-    trained: list[int] = dataclasses.field(default_factory=list)
-    """``stream``: the prompt id of every trained group, in training order."""
-
-    @property
-    def lag_mean(self) -> float:
-        """Mean version lag over every trained row."""
-        flat = [x for step in self.lags for x in step]
-        return sum(flat) / max(len(flat), 1)
-
-    @property
-    def lag_max(self) -> int:
-        """Largest version lag of any trained row."""
-        return max((x for step in self.lags for x in step), default=0)
-
-    def spans_per_step(self, engine: bool = False) -> dict[str, float]:
-        """Mean seconds per step of each span name (``engine``: of the spans' engine seconds, for the span names
-        that record them), as a real run's ``timeline.json`` is read."""
-        sums: dict[str, float] = defaultdict(float)
-        steps = len(self.step_end_s)
-        for e in self.timeline.to_chrome_trace()["traceEvents"]:
-            if e.get("ph") == "X" and (not engine or "engine_s" in e.get("args", {})):
-                sums[e["name"]] += (e["args"]["engine_s"] if engine else e["dur"] / 1e6) / steps
-        return dict(sums)
 
 
 class Pipe:
@@ -469,8 +423,6 @@ def _sync_driver(pipe: Pipe):
 def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = None) -> SimResult:
     """Run the pipeline of ``w`` on ``costs``; ``lengths`` replaces the drawn response lengths."""
     if w.mode in ("stream", "colocated"):
-        from asyncflow.simulator import stream
-
         return stream.simulate_stream(w, costs) if w.mode == "stream" else stream.colocated(w, costs, lengths)
     if w.rows_per_step % (w.micro_batch_size * w.data_parallel):
         raise ValueError(f"rows per step {w.rows_per_step} must be a multiple of micro_batch_size x data_parallel")

@@ -29,8 +29,8 @@ from collections import deque
 from asyncflow.observability.timeline import Timeline
 from asyncflow.simulator.costs import CostModel
 from asyncflow.simulator.events import Device, Sim
+from asyncflow.simulator.result import SimResult
 from asyncflow.simulator.rollout_models import CHECK_STEPS, Engine, engine_batch
-from asyncflow.simulator.sim import SimResult
 from asyncflow.simulator.workload import Workload, draw_lengths
 
 TOKEN_BUDGET_ROWS = 2
