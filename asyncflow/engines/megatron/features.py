@@ -83,6 +83,10 @@ def problems(cfg: MegatronEngineConfig, section: str = "trainer", *, is_moe: boo
     if cfg.micro_batch_tokens and cfg.pipeline_parallel > 1 and is_moe and cfg.moe_token_dispatcher == "allgather":
         bad("micro_batch_tokens", "variable sequence lengths between pipeline stages are refused by Megatron's "
             "allgather MoE dispatcher; use moe_token_dispatcher=alltoall (CUDA) or 0")
+    if cfg.micro_batch_tokens and is_moe and cfg.expert_parallel > 1 and cfg.data_parallel > 1:
+        bad("micro_batch_tokens", "expert-parallel ranks in different data-parallel replicas exchange every "
+            "micro-batch's tokens (Megatron's MoE dispatchers gather equal shapes), and packed micro-batches differ "
+            "between replicas; use 0 (or expert_parallel within the tensor-parallel ranks)")
     if cfg.moe_grouped_gemm and not te:
         bad("moe_grouped_gemm", "needs Transformer Engine's grouped linear (TEGroupedMLP); not on CPU")
     return found
