@@ -332,10 +332,19 @@ class AlgorithmConfig:
 class WorkflowConfig:
     """The RL loop: mode, staleness bound, batch shape and worker layout."""
 
-    mode: Literal["async", "sync"] = "async"
-    """``async``: task-separated streaming with delayed parameter update; ``sync``: colocated lock-step baseline."""
+    mode: Literal["async", "sync", "stream"] = "async"
+    """``async``: task-separated streaming with delayed parameter update, every row tied to its step's partition;
+    ``sync``: colocated lock-step baseline; ``stream``: the sample stream (``asyncflow.workflow.sample_stream``):
+    rollout generates continuously from a prompt stream and step s trains the first ``prompts_per_step`` whole
+    groups to finish whose every token comes from a version >= s - max_staleness; a group that finishes too late
+    for that bound is counted (``stream/stale_groups``) and its prompt goes back to the stream."""
     max_staleness: int = 1
     """k: a sample generated with weight version v is trained at step <= v + k (0 = on-policy)."""
+    stream_spare: float = 0.25
+    """``stream`` mode: groups admitted beyond what the staleness bound can train, as a fraction of
+    ``prompts_per_step`` (rounded up). With none, a slow response holds the last slot of its window and so the step
+    it would fill; with them, the step takes the first groups to finish and a spare that finishes too late goes
+    stale (counted, generated again)."""
     steps: int = 100
     """Global training steps (one optimizer-step group and one weight version each)."""
     task: str = "add1"

@@ -120,6 +120,22 @@ def sync_on_devices(cfg: AsyncFlowConfig) -> list[str]:
             f"TP x PP x CP x DP = {world}"]
 
 
+def stream(cfg: AsyncFlowConfig) -> list[str]:
+    """The sample stream admits whole GRPO groups into one engine, and runs single-turn rollouts."""
+    if cfg.workflow.mode != "stream":
+        return []
+    found, n = [], cfg.workflow.samples_per_prompt
+    if cfg.workflow.stream_spare < 0:
+        found.append(f"workflow.stream_spare={cfg.workflow.stream_spare} must be at least 0")
+    if cfg.rollout.max_num_seqs < n:
+        found.append(f"workflow.mode=stream admits a group's workflow.samples_per_prompt={n} responses together: "
+                     f"rollout.max_num_seqs={cfg.rollout.max_num_seqs} must be at least that")
+    if cfg.agent.loop is not None:
+        found.append(f"workflow.mode=stream runs single-turn rollouts; agent.loop={cfg.agent.loop!r} needs "
+                     "workflow.mode=async (with rollout.continuous) or sync")
+    return found
+
+
 def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
     """A bundle of a share of a device holds one whole engine, so a shared device takes no rollout TP."""
     share, rtp = cfg.ray.device_fraction, cfg.rollout.tensor_parallel
@@ -132,7 +148,7 @@ def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
 
 
 RULES: tuple[Callable[[AsyncFlowConfig], list[str]], ...] = (batching, algorithm, memory_features, rollout,
-                                                              sync_on_devices, device_sharing)
+                                                              sync_on_devices, device_sharing, stream)
 """The rules that run once ``sizes`` passes (they divide by the sizes)."""
 
 

@@ -115,6 +115,21 @@ def check_staleness_and_exactly_once(summary: dict, k: int, steps: int, prompts:
         assert {g // prompts for g in groups} == {int(step)}
 
 
+def check_stream(summary: dict, k: int, steps: int, prompts: int, group: int) -> None:
+    """The sample stream's contract on a run's summary: no step trained a row more than ``k`` versions old, every
+    step trained ``prompts`` whole GRPO groups, and no prompt was trained twice, in one step or in two (group ids
+    count the stream's prompts, and a prompt generated again keeps its id)."""
+    from collections import Counter
+
+    assert summary["steps"] == steps
+    assert max(summary["lags_max_per_step"]) <= k
+    trained = summary["trained_groups"]
+    assert sorted(map(int, trained)) == list(range(steps))
+    rows = Counter(g for groups in trained.values() for g in groups)
+    assert set(rows.values()) == {group}
+    assert all(len(set(groups)) == prompts for groups in trained.values())
+
+
 def records(run: dict) -> list[dict]:
     return [json.loads(line) for line in (run["_out"] / "metrics.jsonl").read_text().splitlines()]
 

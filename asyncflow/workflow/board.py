@@ -37,6 +37,7 @@ class VersionBoard:
         self._sampling: dict[int, tuple[int, int]] = {}  # step -> (kept rows, judged rows), dynamic sampling
         self._rollout: dict[int, dict] = {}  # rollout instance -> {"serving": v, "applying": v | None}
         self._aborted: str | None = None
+        self._stream = None  # the sample stream's ledger (workflow.mode=stream)
 
     def _condition(self) -> asyncio.Condition:
         if self._cond is None:  # created lazily: it must belong to the actor's event loop
@@ -141,6 +142,32 @@ class VersionBoard:
     async def sampling_progress(self, step: int, kept: int, judged: int) -> None:
         """Dynamic sampling: of the rows of ``step`` judged so far, ``kept`` were kept (cumulative)."""
         self._sampling[step] = (kept, judged)
+        if self._stream is not None:  # a dropped group leaves room in its step for the next one to finish
+            self._stream.judged(step, kept, judged)
+
+    # ------------------------------------------------------------------ the sample stream (workflow.mode=stream)
+    async def stream_setup(self, first: int, last: int, groups_per_step: int, group_size: int,
+                           max_staleness: int, spare: int) -> None:
+        """Start the stream's ledger (``asyncflow.workflow.stream_ledger``) for steps ``first .. last-1``."""
+        from asyncflow.workflow.stream_ledger import StreamLedger
+
+        self._stream = StreamLedger(first, last, groups_per_step, group_size, max_staleness, spare)
+
+    async def stream_reserve(self, groups: int, version: int) -> int:
+        """How many of ``groups`` an engine serving ``version`` may admit now (``StreamLedger.reserve``)."""
+        return self._stream.reserve(groups, version)
+
+    async def stream_release(self, groups: int) -> None:
+        """Reservations given back unused."""
+        self._stream.release(groups)
+
+    async def stream_claim(self, oldest_version: int, reserved: bool = True) -> tuple[str, int, int]:
+        """The step a finished group goes to, or why none (``StreamLedger.claim``)."""
+        return self._stream.claim(oldest_version, reserved)
+
+    async def stream_state(self) -> dict:
+        """The stream's open step, claims and stale groups (``StreamLedger.state``)."""
+        return self._stream.state()
 
     async def take_sampling(self) -> dict[int, tuple[int, int]]:
         """The latest progress of every step with news since the last call."""

@@ -11,6 +11,8 @@ feeding ahead of the services.
 
 from __future__ import annotations
 
+import math
+
 from asyncflow.config import AsyncFlowConfig
 
 
@@ -86,3 +88,56 @@ class Feeder:
                 collect([r for r in results if isinstance(r, dict)])
             else:
                 collect()
+
+
+class StreamFeeder(Feeder):
+    """The sample stream's prompts (``workflow.mode: stream``): one partition of prompts that belong to no step yet.
+
+    The driver keeps ``(max_staleness + 2) x prompts_per_step`` prompts fed and not yet claimed by a step (in the
+    stream or in an engine), so every engine can fill its reservations; group ids count the prompts in stream
+    order. Under dynamic sampling it seals each step once the advantage task has kept its groups.
+    """
+
+    def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int):
+        import ray
+
+        super().__init__(cfg, pipe, source, ckpt, start)
+        wf = cfg.workflow
+        self.sampling = None  # the ledger on the board places groups; nothing is fed into a step
+        self.dynamic = cfg.algorithm.dynamic_sampling
+        self.target = wf.prompts_per_step * wf.samples_per_prompt
+        self.next_group, self.sealed = 0, set()
+        spare = math.ceil(wf.stream_spare * wf.prompts_per_step)
+        ray.get(pipe.board.stream_setup.remote(start, wf.steps, wf.prompts_per_step, wf.samples_per_prompt,
+                                               wf.max_staleness, spare))
+
+    def feed_until(self, step: int) -> None:
+        """Top the stream up to its depth (``step`` is not used: the stream's prompts belong to no step)."""
+        import ray
+
+        from asyncflow.data import next_batch
+        from asyncflow.workflow.partitions import STREAM_PARTITION
+
+        wf = self.cfg.workflow
+        state = ray.get(self.pipe.board.stream_state.remote())
+        while state["open"] < wf.steps and \
+                self.next_group - state["claimed"] < (wf.max_staleness + 2) * wf.prompts_per_step:
+            count = wf.prompts_per_step
+            prompts, answers = next_batch(self.source, count)
+            budgets = None
+            if hasattr(self.source, "sample_budgets"):
+                budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
+            self.pipe.feed(0, prompts, wf.samples_per_prompt, budgets, answers, first_group=self.next_group,
+                           partition=STREAM_PARTITION)
+            self.next_group += count
+
+    def top_up(self) -> None:
+        """Dynamic sampling: seal every step whose groups the advantage task has kept."""
+        import ray
+
+        if not self.dynamic:
+            return
+        for step, (kept, _) in ray.get(self.pipe.board.take_sampling.remote()).items():
+            if kept >= self.target and step not in self.sealed:
+                self.sealed.add(step)
+                self.pipe.seal(step)

@@ -9,8 +9,10 @@
                  └─► rollout admits step s only when weights v >= s - k exist, so a sample made
                      with version v is trained at step s <= v + k   (k = workflow.max_staleness)
 
-    async: every service loops over steps on its own; rollout of step s+k overlaps training of step s.
-    sync:  the driver runs the same services one after another per step (the colocated baseline).
+    async:  every service loops over steps on its own; rollout of step s+k overlaps training of step s.
+    sync:   the driver runs the same services one after another per step (the colocated baseline).
+    stream: as async, but rollout takes prompts from one stream and step s trains the first whole groups to
+            finish within the bound (``workflow.sample_stream``); a late group is generated again.
 
 The driver feeds prompts ahead of the services, grows steps under DAPO dynamic sampling
 (``workflow.feeder``, ``workflow.sampling``) and commits checkpoints as steps complete
@@ -38,12 +40,15 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
 
     from asyncflow.config import replace_section
     from asyncflow.tiny_model import ensure_model
-    from asyncflow.workflow.feeder import Feeder
+    from asyncflow.workflow.feeder import Feeder, StreamFeeder
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
 
     wf = cfg.workflow
+    if resume and wf.mode == "stream":
+        raise ValueError("--resume is not supported with workflow.mode=stream yet: its checkpoints hold the models, "
+                         "not the prompts still in the stream; resume with workflow.mode=async or start afresh")
     model_dir = ensure_model(cfg.model)
     # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
     # process's imports (transformers, torch): side by side they overlap.
@@ -72,7 +77,8 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt, first=start)
         reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"),
                             on_step=lambda step: ckpt.step_done(step, reporter.trained_groups))
-        feeder = Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay"))
+        feeder = (StreamFeeder(cfg, pipe, source, ckpt, start) if wf.mode == "stream"
+                  else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
         if wf.mode == "sync":
             for step in range(start, wf.steps):
                 feeder.feed_until(step + 1)
@@ -86,6 +92,9 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
                 for name, phase in stages:
                     reports = ray.get([handle.run_phase.remote(step, phase) for handle in pipe.groups[name]])
                     reporter.collect([r for r in reports if r is not None])
+        elif wf.mode == "stream":
+            running = [s.run.remote(start, wf.steps) for s in pipe.services]
+            feeder.wait(running, reporter.collect, ahead=lambda: 0)
         else:
             running = [s.run.remote(start, wf.steps) for s in pipe.services]
             # Prompts go in one step ahead of what rollout may generate under the staleness bound.

@@ -7,6 +7,11 @@ PUT_ROWS = 16
 starts on the first rows while the engine still decodes the tail; the simulator charges puts by it too."""
 
 
+STREAM_PARTITION = "prompt-stream"
+"""The sample stream's prompts (``workflow.mode: stream``): rows of no step yet; a finished group goes to a step's
+partition (``asyncflow.workflow.sample_stream``)."""
+
+
 def partition_name(step: int) -> str:
     """The TransferQueue partition that holds the samples of global step ``step``."""
     return f"step-{step:06d}"

@@ -14,7 +14,7 @@ from asyncflow.workflow import network, train_services
 from asyncflow.workflow.board import VersionBoard
 from asyncflow.workflow.errors import WorkerDiedError
 from asyncflow.workflow.node_check import check_nodes
-from asyncflow.workflow.partitions import partition_name
+from asyncflow.workflow.partitions import STREAM_PARTITION, partition_name
 
 
 @dataclasses.dataclass
@@ -56,16 +56,21 @@ class Pipeline:
         """
         # Dynamic sampling grows a step in rounds; the driver seals it once enough groups are kept.
         expected = None if self.cfg.algorithm.dynamic_sampling else rows_per_step
+        consumers = self.tasks
+        if self.cfg.workflow.mode == "stream":  # rollout reads the prompt stream and puts finished groups in steps
+            consumers = [task for task in self.tasks if task != "rollout"]
+            self.client.create_partition(STREAM_PARTITION, consumers=["rollout"], auto_clear=True)
         for step in range(first, steps):
-            self.client.create_partition(partition_name(step), consumers=self.tasks, expected_rows=expected,
+            self.client.create_partition(partition_name(step), consumers=consumers, expected_rows=expected,
                                          auto_clear=True)
 
     def feed(self, step: int, prompts: list[list[int]], group_size: int, budgets: list[int] | None = None,
-             answers: list | None = None, first_group: int | None = None) -> None:
+             answers: list | None = None, first_group: int | None = None, partition: str | None = None) -> None:
         """Put the prompts of ``step``, each repeated ``group_size`` times (one GRPO group per prompt),
         with optional per-sample generation ``budgets`` (field ``max_new_tokens``) and per-prompt
         reference ``answers`` (field ``ground_truth``, read by the reward task). Group ids start at
-        ``first_group`` (default ``step x len(prompts)``)."""
+        ``first_group`` (default ``step x len(prompts)``). ``partition``: where they go instead of the step's
+        (the sample stream's prompts)."""
         import torch
 
         rows = [torch.tensor(p, dtype=torch.long) for p in prompts for _ in range(group_size)]
@@ -76,7 +81,7 @@ class Pipeline:
             data["max_new_tokens"] = torch.tensor(budgets, dtype=torch.long)
         if answers is not None:
             data["ground_truth"] = [a for a in answers for _ in range(group_size)]
-        self.client.put(partition_name(step), data, group_ids=groups)
+        self.client.put(partition or partition_name(step), data, group_ids=groups)
 
     def seal(self, step: int) -> None:
         """No more rows for ``step`` (dynamic sampling): its tasks finish once they have read what is there."""

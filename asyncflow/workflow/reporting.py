@@ -12,7 +12,7 @@ from asyncflow.config import AsyncFlowConfig
 from asyncflow.observability import RunObserver, keys
 from asyncflow.observability.logprob_gap import gap_problems, merge_stats
 
-ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries")
+ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries", "/stale_groups")
 """Metrics that count something: the step's value is the sum over the instances that report it."""
 
 
@@ -59,6 +59,8 @@ class Reporter:
             reports = ray.get(self.pipe.board.take_reports.remote())
         for item in reports:
             self.observer.timeline.merge(item["spans"])
+            if item["step"] < self.trained_steps:  # a sample-stream instance's share of a step already logged
+                continue
             pending = self.pending[item["step"]]
             counts = pending.setdefault("_reports", defaultdict(int))
             for key, value in item["metrics"].items():
@@ -129,6 +131,8 @@ class Reporter:
             "idle_fraction": idle,
             "rewards": rewards,
             "lags_max_per_step": lags,
+            # Sample stream: groups that finished beyond their staleness bound and were generated again.
+            "stale_groups": sum(h.get("stream/stale_groups", 0.0) for h in self.history),
             "trained_groups": {str(k): v for k, v in sorted(self.trained_groups.items())},
         }
         out = self.observer.output_dir / "summary.json"

@@ -147,10 +147,14 @@ class RolloutService(TaskService):
 
     def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
                  relay: dict | None = None, share_device: bool = False, visible_devices: list[str] | None = None,
-                 agent: str | None = None, max_turns: int = 1, **kw):
+                 agent: str | None = None, max_turns: int = 1, stream: bool = False, group_size: int = 1,
+                 answers: bool = False, **kw):
         """``share_device``: colocated ``sync`` on devices (the engine sleeps between its phases);
-        ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``)."""
+        ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``); ``stream``: the
+        sample stream (``workflow.mode: stream``) of whole groups of ``group_size``, carrying reference answers
+        (``answers``) from the prompt stream to the steps."""
         super().__init__(**kw)
+        self.sample_stream, self.group_size, self.answers = stream, group_size, answers
         from asyncflow.engines.base import make_rollout_engine
 
         self.share_device = share_device
@@ -319,6 +323,11 @@ class RolloutService(TaskService):
                             "weights/read_shm_mb": read["shm"] / 2**20, "weights/read_relay_mb": read["relay"] / 2**20}
 
     def run(self, first: int, last: int) -> int:
+        if self.sample_stream:
+            from asyncflow.workflow.sample_stream import StreamRollout
+
+            StreamRollout(self, self.partial, self.group_size, self.answers).run(first, last, self.post)
+            return last
         if not self.continuous:
             return super().run(first, last)
         ContinuousRollout(self, self.partial).run(first, last, self.post)

@@ -68,7 +68,7 @@ class WorkerGroups:
                 max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
                 budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
                 agent=cfg.agent.loop, max_turns=cfg.agent.max_turns, visible_devices=self.where.rollout_devices(i),
-                **self.common))
+                stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers, **self.common))
         return handles
 
     def reward(self) -> list:

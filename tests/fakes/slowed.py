@@ -2,8 +2,9 @@
 environment, so ``ASYNCFLOW_FAKE_*`` cannot reach them): named by dotted path in a run's overrides."""
 
 import dataclasses
+import time
 
-from asyncflow.engines.fake import FakeRolloutEngine, FakeTrainEngine
+from asyncflow.engines.fake import FakeRolloutEngine, FakeStream, FakeTrainEngine
 
 
 class SlowTrainer(FakeTrainEngine):
@@ -21,3 +22,50 @@ class SlowTokens(FakeRolloutEngine):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.faults = dataclasses.replace(self.faults, token_s=0.005)
+
+
+class LongTail(FakeRolloutEngine):
+    """The first response of every 16th prompt in the sample stream (group id 0, 16, 32, ...) comes back only once
+    the engine serves a version ``HOLD_VERSIONS`` newer than the one that generated it, as a long-tailed response
+    would: it holds its slot meanwhile. A prompt generated again (its group went stale) comes back at once. Needs
+    ``rollout.partial=true``: the engine takes new versions while the held response is in it."""
+
+    HOLD_VERSIONS = 2
+    EVERY = 16
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.held_once: set = set()  # group ids whose response was held back already
+
+    def stream(self, ignore_eos: bool = False, turns: bool = False):
+        return _LongTailStream(self, ignore_eos, turns)
+
+
+class _LongTailStream(FakeStream):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._held: list = []  # (key, sample)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self._held)
+
+    @property
+    def free(self) -> int:
+        return max(super().free - len(self._held), 0)
+
+    def step(self) -> list:
+        out, engine = [], self.engine
+        for key, sample in super().step():
+            gid = key[0] if isinstance(key, tuple) else None
+            if isinstance(gid, int) and gid % engine.EVERY == 0 and key[1] == 0 and gid not in engine.held_once:
+                engine.held_once.add(gid)
+                self._held.append((key, sample))
+            else:
+                out.append((key, sample))
+        due, held = [], []
+        for key, sample in self._held:
+            (due if engine.version >= sample.weight_version + engine.HOLD_VERSIONS else held).append((key, sample))
+        self._held = held
+        if not out and not due and not super().__len__():
+            time.sleep(0.005)  # only held responses left: do not spin
+        return out + due

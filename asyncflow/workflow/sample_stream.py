@@ -1,0 +1,218 @@
+"""The sample stream's rollout side (``workflow.mode: stream``): whole groups generated continuously from the
+prompt stream, each put into the step the board's ledger (``asyncflow.workflow.stream_ledger``) gives it.
+
+    TQ[prompt-stream] ─group sampler─► reserve (board) ─► engine stream (<= max_num_seqs responses in flight)
+                                                              │ the group's n responses finished
+                                                              ▼
+                    claim (its oldest token's version) ─ok────► TQ[step s]: reward, reference, advantage, actor
+                                                       └stale─► TQ[prompt-stream]: generated again later
+
+A response never holds a step up: step s trains the first groups to finish while it is open; a group that
+finishes after the steps its oldest token allows (s > v + k) is counted and generated again. Newer weights are
+applied when the engine is empty, or at once under partial rollout (``rollout.partial``; the swapped response's
+oldest token stays the one that bounds it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from asyncflow.workflow.partitions import STREAM_PARTITION, partition_name, row_length
+
+
+@dataclass
+class _Group:
+    """One prompt's group in the engine."""
+
+    prompt: list[int]
+    version: int
+    """The engine's version when the group was admitted: no token of it is older."""
+    answer: object = None
+    doomed: bool = False
+    """Its version is too old for the open step: it will go stale, and its reservation was given back."""
+    budgets: list = field(default_factory=list)
+    samples: dict[int, object] = field(default_factory=dict)
+
+
+@dataclass
+class _StepStats:
+    """This instance's share of one step: the groups it put there and those that went stale while it was open."""
+
+    rows: int = 0
+    tokens: int = 0
+    lags: list[int] = field(default_factory=list)
+    stale: int = 0
+    swaps: int = 0
+
+
+class StreamRollout:
+    """Drives ``service.engine``'s stream for a ``RolloutService`` until every step ``first .. last-1`` has its
+    groups (under dynamic sampling: until the trainer has made version ``last``)."""
+
+    poll_s = 0.05
+    """How often the board is asked for newer weights and the open step, and a refused reservation retried."""
+
+    def __init__(self, service, partial: bool, group_size: int, answers: bool):
+        self.svc, self.partial, self.n = service, partial, group_size
+        self.budgets = "max_new_tokens" in service.fields
+        self.answers = answers
+        self.fields = list(service.fields) + (["ground_truth"] if answers else [])
+        self.stream = service.engine.stream(ignore_eos=self.budgets)
+        self.groups: dict[int, _Group] = {}
+        self.stats: dict[int, _StepStats] = {}
+        self.held = 0  # reservations granted and not used yet
+        self.open = 0
+        self.newest = -1
+        self._polled = self._refused = self._empty = 0.0
+        self.busy_since: float | None = None
+
+    def _call(self, method: str, *args):
+        import ray
+
+        return ray.get(getattr(self.svc.board, method).remote(*args))
+
+    # ------------------------------------------------------------------ board
+    def _poll(self) -> None:
+        now = time.monotonic()
+        if now - self._polled >= self.poll_s:
+            self._polled = now
+            self.newest = self._call("version", self.svc.domain)
+            self.open = self._call("stream_state")["open"]
+
+    def _release_doomed(self) -> None:
+        """Give back the reservations of groups that can no longer be trained (admitted at a version older than the
+        open step allows): a long response must not keep newer groups out of the window."""
+        doomed = [g for g in self.groups.values() if not g.doomed and g.version + self.svc.max_staleness < self.open]
+        for group in doomed:
+            group.doomed = True
+        if doomed:
+            self._call("stream_release", len(doomed))
+
+    def _weights(self) -> None:
+        """Serve the newest version: at once when the engine is empty, at a token boundary under partial rollout."""
+        engine = self.svc.engine
+        if self.newest <= engine.weight_version:
+            return
+        apply = lambda: self.svc._admit(self.newest + self.svc.max_staleness)  # noqa: E731 - waits for nothing
+        if not len(self.stream):
+            self._idle()
+            apply()
+        elif self.partial:
+            _, done = self.stream.swap_weights(apply, keep_kv=self.svc.partial_kv == "keep")
+            for step in {s for s in self.stats if s >= self.open}:
+                self.stats[step].swaps += 1
+            self._finished(done)
+
+    # ------------------------------------------------------------------ prompts in
+    def _admit(self) -> bool:
+        """Admit whole groups from the prompt stream into free slots, as far as reservations allow."""
+        free = self.stream.free // self.n
+        now = time.monotonic()
+        if free > self.held and now - self._refused >= self.poll_s:
+            granted = self._call("stream_reserve", free - self.held, self.svc.engine.weight_version)
+            self.held += granted
+            if not granted:
+                self._refused = now
+        take = min(free, self.held)
+        if not take or now - self._empty < self.poll_s / 5:
+            return False
+        batch = self.svc.tq.poll(STREAM_PARTITION, self.svc.name, self.fields, take * self.n, sampler="group",
+                                 sampler_args={"group_size": self.n}, allow_partial=True)
+        if batch is None or not len(batch):
+            self._empty = now
+            return False
+        budgets = batch["max_new_tokens"].tolist() if self.budgets else [None] * len(batch)
+        answers = batch["ground_truth"] if self.answers else [None] * len(batch)
+        for gid, prompt, budget, answer in zip(batch.meta.group_ids, batch["prompt_ids"], budgets, answers):
+            group = self.groups.setdefault(gid, _Group(prompt.tolist(), self.svc.engine.weight_version, answer))
+            self.stream.add((gid, len(group.budgets)), group.prompt, budget)
+            group.budgets.append(budget)
+        self.held -= len(batch) // self.n
+        if self.busy_since is None:
+            self.busy_since = time.time()
+        return True
+
+    # ------------------------------------------------------------------ groups out
+    def _finished(self, done) -> None:
+        for (gid, j), sample in done:
+            group = self.groups[gid]
+            group.samples[j] = sample
+            if len(group.samples) == self.n:
+                self._place(gid, self.groups.pop(gid))
+
+    def _place(self, gid: int, group: _Group) -> None:
+        """Claim a step for a finished group and put it there, or put its prompt back when it went stale."""
+        samples = [group.samples[j] for j in range(self.n)]
+        verdict, step, self.open = self._call("stream_claim", min(s.weight_version for s in samples),
+                                              not group.doomed)
+        if verdict == "full":  # every step has its groups: the run is ending
+            return
+        stats = self.stats.setdefault(step, _StepStats())
+        if verdict == "stale":
+            stats.stale += 1
+            data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long)] * self.n}
+            if self.budgets:
+                data["max_new_tokens"] = torch.tensor(group.budgets, dtype=torch.long)
+            if self.answers:
+                data["ground_truth"] = [group.answer] * self.n
+            self.svc.tq.put(STREAM_PARTITION, data, group_ids=[gid] * self.n)
+            return
+        data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long)] * self.n,
+                "response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for s in samples],
+                "behaviour_logprobs": [torch.tensor(s.response_logprobs) for s in samples]}
+        if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
+            data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for s in samples]
+        if self.answers:
+            data["ground_truth"] = [group.answer] * self.n
+        self.svc.tq.put(partition_name(step), data, group_ids=[gid] * self.n,
+                        versions=[s.weight_version for s in samples], lengths=[row_length(s) for s in samples])
+        stats.rows += self.n
+        for s in samples:
+            stats.tokens += len(s.response_ids)
+            stats.lags += [step - v for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
+
+    # ------------------------------------------------------------------ reports
+    def _idle(self) -> None:
+        if self.busy_since is not None:
+            self.svc.timeline.add(self.svc.name, "generate", self.busy_since, time.time(), self.svc.worker)
+            self.busy_since = None
+
+    def _post_closed(self, post) -> None:
+        """Report every step this instance took part in that has all its groups now."""
+        for step in sorted(s for s in self.stats if s < self.open):
+            if self.busy_since is not None:  # cut the open span so this step's report carries it
+                self._idle()
+                self.busy_since = time.time()
+            stats = self.stats.pop(step)
+            lags = torch.tensor(stats.lags or [0], dtype=torch.float)
+            post(self.svc.report(step, {
+                "rollout/rows": stats.rows, "rollout/tokens": stats.tokens,
+                "rollout/version": step - lags.max().item(), "rollout/weight_swaps": float(stats.swaps),
+                "rollout/weight_buckets": self.svc.apply_stats.get("weights/buckets", 0.0),
+                "stream/stale_groups": float(stats.stale), "staleness/token_lag_min": lags.min().item(),
+                "staleness/token_lag_mean": lags.mean().item(), "staleness/token_lag_max": lags.max().item(),
+                **self.svc.apply_stats}))
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, first: int, last: int, post) -> None:
+        """Generate until every step has its groups; ``post(report)`` each step's share once the step is full."""
+        self.open = first
+        while True:
+            self._poll()
+            self._post_closed(post)
+            self._release_doomed()
+            # Under dynamic sampling a judged group may still leave room in a full step: go on until it trained.
+            if self.open >= last and (not self.svc.partial_batches or self.newest >= last):
+                break
+            self._weights()
+            admitted = self._admit()
+            if len(self.stream):
+                self._finished(self.stream.step())
+            elif not admitted:
+                self._idle()
+                time.sleep(0.005)
+        self._idle()
+        self._post_closed(post)

@@ -1,0 +1,132 @@
+"""The sample stream (``workflow.mode: stream``) on the fake engines: everything but the models is real.
+
+Checked: no token is trained more than k versions after the version that made it; every step trains
+``prompts_per_step`` whole groups and no prompt is trained twice (group ids count the prompts in stream order);
+a response held back for versions (``tests.fakes.slowed.LongTail``) does not hold its step up, its group goes
+stale, is counted and its prompt is generated again and trained once; DAPO's dynamic sampling keeps only groups
+with signal; the ledger's rules; the config's refusals. The real engines meet the same interface on the slow run
+of ``test_stream_real``.
+"""
+
+import pytest
+
+from asyncflow.workflow.stream_ledger import StreamLedger
+from tests.recipe_runs import GROUP, PROMPTS, SMALL, check_stream, records, run_fake
+
+STREAM = ["workflow.mode=stream"]
+LONG_TAIL = ["rollout.engine=tests.fakes.slowed.LongTail", "rollout.partial=true"]
+LONG_STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_model_dir, shared_ray):
+    tmp = tmp_path_factory.mktemp("stream")
+    return {
+        "stream": run_fake(tmp, tiny_model_dir, "stream", *STREAM, *SMALL),
+        "stream_k0": run_fake(tmp, tiny_model_dir, "stream_k0", *STREAM, *SMALL, "workflow.max_staleness=0",
+                              "algorithm.kl_coef=0"),
+        "long_tail": run_fake(tmp, tiny_model_dir, "long_tail", *STREAM, *SMALL, *LONG_TAIL,
+                              f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0"),
+        "dapo": run_fake(tmp, tiny_model_dir, "dapo", *STREAM, "workflow.steps=4", recipe="dapo_async.yaml"),
+    }
+
+
+@pytest.mark.parametrize("name,k,steps,prompts", [("stream", 1, 5, PROMPTS), ("stream_k0", 0, 5, PROMPTS),
+                                                  ("long_tail", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32)])
+def test_staleness_bound_and_each_prompt_trained_once(runs, name, k, steps, prompts):
+    group = 8 if name == "dapo" else GROUP
+    check_stream(runs[name], k, steps, prompts, group)
+    # Per token, as the rollout saw it: the oldest token put into step s is at most k versions old.
+    for m in records(runs[name]):
+        assert 0 <= m["staleness/token_lag_min"] <= m["staleness/token_lag_max"] <= k, m
+
+
+def test_rollout_runs_ahead_up_to_its_bound(runs):
+    assert max(runs["stream"]["lags_max_per_step"]) == 1
+    assert max(runs["stream_k0"]["lags_max_per_step"]) == 0
+
+
+def test_a_long_response_does_not_hold_its_step_and_its_group_is_generated_again(runs):
+    # Group 0's first response comes back only once the engine serves version 2: steps 0 and 1 train the other
+    # groups meanwhile, group 0 finishes beyond its bound (version 0 + k < 2), is counted as stale, and its prompt,
+    # generated again, is trained once in a later step. The same holds for group 16 (held from version >= 1).
+    run = runs["long_tail"]
+    trained = {g: int(step) for step, groups in run["trained_groups"].items() for g in groups}
+    assert 0 not in run["trained_groups"]["0"] and 0 not in run["trained_groups"]["1"]
+    assert trained[0] >= 2 and trained[16] >= 3
+    assert run["stale_groups"] >= 2
+    stale = [m["stream/stale_groups"] for m in records(run)]
+    assert sum(stale) == run["stale_groups"]
+
+
+def test_dapo_in_stream_mode_trains_only_groups_with_signal(runs):
+    metrics = records(runs["dapo"])
+    assert [m["step"] for m in metrics] == list(range(4))
+    for m in metrics:
+        assert m["actor/rows"] == 256 and m["sampling/kept_rows"] == 256
+        assert m["actor/flat_groups"] == 0
+    assert sum(m["sampling/judged_rows"] for m in metrics) > 4 * 256  # flat groups were dropped and replaced
+
+
+# ---------------------------------------------------------------------------------------------- the ledger
+
+
+def test_ledger_fills_steps_in_order_and_turns_late_groups_away():
+    ledger = StreamLedger(first=0, last=3, groups_per_step=2, group_size=4, max_staleness=1)
+    assert ledger.reserve(10, version=0) == 4  # steps 0 and 1 at version 0 (k=1)
+    assert [ledger.claim(0)[:2] for _ in range(3)] == [("ok", 0), ("ok", 0), ("ok", 1)]
+    assert ledger.reserve(10, version=0) == 0  # the window is full: 3 claimed + 1 in flight
+    assert ledger.reserve(10, version=1) == 2  # version 1 may fill step 2
+    assert ledger.claim(1)[:2] == ("ok", 1)
+    assert ledger.claim(1) == ("ok", 2, 2)
+    # The last group of version 0 finishes now: step 2 is open, beyond 0 + k.
+    assert ledger.claim(0) == ("stale", 2, 2)
+    assert ledger.reserve(1, version=0) == 0  # it could only go stale
+    assert ledger.state()["stale"] == {2: 1}
+    assert ledger.claim(2) == ("ok", 2, 3)
+    assert ledger.claim(2)[0] == "full"
+
+
+def test_ledger_spares_and_released_reservations():
+    ledger = StreamLedger(first=0, last=2, groups_per_step=4, group_size=2, max_staleness=0, spare=1)
+    assert ledger.reserve(10, version=0) == 5  # step 0's four groups and one spare
+    ledger.release(2)
+    assert ledger.reserve(10, version=0) == 2
+
+
+def test_ledger_reopens_a_step_when_dynamic_sampling_drops_a_group():
+    ledger = StreamLedger(first=0, last=2, groups_per_step=2, group_size=4, max_staleness=1)
+    assert [ledger.claim(0)[:2] for _ in range(2)] == [("ok", 0), ("ok", 0)]
+    assert ledger.open_step() == 1
+    ledger.judged(0, kept=4, judged=8)  # one group of step 0 had no signal
+    assert ledger.open_step() == 0
+    assert ledger.claim(1)[:2] == ("ok", 0)
+    assert ledger.open_step() == 1
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+
+
+def test_config_refuses_what_the_stream_does_not_run():
+    from asyncflow.config import load_config
+    from asyncflow.config_loader import ConfigError
+    from tests.recipe_runs import REPO
+
+    recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
+    with pytest.raises(ConfigError, match="rollout.max_num_seqs=4 must be at least"):
+        load_config(recipe, [*STREAM, "rollout.max_num_seqs=4"])
+    with pytest.raises(ConfigError, match="agent.loop='calculator' needs"):
+        load_config(recipe, [*STREAM, "agent.loop=calculator"])
+    with pytest.raises(ConfigError, match="workflow.stream_spare=-1.0 must be at least 0"):
+        load_config(recipe, [*STREAM, "workflow.stream_spare=-1"])
+
+
+def test_resume_is_refused_in_stream_mode(tmp_path, tiny_model_dir):
+    from asyncflow.config import load_config
+    from asyncflow.workflow.loop import train
+    from tests.recipe_runs import REPO
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [*STREAM, f"model.path={tiny_model_dir}",
+                                                                  f"observability.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="--resume is not supported with workflow.mode=stream"):
+        train(cfg, resume=True)
