@@ -96,9 +96,14 @@ class StreamFeeder(Feeder):
     The driver keeps ``(max_staleness + 2) x prompts_per_step`` prompts fed and not yet claimed by a step (in the
     stream or in an engine), so every engine can fill its reservations; group ids count the prompts in stream
     order. Under dynamic sampling it seals each step once the advantage task has kept its groups.
+
+    A checkpoint after step ``n`` holds the prompt stream's cursor past every prompt fed so far and the prompts fed
+    but not trained in steps below ``n`` (``stream_pending``: in the stream, in an engine, or in a later step's
+    partition); a resumed run feeds those first, with their group ids, then goes on from the cursor. So no prompt
+    is trained twice and none is skipped (a prompt dynamic sampling dropped may come back once).
     """
 
-    def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int):
+    def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int, meta: dict | None = None):
         import ray
 
         super().__init__(cfg, pipe, source, ckpt, start)
@@ -106,7 +111,13 @@ class StreamFeeder(Feeder):
         self.sampling = None  # the ledger on the board places groups; nothing is fed into a step
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.target = wf.prompts_per_step * wf.samples_per_prompt
-        self.next_group, self.sealed = 0, set()
+        self.sealed: set[int] = set()
+        self.fed: dict[int, list] = {}  # group id -> [prompt, answer, budgets] of every prompt not known trained
+        meta = meta or {}
+        self.next_group = int(meta.get("stream_next_group", 0))
+        for gid, prompt, answer, budgets in meta.get("stream_pending", []):
+            self._put([gid], [prompt], None if answer is None else [answer], budgets)
+        ckpt.extra = self.checkpoint_meta
         spare = math.ceil(wf.stream_spare * wf.prompts_per_step)
         ray.get(pipe.board.stream_setup.remote(start, wf.steps, wf.prompts_per_step, wf.samples_per_prompt,
                                                wf.max_staleness, spare))
@@ -116,7 +127,6 @@ class StreamFeeder(Feeder):
         import ray
 
         from asyncflow.data import next_batch
-        from asyncflow.workflow.partitions import STREAM_PARTITION
 
         wf = self.cfg.workflow
         state = ray.get(self.pipe.board.stream_state.remote())
@@ -127,9 +137,26 @@ class StreamFeeder(Feeder):
             budgets = None
             if hasattr(self.source, "sample_budgets"):
                 budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
-            self.pipe.feed(0, prompts, wf.samples_per_prompt, budgets, answers, first_group=self.next_group,
-                           partition=STREAM_PARTITION)
+            self._put(list(range(self.next_group, self.next_group + count)), prompts, answers, budgets)
             self.next_group += count
+
+    def _put(self, gids: list[int], prompts: list, answers: list | None, budgets: list | None) -> None:
+        """Put prompts with consecutive group ids ``gids`` into the stream and remember them until trained."""
+        from asyncflow.workflow.partitions import STREAM_PARTITION
+
+        n = self.cfg.workflow.samples_per_prompt
+        for i, gid in enumerate(gids):
+            self.fed[gid] = [[int(t) for t in prompts[i]], None if answers is None else answers[i],
+                             None if budgets is None else [int(b) for b in budgets[i * n:(i + 1) * n]]]
+        self.pipe.feed(0, prompts, n, budgets, answers, first_group=gids[0], partition=STREAM_PARTITION)
+
+    def checkpoint_meta(self, trained_groups: dict[int, list[int]]) -> dict:
+        """The stream's part of a checkpoint taken once the steps of ``trained_groups`` are trained."""
+        for groups in trained_groups.values():
+            for gid in groups:
+                self.fed.pop(gid, None)
+        return {"stream_next_group": self.next_group,
+                "stream_pending": [[gid, *record] for gid, record in sorted(self.fed.items())]}
 
     def top_up(self) -> None:
         """Dynamic sampling: seal every step whose groups the advantage task has kept."""

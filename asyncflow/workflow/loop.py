@@ -46,9 +46,6 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
 
     wf = cfg.workflow
-    if resume and wf.mode == "stream":
-        raise ValueError("--resume is not supported with workflow.mode=stream yet: its checkpoints hold the models, "
-                         "not the prompts still in the stream; resume with workflow.mode=async or start afresh")
     model_dir = ensure_model(cfg.model)
     # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
     # process's imports (transformers, torch): side by side they overlap.
@@ -77,7 +74,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt, first=start)
         reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"),
                             on_step=lambda step: ckpt.step_done(step, reporter.trained_groups))
-        feeder = (StreamFeeder(cfg, pipe, source, ckpt, start) if wf.mode == "stream"
+        feeder = (StreamFeeder(cfg, pipe, source, ckpt, start, meta) if wf.mode == "stream"
                   else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
         if wf.mode == "sync":
             for step in range(start, wf.steps):

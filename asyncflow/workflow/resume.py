@@ -68,6 +68,9 @@ class RunCheckpoints:
         self.cursors: dict[int, tuple[dict, int]] = {}  # step -> (cursor before its first prompts, draw index)
         self.draws: list[tuple[int, int, bool]] = []  # every (step, count, first round) drawn, in order
         self.draws_offset = 0  # draws before this index were pruned
+        # More of the run's state for its checkpoints: ``extra(trained_groups) -> dict`` (the sample stream's
+        # prompts not trained yet, ``workflow.feeder.StreamFeeder``).
+        self.extra = None
         if self.interval > 0 and not hasattr(source, "state_dict"):
             raise TypeError(f"prompt source {type(source).__name__} has no state_dict(): checkpoints need the "
                             "data cursor (add state_dict/load_state_dict, or set checkpoint.interval=0)")
@@ -111,6 +114,8 @@ class RunCheckpoints:
                 # draws since the cursor: a resume replays them (dropping those of steps < trained)
                 "replay": [list(d) for d in self.draws[index - self.draws_offset:]],
                 "trained_groups": {str(k): v for k, v in sorted(trained_groups.items())}}
+        if self.extra is not None:
+            meta.update(self.extra(trained_groups))
         path = self.manager.commit(trained, meta)
         for old in [s for s in self.cursors if s <= trained]:
             del self.cursors[old]

@@ -121,12 +121,33 @@ def test_config_refuses_what_the_stream_does_not_run():
         load_config(recipe, [*STREAM, "workflow.stream_spare=-1"])
 
 
-def test_resume_is_refused_in_stream_mode(tmp_path, tiny_model_dir):
+def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(tmp_path, tiny_model_dir, shared_ray):
+    # 4 steps with a checkpoint after steps 2 and 4, then the same run resumed to 6 steps: the resumed run starts
+    # at step 4 with the prompts fed but not trained before the checkpoint (in the stream, in the engine or in
+    # step 4's partition), then goes on from the stream's cursor. Over both runs no prompt is trained twice.
+    import json
+    from collections import Counter
+
     from asyncflow.config import load_config
     from asyncflow.workflow.loop import train
-    from tests.recipe_runs import REPO
+    from tests.recipe_runs import FAKE, REPO
 
-    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [*STREAM, f"model.path={tiny_model_dir}",
-                                                                  f"observability.output_dir={tmp_path}"])
-    with pytest.raises(ValueError, match="--resume is not supported with workflow.mode=stream"):
-        train(cfg, resume=True)
+    def cfg(steps: int):
+        return load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+            *STREAM, *SMALL, *FAKE, f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path}",
+            f"workflow.steps={steps}", "checkpoint.interval=2", "algorithm.kl_coef=0"])
+
+    first = train(cfg(4))
+    meta = json.loads((tmp_path / "checkpoints" / "step_000004" / "meta.json").read_text())
+    pending = [gid for gid, *_ in meta["stream_pending"]]
+    assert pending and meta["stream_next_group"] > max(pending)
+    resumed = train(cfg(6), resume=True)
+    assert resumed["first_step"] == 4 and resumed["steps"] == 2
+    # The resumed run's record starts with the checkpoint's: every step, each prompt's group once and whole.
+    trained = resumed["trained_groups"]
+    assert sorted(map(int, trained)) == list(range(6))
+    assert set(Counter(g for groups in trained.values() for g in groups).values()) == {GROUP}
+    before = {g for step in range(4) for g in first["trained_groups"][str(step)]}
+    after = {g for step in (4, 5) for g in resumed["trained_groups"][str(step)]}
+    assert not before & after
+    assert set(pending) & after  # the untrained prompts of the first run came back
