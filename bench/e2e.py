@@ -16,6 +16,8 @@ and Megatron is excluded from the wall time):
 - ``partial``: async with continuous batching and partial rollout (``rollout.partial``), prefixes recomputed
   at each weight swap;
 - ``partial_kv``: the same, keeping the in-flight responses' KV cache across the swap (``rollout.partial_kv=keep``);
+- ``stream``: the sample stream (``workflow.mode=stream``, max_staleness 1, partial rollout): step s trains the
+  first groups to finish within the bound; a group that finishes too late is generated again;
 - ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
   in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
 
@@ -54,6 +56,7 @@ MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mo
     "partial": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
     "partial_kv": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true",
                               "rollout.partial_kv=keep", "rollout.enable_prefix_caching=false"]),
+    "stream": (LONGTAIL, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
     "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
 }
