@@ -41,15 +41,17 @@ def runs(tmp_path_factory, demo_run):
         # Dense trainer TP2 x PP2 -> vLLM TP2 (the engine core in the rollout service, its two workers in
         # processes of their own), through the relay (the cross-host transport, gloo on loopback). No reference
         # model (kl_coef=0): four trainer processes fewer, and nothing here reads its logprobs (the reference is
-        # the same Megatron engine, frozen; its logprobs at TP2 and PP2 are checked in tests/engines/megatron).
+        # the same Megatron engine, frozen: its forward is the actor's, whose logprobs this run checks).
         # Async mode at TP2 x PP2 is not run apart: the services' stepping is the demo run's (TP1).
         "sync": _run(tmp, "sync", 0, "sync", "trainer.tensor_parallel=2", "trainer.pipeline_parallel=2",
                      "rollout.tensor_parallel=2", "weight_sync.bucket_mb=1e-6", "weight_sync.transport=relay",
                      "algorithm.kl_coef=0"),
-        # Qwen3-MoE at EP2 with two data-parallel replicas, smallest buckets:
+        # Qwen3-MoE at EP2 with two data-parallel replicas, smallest buckets, no reference either (the demo run
+        # has one on the real stack; the reference's forward is the actor's, whose logprobs at EP2 this run checks
+        # against vLLM's):
         "sync_moe_ep2": _run(tmp, "sync", 0, "sync_moe_ep2", f"model.path={tmp / 'moe_model'}",
                              "model.tiny_family=qwen3_moe", "trainer.expert_parallel=2", "trainer.data_parallel=2",
-                             "weight_sync.bucket_mb=1e-6"),
+                             "weight_sync.bucket_mb=1e-6", "algorithm.kl_coef=0"),
     }
 SYNC_LAYOUTS = ["sync", "sync_moe_ep2"]
 
