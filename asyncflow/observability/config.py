@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass
@@ -20,8 +21,9 @@ class ObservabilityConfig:
     """Write TensorBoard scalars under ``output_dir/tensorboard``."""
     wandb_project: str | None = None
     """Weights & Biases project; None disables wandb. When set but wandb is not installed, a warning."""
-    wandb_mode: str = "offline"
-    """``wandb.init`` mode: ``offline`` (sync later with ``wandb sync``), ``online`` or ``disabled``."""
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None
+    """``wandb.init`` mode: ``online``, ``offline`` (sync later with ``wandb sync``) or ``disabled``. None follows
+    W&B's own rule: the ``WANDB_MODE`` environment variable when set, else ``online``."""
     progress_every_s: float = 2.0
     """Least seconds between two console progress lines (0 prints every step; the last step always prints)."""
     timeline: bool = True

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -119,9 +120,17 @@ class TensorBoardSink(Sink):
         self._writer.close()
 
 
+def wandb_mode(cfg: ObservabilityConfig, environ: Mapping[str, str] | None = None) -> str:
+    """The mode the wandb sink starts in: ``cfg.wandb_mode`` when set, else W&B's own default (``WANDB_MODE`` from
+    ``environ``, the process environment by default, when set; else ``online``), so that naming a project logs to
+    it as the W&B documentation says."""
+    environ = os.environ if environ is None else environ
+    return cfg.wandb_mode or environ.get("WANDB_MODE") or "online"
+
+
 @register_sink("wandb")
 class WandbSink(Sink):
-    """Weights & Biases run in ``cfg.wandb_project`` (``cfg.wandb_mode``, offline by default)."""
+    """Weights & Biases run in ``cfg.wandb_project``, in the mode ``wandb_mode`` picks (online unless told)."""
 
     def __init__(self, cfg: ObservabilityConfig, run_config: Mapping[str, Any] | None = None):
         super().__init__(cfg, run_config)
@@ -132,11 +141,13 @@ class WandbSink(Sink):
                                   "(pip install wandb); continuing without wandb") from exc
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         try:
-            self._run = wandb.init(project=cfg.wandb_project, mode=cfg.wandb_mode, dir=cfg.output_dir,
+            mode = wandb_mode(cfg)
+            self._run = wandb.init(project=cfg.wandb_project, mode=mode, dir=cfg.output_dir,
                                    config=dict(run_config or {}))
         except Exception as exc:  # a login or network failure must not stop training
-            raise SinkUnavailable(f"wandb.init failed ({type(exc).__name__}: {exc}); continuing without wandb") \
-                from exc
+            raise SinkUnavailable(f"wandb.init failed in mode {mode} ({type(exc).__name__}: {exc}); continuing "
+                                  "without wandb (observability.wandb_mode=offline logs without a network)") from exc
+        logger.info("wandb: project %s, mode %s", cfg.wandb_project, mode)
 
     def write(self, step: int, metrics: Mapping[str, float], wall_time: float, elapsed: float) -> None:
         self._run.log(dict(metrics), step=step)

@@ -10,7 +10,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from asyncflow.config import ConfigError, load_config
 from asyncflow.observability import SINKS, MetricsLogger, ObservabilityConfig, Sink, make_sink, register_sink
+from asyncflow.observability.metrics import wandb_mode
 
 
 def _cfg(tmp_path, **kw):
@@ -117,11 +119,31 @@ def test_wandb_sink_calls_the_wandb_api(tmp_path, monkeypatch):
     fake = type(sys)("wandb")
     fake.init = lambda **kw: calls.append(("init", kw)) or FakeRun()
     monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = _cfg(tmp_path, jsonl=False, tensorboard=False, wandb_project="p")
     with MetricsLogger(cfg, run_config={"lr": 1e-3}) as log:
         log.log(4, {"x": 2})
-    assert calls[0] == ("init", {"project": "p", "mode": "offline", "dir": cfg.output_dir, "config": {"lr": 1e-3}})
+    # A named project logs online, as W&B does by default (it once defaulted to offline here, silently).
+    assert calls[0] == ("init", {"project": "p", "mode": "online", "dir": cfg.output_dir, "config": {"lr": 1e-3}})
     assert calls[1:] == [("log", 4, {"x": 2.0}), ("finish",)]
+
+
+@pytest.mark.parametrize("configured,env,expected", [
+    (None, {}, "online"),
+    (None, {"WANDB_MODE": "offline"}, "offline"),
+    (None, {"WANDB_MODE": "disabled"}, "disabled"),
+    ("offline", {}, "offline"),
+    ("online", {"WANDB_MODE": "offline"}, "online"),
+], ids=["wandb-default", "env-offline", "env-disabled", "config", "config-over-env"])
+def test_wandb_mode_follows_the_config_then_wandb_mode_then_online(tmp_path, configured, env, expected):
+    cfg = _cfg(tmp_path, wandb_project="p", wandb_mode=configured)
+    assert wandb_mode(cfg, env) == expected
+
+
+def test_wandb_mode_is_one_of_wandbs_modes():
+    with pytest.raises(ConfigError, match="observability.wandb_mode: expected one of"):
+        load_config(None, ["observability.wandb_mode=ofline"])
+    assert load_config(None, ["observability.wandb_project=p"]).observability.wandb_mode is None
 
 
 def test_wandb_init_failure_warns(tmp_path, monkeypatch, caplog):
