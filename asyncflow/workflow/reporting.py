@@ -120,6 +120,7 @@ class Reporter:
             "wall_s": wall,
             "reward_first": rewards[0] if rewards else math.nan,
             "reward_last10_mean": sum(tail) / len(tail) if tail else math.nan,
+            "reward_tail_steps": len(tail),  # what reward_last10_mean averaged: fewer than 10 in a short run
             "first_step_reward_ge_0.8": next((h["step"] for h in self.history if h.get(keys.REWARD_MEAN, 0) >= 0.8),
                                              None),
             "max_version_lag": max(lags) if lags else 0.0,
