@@ -15,6 +15,7 @@ import argparse
 import sys
 
 from asyncflow.config import ConfigError, load_config
+from asyncflow.config_loader import ConfigSyntaxError
 from asyncflow.workflow.checkpoints import CheckpointError
 from asyncflow.workflow.errors import NodePathError, WeightApplyError, WorkerDiedError
 from asyncflow.workflow.sampling import SamplingBudgetError
@@ -59,11 +60,36 @@ def _checks_before_train(cfg, path: str | None, overrides: list[str]) -> list[st
     from asyncflow.recipes_check import check_model_path, check_run
     from asyncflow.tiny_model import ensure_model
 
-    problems = check_model_path(cfg)
+    problems = check_model_path(cfg) + _check_data_path(cfg)
     if problems:
         return problems
     ensure_model(cfg.model)  # a tiny model, where the recipe asks for one, so that its layout can be checked too
     return check_run(cfg, path, overrides)
+
+
+def _check_data_path(cfg) -> list[str]:
+    """A file dataset (``workflow.task: jsonl`` or ``parquet``) must name files that exist; otherwise the prompt
+    source would fail inside the run, after Ray and the engines have started."""
+    from asyncflow.data.datasets import DatasetError, resolve_files
+
+    if cfg.workflow.task not in ("jsonl", "parquet"):
+        return []
+    if not cfg.data.path:
+        return [f"workflow.task={cfg.workflow.task} needs data.path (a .{cfg.workflow.task} file or a directory "
+                "of them); set data.path=FILE"]
+    try:
+        resolve_files(cfg.data.path, cfg.workflow.task if cfg.data.format == "auto" else cfg.data.format)
+    except DatasetError as exc:
+        return [f"{exc}; workflow.task={cfg.workflow.task} reads its prompts from data.path"]
+    return []
+
+
+def final_line(summary: dict) -> str:
+    """The line ``train`` ends with: steps, time, reward and lag, each saying over what it was measured."""
+    tail = summary.get("reward_tail_steps", min(summary["steps"], 10))
+    return (f"finished {summary['steps']} steps in {summary['wall_s']:.1f} s: reward {summary['reward_first']:.3f} "
+            f"(first step) -> {summary['reward_last10_mean']:.3f} (mean of the last {tail} "
+            f"step{'s' if tail != 1 else ''}); max version lag {summary['max_version_lag']:.0f}")
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -75,9 +101,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if problems:
         return _refuse(problems)
     summary = train(cfg, resume=args.resume)
-    print(f"finished {summary['steps']} steps in {summary['wall_s']:.1f} s: reward {summary['reward_first']:.3f} -> "
-          f"{summary['reward_last10_mean']:.3f} (mean of the last 10 steps); max version lag "
-          f"{summary['max_version_lag']:.0f}", flush=True)
+    print(final_line(summary), flush=True)
     if summary.get("fresh_logprob_gap_max") is not None:
         print(f"|vLLM logprob - Megatron logprob| on the {summary['fresh_logprob_gap_tokens']:.0f} tokens trained by "
               f"the weights that generated them: mean {summary['fresh_logprob_gap_mean']:.2e}, p99 "
@@ -193,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except ConfigSyntaxError as exc:  # file:line:column first, so that editors and terminals link to the spot
+        print(f"asyncflow: error: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"asyncflow: config error: {exc}", file=sys.stderr)
         return 2

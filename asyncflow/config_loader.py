@@ -21,6 +21,31 @@ class ConfigError(ValueError):
     """A config key that does not exist, or a value of the wrong type, named by its dotted path."""
 
 
+class ConfigSyntaxError(ConfigError):
+    """A config file that is not valid YAML; the message starts with ``file:line:column:``, as compilers write it,
+    so that editors jump to the spot."""
+
+
+def _read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; a syntax error becomes a ``ConfigSyntaxError`` naming the file and the spot."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as exc:
+        # problem_mark is where the parser gave up; context is what it was inside (e.g. "a flow sequence").
+        mark = exc.problem_mark or exc.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = exc.problem or "not valid YAML"
+        if exc.context:
+            opened = exc.context_mark
+            at = f" at {opened.line + 1}:{opened.column + 1}" if opened is not None and opened is not mark else ""
+            what = f"{what} ({exc.context}{at})"
+        if "'\\t'" in what:
+            what += "; YAML indents with spaces, not tabs"
+        raise ConfigSyntaxError(f"{where}: {what}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigSyntaxError(f"{path}: not valid YAML ({exc})") from None
+
+
 def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
@@ -34,6 +59,9 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if origin in (Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # Optional[X]: X's own message (say, the valid Literal values) is the useful one
+            return _coerce(value, options[0], key)
         errors = []
         for arg in args:
             if arg is type(None):
@@ -149,7 +177,7 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | tuple
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
         data = loaded

@@ -1,0 +1,91 @@
+"""A user's mistake is one ``asyncflow: error:`` line that names the file or key and the fix, exit code 2, and no
+traceback: a YAML syntax error (once a PyYAML traceback naming ``<unicode string>`` instead of the file), a missing
+model path, a missing dataset file. Each runs the real command line in a subprocess, so that a traceback would
+show. Also the run's final line, which once said "mean of the last 10 steps" after 4 steps."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncflow.cli import final_line
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "recipes/tiny_cpu/grpo_async.yaml"
+
+
+def _cli(*argv: str, cwd: Path) -> tuple[int, list[str], str]:
+    """``asyncflow ARGV`` in a subprocess: exit code, the lines of stderr, and stdout."""
+    proc = subprocess.run([sys.executable, "-m", "asyncflow.cli", *argv], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+    return proc.returncode, proc.stderr.strip().splitlines(), proc.stdout
+
+
+def _one_error(*argv: str, cwd: Path) -> str:
+    """The single ``asyncflow: error:`` line a refused command prints (exit code 2, nothing else on stderr)."""
+    code, err, out = _cli(*argv, cwd=cwd)
+    assert not any("Traceback" in line for line in err), "\n".join(err)
+    assert code == 2 and len(err) == 1 and err[0].startswith("asyncflow: error: "), (code, err, out)
+    return err[0].removeprefix("asyncflow: error: ")
+
+
+BROKEN = {
+    "unclosed-list": ("workflow:\n  steps: 3\n  task: [add1\n",
+                      "4:1: expected ',' or ']', but got '<stream end>' (while parsing a flow sequence at 3:9)"),
+    "bad-indent": ("workflow:\n  steps: 3\n   task: add1\n", "3:8: mapping values are not allowed here"),
+    "tab": ("workflow:\n\tsteps: 3\n", "2:1: found character '\\t' that cannot start any token"),
+}
+
+
+@pytest.mark.parametrize("command", [["config", "show"], ["train"]], ids=["config-show", "train"])
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_a_yaml_syntax_error_is_one_line_with_file_line_and_column(tmp_path, command, name):
+    text, expected = BROKEN[name]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text)
+    line = _one_error(*command, str(recipe), f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert line.startswith(f"{recipe}:{expected}"), line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_model_path_names_the_path_and_the_fix(tmp_path):
+    missing = tmp_path / "Qwen2.5-7B-Instuct"
+    line = _one_error("train", str(TINY), f"model.path={missing}", "model.make_tiny_if_missing=false",
+                      f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert line.startswith(f"model.path {missing} does not exist"), line
+    assert "model.make_tiny_if_missing=true" in line
+    assert not missing.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("task", ["jsonl", "parquet"])
+def test_a_missing_dataset_file_is_refused_before_the_run_starts(tmp_path, task):
+    missing = tmp_path / f"gsm8k/train.{task}"
+    model = tmp_path / "model"
+    line = _one_error("train", str(TINY), f"model.path={model}", f"workflow.task={task}", f"data.path={missing}",
+                      "data.max_prompt_len=16", f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert line == f"{missing}: no such file or directory (data.path); workflow.task={task} reads its prompts from " \
+                   "data.path"
+    # Refused before the tiny model is made, so before Ray and the engines too.
+    assert not model.exists() and not (tmp_path / "run").exists()
+
+
+def test_a_file_task_without_data_path_says_which_key_to_set(tmp_path):
+    line = _one_error("train", str(TINY), f"model.path={tmp_path / 'model'}", "workflow.task=jsonl",
+                      "data.max_prompt_len=16", f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert line == "workflow.task=jsonl needs data.path (a .jsonl file or a directory of them); set data.path=FILE"
+
+
+def test_the_final_line_says_over_how_many_steps_the_reward_was_averaged(tmp_path, tiny_model_dir, shared_ray):
+    from tests.recipe_runs import SMALL, run_fake
+
+    summary = run_fake(tmp_path, tiny_model_dir, "short", *SMALL, "workflow.steps=4")
+    assert summary["steps"] == 4 and summary["reward_tail_steps"] == 4
+    line = final_line(summary)
+    assert f"-> {summary['reward_last10_mean']:.3f} (mean of the last 4 steps)" in line, line
+    assert "last 10" not in line
+    long_run = dict(summary, steps=120, reward_tail_steps=10)
+    assert "(mean of the last 10 steps)" in final_line(long_run)
+    assert "(mean of the last 1 step)" in final_line(dict(summary, steps=1, reward_tail_steps=1))
