@@ -146,8 +146,16 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 
 
 def _cmd_simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from asyncflow.simulator.report import run
 
+    replay = args.lengths.removeprefix("replay:") if args.lengths and args.lengths.startswith("replay:") else None
+    if not Path(args.costs).is_file():
+        return _refuse([f"--costs {args.costs} does not exist; write one with `asyncflow profile --out {args.costs}`"])
+    if replay is not None and not Path(replay).is_file():
+        return _refuse([f"--lengths replay:{replay}: no such file (the metrics.jsonl of a run, under its "
+                        "observability.output_dir)"])
     return run(args)
 
 

@@ -89,3 +89,14 @@ def test_the_final_line_says_over_how_many_steps_the_reward_was_averaged(tmp_pat
     long_run = dict(summary, steps=120, reward_tail_steps=10)
     assert "(mean of the last 10 steps)" in final_line(long_run)
     assert "(mean of the last 1 step)" in final_line(dict(summary, steps=1, reward_tail_steps=1))
+
+
+def test_simulate_names_a_missing_cost_file_and_how_to_make_one(tmp_path):
+    costs = tmp_path / "costs.json"
+    line = _one_error("simulate", str(TINY), "--costs", str(costs), "--out", str(tmp_path / "sim"), cwd=tmp_path)
+    assert line == f"--costs {costs} does not exist; write one with `asyncflow profile --out {costs}`"
+    costs.write_text("{}")  # refused before the cost file is read
+    metrics = tmp_path / "run/metrics.jsonl"
+    line = _one_error("simulate", str(TINY), "--costs", str(costs), "--lengths", f"replay:{metrics}", "--out",
+                      str(tmp_path / "sim"), cwd=tmp_path)
+    assert line.startswith(f"--lengths replay:{metrics}: no such file"), line
