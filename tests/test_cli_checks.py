@@ -80,3 +80,16 @@ def test_a_cluster_recipe_gets_the_recipe_check_with_its_overrides(tmp_path):
     (model / "config.json").write_text(json.dumps(dict(facts, num_hidden_layers=2)))
     problems = check_run(load_config(recipe, overrides[:1]), recipe, overrides[:1])
     assert problems and "model_arch.json says" in problems[0]
+
+
+def test_the_plan_example_of_docs_recipes_is_what_plan_prints(capsys):
+    """docs/recipes.md shows ``asyncflow plan recipes/qwen2.5-7b`` and its output; the output once went stale (a row
+    added, totals changed) while the doc kept the old table."""
+    doc = (REPO / "docs/recipes.md").read_text()
+    start = doc.index("```\nqwen2.5-7b: ") + 4
+    shown = doc[start:doc.index("```\n", start)]
+    assert main(["plan", str(REPO / "recipes/qwen2.5-7b")]) == 0
+    assert capsys.readouterr().out == shown
+    assert main(["plan", str(REPO / "recipes/qwen2.5-7b"), "trainer.use_distributed_optimizer=false"]) == 1
+    fix = capsys.readouterr().out.strip().splitlines()[-1]
+    assert fix in " ".join(doc.split()), fix
