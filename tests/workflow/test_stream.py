@@ -22,7 +22,8 @@ LONG_STEPS = 8
 def runs(tmp_path_factory, tiny_model_dir, shared_ray):
     tmp = tmp_path_factory.mktemp("stream")
     return {
-        "stream": run_fake(tmp, tiny_model_dir, "stream", *STREAM, *SMALL),
+        # Two rollout engines: each claims steps for the groups it finishes, and both report shares of a step.
+        "stream": run_fake(tmp, tiny_model_dir, "stream", *STREAM, *SMALL, "workflow.rollout_instances=2"),
         "stream_k0": run_fake(tmp, tiny_model_dir, "stream_k0", *STREAM, *SMALL, "workflow.max_staleness=0",
                               "algorithm.kl_coef=0"),
         "long_tail": run_fake(tmp, tiny_model_dir, "long_tail", *STREAM, *SMALL, *LONG_TAIL,
@@ -49,11 +50,11 @@ def test_rollout_runs_ahead_up_to_its_bound(runs):
 def test_a_long_response_does_not_hold_its_step_and_its_group_is_generated_again(runs):
     # Group 0's first response comes back only once the engine serves version 2: steps 0 and 1 train the other
     # groups meanwhile, group 0 finishes beyond its bound (version 0 + k < 2), is counted as stale, and its prompt,
-    # generated again, is trained once in a later step. The same holds for group 16 (held from version >= 1).
+    # generated again, is trained once in a later step. The same holds for group 16 (admitted at version 0 as a
+    # spare, or at version 1: then it comes back at version 3).
     run = runs["long_tail"]
     trained = {g: int(step) for step, groups in run["trained_groups"].items() for g in groups}
-    assert 0 not in run["trained_groups"]["0"] and 0 not in run["trained_groups"]["1"]
-    assert trained[0] >= 2 and trained[16] >= 3
+    assert trained[0] >= 2 and trained[16] >= 2
     assert run["stale_groups"] >= 2
     stale = [m["stream/stale_groups"] for m in records(run)]
     assert sum(stale) == run["stale_groups"]
