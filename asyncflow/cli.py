@@ -60,7 +60,7 @@ def _checks_before_train(cfg, path: str | None, overrides: list[str]) -> list[st
     from asyncflow.recipes_check import check_model_path, check_run
     from asyncflow.tiny_model import ensure_model
 
-    problems = check_model_path(cfg) + _check_data_path(cfg)
+    problems = check_model_path(cfg) + _check_data_path(cfg) + _check_plugins(cfg)
     if problems:
         return problems
     ensure_model(cfg.model)  # a tiny model, where the recipe asks for one, so that its layout can be checked too
@@ -82,6 +82,36 @@ def _check_data_path(cfg) -> list[str]:
     except DatasetError as exc:
         return [f"{exc}; workflow.task={cfg.workflow.task} reads its prompts from data.path"]
     return []
+
+
+def _check_plugins(cfg) -> list[str]:
+    """Every engine, prompt source, reward and agent loop the config names must be a registered name or, on a
+    local Ray cluster (whose workers share this process's environment), a dotted path that imports here; otherwise
+    the worker that loads it would fail after start-up, with a traceback from inside an actor."""
+    from asyncflow.agents import AGENT_LOOPS
+    from asyncflow.data.sources import PROMPT_SOURCES
+    from asyncflow.engines.base import CRITIC_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES
+    from asyncflow.registry import RegistryError, load_object
+    from asyncflow.rewards.registry import REWARD_FUNCTIONS
+
+    named = [("trainer.engine", TRAIN_ENGINES, cfg.trainer.engine), ("critic.engine", CRITIC_ENGINES,
+             cfg.critic.engine), ("rollout.engine", ROLLOUT_ENGINES, cfg.rollout.engine),
+             ("workflow.task", PROMPT_SOURCES, cfg.workflow.task), ("algorithm.reward", REWARD_FUNCTIONS,
+             cfg.algorithm.reward), ("agent.loop", AGENT_LOOPS, cfg.agent.loop)]
+    problems = []
+    for key, registry, spec in named:
+        if spec is None or spec in registry:
+            continue
+        if "." not in spec and ":" not in spec:
+            problems.append(f"{key}={spec}: unknown {registry.kind}; valid: {', '.join(registry.names())}, or a "
+                            "dotted path (package.module:attribute) to your own")
+        elif cfg.ray.address is None:
+            try:
+                load_object(spec)
+            except RegistryError as exc:
+                problems.append(f"{key}={spec}: {exc} (the module must be importable here: install it, or put its "
+                                "folder on PYTHONPATH)")
+    return problems
 
 
 def final_line(summary: dict) -> str:

@@ -1,7 +1,8 @@
 """A user's mistake is one ``asyncflow: error:`` line that names the file or key and the fix, exit code 2, and no
 traceback: a YAML syntax error (once a PyYAML traceback naming ``<unicode string>`` instead of the file), a missing
-model path, a missing dataset file. Each runs the real command line in a subprocess, so that a traceback would
-show. Also the run's final line, which once said "mean of the last 10 steps" after 4 steps."""
+model path, a missing dataset file, a reward or engine that does not load (once a traceback from inside an actor,
+after Ray had started). Each runs the real command line in a subprocess, so that a traceback would show. Also the
+run's final line, which once said "mean of the last 10 steps" after 4 steps."""
 
 from __future__ import annotations
 
@@ -76,6 +77,21 @@ def test_a_file_task_without_data_path_says_which_key_to_set(tmp_path):
     line = _one_error("train", str(TINY), f"model.path={tmp_path / 'model'}", "workflow.task=jsonl",
                       "data.max_prompt_len=16", f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert line == "workflow.task=jsonl needs data.path (a .jsonl file or a directory of them); set data.path=FILE"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("algorithm.reward=mathh", "algorithm.reward=mathh: unknown reward function; valid: add1, calc, math, or a "
+                               "dotted path (package.module:attribute) to your own"),
+    ("rollout.engine=vlm", "rollout.engine=vlm: unknown rollout engine; valid: fake, vllm, or a dotted path"),
+    ("algorithm.reward=my_rewards.gsm8k:compute_score", "algorithm.reward=my_rewards.gsm8k:compute_score: cannot "
+                                                        "import 'my_rewards.gsm8k'"),
+], ids=["unknown-name", "unknown-engine", "dotted-path-not-importable"])
+def test_a_plugin_that_cannot_load_is_refused_before_ray_starts(tmp_path, override, expected):
+    model = tmp_path / "model"
+    line = _one_error("train", str(TINY), f"model.path={model}", override,
+                      f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert line.startswith(expected), line
+    assert not model.exists() and not (tmp_path / "run").exists()
 
 
 def test_the_final_line_says_over_how_many_steps_the_reward_was_averaged(tmp_path, tiny_model_dir, shared_ray):
