@@ -175,6 +175,8 @@ def load(cls: type, path: str | Path | None = None, overrides: list[str] | tuple
     data: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir() and (path / "config.yaml").is_file():  # `plan` and `simulate` take a recipe folder
+            raise ConfigError(f"{path} is a recipe folder; give its config file: {path / 'config.yaml'}")
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         loaded = _read_yaml(path) or {}

@@ -116,3 +116,10 @@ def test_simulate_names_a_missing_cost_file_and_how_to_make_one(tmp_path):
     line = _one_error("simulate", str(TINY), "--costs", str(costs), "--lengths", f"replay:{metrics}", "--out",
                       str(tmp_path / "sim"), cwd=tmp_path)
     assert line.startswith(f"--lengths replay:{metrics}: no such file"), line
+
+
+def test_train_given_a_recipe_folder_names_its_config_file(tmp_path):
+    recipe = REPO / "recipes/qwen2.5-7b"
+    code, err, _ = _cli("train", str(recipe), cwd=tmp_path)
+    assert code == 2 and err == [f"asyncflow: config error: {recipe} is a recipe folder; give its config file: "
+                                 f"{recipe / 'config.yaml'}"], err
