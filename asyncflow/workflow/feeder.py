@@ -115,7 +115,12 @@ class StreamFeeder(Feeder):
         self.fed: dict[int, list] = {}  # group id -> [prompt, answer, budgets] of every prompt not known trained
         meta = meta or {}
         self.next_group = int(meta.get("stream_next_group", 0))
-        for gid, prompt, answer, budgets in meta.get("stream_pending", []):
+        pending = meta.get("stream_pending", [])
+        # The board's ledger counts the claims of this run only: the groups this run fed are the pending ones and
+        # those from the checkpoint's cursor on (a resumed run that compared the cursor itself with its claims
+        # would feed nothing new, and hang once its pending prompts were fewer than its steps need).
+        self.base = self.next_group - len(pending)
+        for gid, prompt, answer, budgets in pending:
             self._put([gid], [prompt], None if answer is None else [answer], budgets)
         ckpt.extra = self.checkpoint_meta
         spare = math.ceil(wf.stream_spare * wf.prompts_per_step)
@@ -131,7 +136,7 @@ class StreamFeeder(Feeder):
         wf = self.cfg.workflow
         state = ray.get(self.pipe.board.stream_state.remote())
         while state["open"] < wf.steps and \
-                self.next_group - state["claimed"] < (wf.max_staleness + 2) * wf.prompts_per_step:
+                self.next_group - self.base - state["claimed"] < (wf.max_staleness + 2) * wf.prompts_per_step:
             count = wf.prompts_per_step
             prompts, answers = next_batch(self.source, count)
             budgets = None
