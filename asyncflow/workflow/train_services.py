@@ -338,12 +338,13 @@ class ActorService(TrainerService):
                 yield mb
 
         t0 = time.time()
-        num_micro, passes = self.num_micro, first_pass()
         if self.token_budget:  # the step's rows are read whole, then grouped by length
             t = time.perf_counter()
             cache[:], groups[:] = self.packed_micro_batches(step, self.fields, build, self.num_micro * self.mbs)
             reads[0] += time.perf_counter() - t
             num_micro, passes = len(cache), iter(list(cache))
+        else:  # streamed: the first pass trains on micro-batches as they arrive
+            num_micro, passes = self.num_micro, first_pass()
         with self.timeline.span(self.name, "train", self.worker, step=step) as span:
             t1 = time.perf_counter()
             results = [self.engine.train_step(passes, num_micro, self.loss_fn)]
