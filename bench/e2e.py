@@ -18,6 +18,9 @@ and Megatron is excluded from the wall time):
 - ``partial_kv``: the same, keeping the in-flight responses' KV cache across the swap (``rollout.partial_kv=keep``);
 - ``stream``: the sample stream (``workflow.mode=stream``, max_staleness 1, partial rollout): step s trains the
   first groups to finish within the bound; a group that finishes too late is generated again;
+- ``heavy_sync`` / ``heavy_async`` / ``heavy_stream``: a heavy-tailed workload (``add1_heavytail``: median 12
+  tokens, sigma 1.5, clipped to [4, 384]; a step's longest response is about 10-12x its mean), in sync, in
+  step-tied async (chunked) and in the sample stream, max_staleness 1;
 - ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
   in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
 
@@ -27,7 +30,8 @@ first step to the last, warm-up included) and in steady state (``steady samples/
 second after the first ``WARMUP`` steps, from the steps' own timestamps). The ratio to ``sync`` is taken on
 the steady figure: the first steps of every mode include one-off costs (vLLM and torch warming their
 kernels, the first Adam step, the async pipeline filling), which a run of hours does not see; in a run
-of 20 steps they weigh about 15%, on the async modes more than on sync.
+of 20 steps they weigh about 15%, on the async modes more than on sync. A second table gives, per mode, the
+ratios to its workload's sync run of the same repeat (runs of a repeat run back to back) and their median.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ BASE = [
     "trainer.micro_batch_size=32",
 ]
 LONGTAIL = ("grpo_async.yaml", BASE)
+HEAVY = ("grpo_async.yaml", [*BASE[1:5], "workflow.task=add1_heavytail", "rollout.max_new_tokens=384",
+                             "rollout.max_model_len=400", "trainer.micro_batch_size=32"])
 TOOL = ("tool_async.yaml", ["workflow.prompts_per_step=16"])
 MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mode
     "sync": (LONGTAIL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
@@ -57,9 +63,14 @@ MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mo
     "partial_kv": (LONGTAIL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true",
                               "rollout.partial_kv=keep", "rollout.enable_prefix_caching=false"]),
     "stream": (LONGTAIL, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
+    "heavy_sync": (HEAVY, ["workflow.mode=sync", "workflow.max_staleness=0"]),
+    "heavy_async": (HEAVY, ["workflow.mode=async", "workflow.max_staleness=1"]),
+    "heavy_stream": (HEAVY, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
     "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
 }
+WORKLOADS = ("tool_", "heavy_")
+"""Name prefixes of the workloads other than the long-tailed one; each workload's baseline is its own sync mode."""
 IDLE = ["rollout", "actor", "reference"]
 WARMUP = 2
 """Steps left out of the steady-state throughput (the simulator's benchmark leaves out as many)."""
@@ -104,11 +115,32 @@ def _lags(out: Path) -> dict:
             "token_lag_mean": mean("staleness/token_lag_mean"), "token_lag_max": most("staleness/token_lag_max")}
 
 
+def _workload(name: str) -> str:
+    return next((w for w in WORKLOADS if name.startswith(w)), "")
+
+
+def paired(results: dict[str, dict]) -> str:
+    """Per mode, the median over repeats of (this mode's steady samples/s in repeat i) / (its workload's sync
+    mode's in repeat i): runs of one repeat ran back to back, so they share the machine's state."""
+    import statistics
+
+    lines = ["| mode | paired steady ratios to its sync | median |", "|---|---|---|"]
+    modes = dict.fromkeys(n.split("#")[0] for n in results)
+    for mode in modes:
+        sync = _workload(mode) + "sync"
+        if mode == sync:
+            continue
+        ratios = [results[n]["steady_samples_per_s"] / results[f"{sync}#{n.split('#')[1]}"]["steady_samples_per_s"]
+                  for n in results if n.split("#")[0] == mode and f"{sync}#{n.split('#')[1]}" in results]
+        if ratios:
+            lines.append(f"| {mode} | {', '.join(f'{r:.2f}x' for r in ratios)} | {statistics.median(ratios):.2f}x |")
+    return "\n".join(lines)
+
+
 def table(results: dict[str, dict]) -> str:
     """A markdown table, one row per run, ratios against the mean samples/s of its workload's sync runs."""
     def baseline(name: str, key: str) -> float:
-        sync = "tool_sync#" if name.startswith("tool_") else "sync#"
-        runs = [s[key] for n, s in results.items() if n.startswith(sync)]
+        runs = [s[key] for n, s in results.items() if n.startswith(_workload(name) + "sync#")]
         return sum(runs) / len(runs) if runs else float("nan")
 
     header = ("| run | wall s | samples/s | tokens/s | x sync (whole run) | steady samples/s | x sync (steady) | " +
@@ -152,16 +184,19 @@ def main(argv=None) -> int:
 
     from asyncflow.observability import plot_compare
 
-    plot_compare({n: out / n.replace("#", "-") / "metrics.jsonl" for n in results}, out / "reward_by_mode.png",
-                 x="time")
-    text = table(results)
+    pngs = []
+    for workload in dict.fromkeys(_workload(n) for n in results):  # reward per step = per trained samples
+        runs = {n: out / n.replace("#", "-") / "metrics.jsonl" for n in results if _workload(n) == workload}
+        pngs.append(plot_compare(runs, out / f"reward_{workload or 'longtail_'}by_step.png", x="step",
+                                 title=f"reward per step ({workload or 'longtail_'}workload; equal samples per step)"))
+    text = table(results) + "\n\n" + paired(results)
     print(f"\nEnd-to-end RL throughput, same long-tailed workload, baseline = mean of the sync runs; steady = after "
           f"{WARMUP} warm-up steps\n")
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({n: {k: v for k, v in s.items() if k != "trained_groups"}
                                                   for n, s in results.items()}, indent=2))
-    print(f"\nreward curves: {out / 'reward_by_mode.png'}; timelines: {out}/<mode>-<run>/timeline.png")
+    print(f"\nreward curves: {', '.join(map(str, pngs))}; timelines: {out}/<mode>-<run>/timeline.png")
     return 0
 
 

@@ -118,6 +118,8 @@ def default_lengths(cfg: AsyncFlowConfig) -> str:
     """The distribution ``asyncflow train`` would generate for this config's prompt source."""
     if cfg.workflow.task == "add1_longtail":
         return "lognormal:24:1"
+    if cfg.workflow.task == "add1_heavytail":
+        return "lognormal:12:1.5"
     return f"constant:{cfg.rollout.max_new_tokens}"
 
 
