@@ -379,6 +379,13 @@ class AgentConfig:
     included, is ``rollout.max_new_tokens``."""
     max_turns: int = 4
     """Model turns per trajectory at most (the loop is not asked again after the last one)."""
+    tool_workers: int = 8
+    """Agent-loop calls (``turn_reward`` + ``observe``) running at once per rollout instance, off the engine
+    loop: threads for a plain ``observe``, coroutines for an ``async def`` one. The engine keeps stepping the
+    other sequences while a call runs."""
+    tool_timeout_s: float = 60.0
+    """A call not answered this many seconds after its turn ended ends its trajectory as an agent failure
+    (``algorithm.reward_on_error``), counted in ``agent/tool_timeouts``."""
 
 
 @dataclass

@@ -147,8 +147,19 @@ def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
     return []
 
 
+def agent(cfg: AsyncFlowConfig) -> list[str]:
+    """The agent loop's calls need a worker and a deadline."""
+    a, found = cfg.agent, []
+    if a.tool_workers < 1:
+        found.append(f"agent.tool_workers={a.tool_workers} must be at least 1")
+    if a.tool_timeout_s <= 0:
+        found.append(f"agent.tool_timeout_s={a.tool_timeout_s} must be above 0 (a call that never answers would hold "
+                     "its trajectory forever)")
+    return found
+
+
 RULES: tuple[Callable[[AsyncFlowConfig], list[str]], ...] = (batching, algorithm, memory_features, rollout,
-                                                              sync_on_devices, device_sharing, stream)
+                                                              sync_on_devices, device_sharing, stream, agent)
 """The rules that run once ``sizes`` passes (they divide by the sizes)."""
 
 
