@@ -1,4 +1,4 @@
-"""`asyncflow demo` end to end: Megatron trains, weights move to vLLM, logprobs agree (the README's main job)."""
+"""`asyncflow demo` end to end: Megatron trains, weights move to vLLM, logprobs agree (`make demo-slice`)."""
 
 import json
 import subprocess

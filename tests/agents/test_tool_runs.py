@@ -8,7 +8,7 @@
   learns: its reward climbs only once the model calls the calculator. In 30 steps the model learns to call it
   (nearly every trajectory holds a call from step 10 on) and starts to copy its result: mean reward of the first
   5 steps about 0.015, of steps 25-29 about 0.2 (the thresholds below leave room for seed and scheduling noise;
-  the README's curve goes on to 200 steps).
+  the curve in docs/training.md goes on to 200 steps).
 """
 
 import json
