@@ -18,8 +18,8 @@ and Megatron is excluded from the wall time):
 - ``partial_kv``: the same, keeping the in-flight responses' KV cache across the swap (``rollout.partial_kv=keep``);
 - ``stream``: the sample stream (``workflow.mode=stream``, max_staleness 1, partial rollout): step s trains the
   first groups to finish within the bound; a group that finishes too late is generated again;
-- ``heavy_sync`` / ``heavy_async`` / ``heavy_stream``: a heavy-tailed workload (``add1_heavytail``: median 12
-  tokens, sigma 1.5, clipped to [4, 384]; a step's longest response is about 10-12x its mean), in sync, in
+- ``heavy_sync`` / ``heavy_async`` / ``heavy_stream``: a heavy-tailed workload (``add1_heavytail``: median 8
+  tokens, sigma 1.5, clipped to [4, 248]; a step's longest response is about 10-12x its mean), in sync, in
   step-tied async (chunked) and in the sample stream, max_staleness 1;
 - ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
   in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
@@ -52,8 +52,8 @@ BASE = [
     "trainer.micro_batch_size=32",
 ]
 LONGTAIL = ("grpo_async.yaml", BASE)
-HEAVY = ("grpo_async.yaml", [*BASE[1:5], "workflow.task=add1_heavytail", "rollout.max_new_tokens=384",
-                             "rollout.max_model_len=400", "trainer.micro_batch_size=32"])
+HEAVY = ("grpo_async.yaml", [*BASE[1:5], "workflow.task=add1_heavytail", "rollout.max_new_tokens=248",
+                             "rollout.max_model_len=256", "trainer.micro_batch_size=32"])
 TOOL = ("tool_async.yaml", ["workflow.prompts_per_step=16"])
 MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mode
     "sync": (LONGTAIL, ["workflow.mode=sync", "workflow.max_staleness=0"]),

@@ -63,11 +63,11 @@ class Add1LongTail(Add1Prompts):
 
 @PROMPT_SOURCES.register("add1_heavytail")
 class Add1HeavyTail(Add1LongTail):
-    """Add-one prompts with heavier-tailed budgets (median 12 tokens, sigma 1.5): with ``max_new_tokens`` 384 the
+    """Add-one prompts with heavier-tailed budgets (median 8 tokens, sigma 1.5): with ``max_new_tokens`` 248 the
     longest response of a step is 10-12x the mean, as in published reasoning workloads."""
 
     def __init__(self, tokenizer, seed: int = 0, data_cfg=None):
-        super().__init__(tokenizer, seed, median=12.0, sigma=1.5)
+        super().__init__(tokenizer, seed, median=8.0, sigma=1.5)
 
 
 @PROMPT_SOURCES.register("calc")

@@ -119,7 +119,7 @@ def default_lengths(cfg: AsyncFlowConfig) -> str:
     if cfg.workflow.task == "add1_longtail":
         return "lognormal:24:1"
     if cfg.workflow.task == "add1_heavytail":
-        return "lognormal:12:1.5"
+        return "lognormal:8:1.5"
     return f"constant:{cfg.rollout.max_new_tokens}"
 
 
