@@ -83,6 +83,8 @@ class MegatronEngineConfig:
     """Adam beta1."""
     adam_beta2: float = 0.99
     """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon (the denominator's floor)."""
     weight_decay: float = 0.0
     """Decoupled weight decay."""
     clip_grad: float = 1.0
@@ -147,6 +149,14 @@ class MegatronConfig(MegatronEngineConfig):
     sequence_parallel: bool = False
     """Split the norm and residual activations over the TP ranks along the sequence (Megatron sequence
     parallelism; TP > 1). Needs Transformer Engine's norms, so not on CPU."""
+    load_dir: str | None = None
+    """Where the trainer's initial weights come from: None reads ``model.path`` (Hugging Face safetensors); a
+    folder here is read as ``load_format`` says. ``model.path`` still gives the architecture and the tokenizer, and
+    rollout starts from the trainer's weights (version 0), whichever folder they came from."""
+    load_format: Literal["auto", "hf", "megatron_dist"] = "auto"
+    """Format of ``load_dir``: ``hf`` (safetensors), ``megatron_dist`` (a Megatron distributed checkpoint: a folder
+    with its ``metadata.json``, or a Megatron-LM ``--save`` folder whose ``latest_checkpointed_iteration.txt`` names
+    the iteration; written at any TP/PP), or ``auto`` (told apart by the folder's files)."""
     reference_placement: Literal["colocated", "own", "offload"] = "colocated"
     """Where the reference policy (``algorithm.kl_coef > 0``; there is none at 0) runs. ``colocated``: on the
     trainer's devices with its weights resident (a frozen copy: weights only, no gradients or optimizer state).

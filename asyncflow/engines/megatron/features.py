@@ -117,6 +117,6 @@ def ddp_kwargs(cfg: MegatronEngineConfig) -> dict[str, Any]:
 
 
 def optimizer_kwargs(cfg: MegatronEngineConfig) -> dict[str, Any]:
-    """``OptimizerConfig`` arguments of the distributed optimizer."""
+    """``OptimizerConfig`` arguments of the distributed optimizer, and Adam's epsilon."""
     return dict(use_distributed_optimizer=cfg.use_distributed_optimizer,
-                overlap_param_gather=cfg.overlap_param_gather)
+                overlap_param_gather=cfg.overlap_param_gather, adam_eps=cfg.adam_eps)
