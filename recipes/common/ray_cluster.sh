@@ -11,8 +11,14 @@
 #      observability.output_dir=ABS [checkpoint.dir=ABS] [--resume]`: the run's roots as absolute paths, since a
 #      relative one would resolve on each node against that node's own working directory;
 #   6. on any exit (end, error, Ctrl-C, scancel / SIGTERM) stops only what it started: SIGTERM to the
-#      training driver and to each recorded `ray start --block`, which stops the raylet / GCS it spawned.
+#      training driver, which then has TRAIN_STOP_GRACE_S to checkpoint and exit (the launcher exits with the
+#      driver's code, so the sbatch template sees 75 and requeues), then to each recorded `ray start --block`,
+#      which stops the raylet / GCS it spawned.
 #      No `ray stop` (it stops every Ray of this user on the node, other jobs included) and no pkill.
+# Containers: EXEC_PREFIX (words put before every python / ray / asyncflow command on this node, e.g.
+# `apptainer exec --nv IMAGE`) and REMOTE_EXEC_PREFIX (the same on the other nodes; default EXEC_PREFIX).
+# NET_IF names the network interface of the run: Ray's node addresses (and so the TransferQueue's and the
+# weight relay's), NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME all follow it.
 # shellcheck shell=bash
 
 rc_log() { echo "launch[$RC_NAME]: $*" >&2; }
@@ -33,6 +39,9 @@ Required: MODEL_DIR  Hugging Face checkpoint directory of the recipe's model (co
 Optional: RAY_PORT (default 20000 + job id mod 20000), RAY_TMPDIR (default /tmp/af_ray_<job id>),
   RAY_WAIT_S (300), RAY_NUM_CPUS (Ray's autodetection), LAUNCH_DIR (outputs/launch/$RC_NAME-<job id>),
   PYTHON (python3), ASYNCFLOW (asyncflow), RAY_BIN (ray; the path on every host), SSH_OPTS, SRUN_EXTRA_ARGS.
+  NET_IF (network interface: each node's Ray address, the TransferQueue's, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME),
+  EXEC_PREFIX / REMOTE_EXEC_PREFIX (container: words before every python / ray / asyncflow command, here / on the
+  other nodes), TRAIN_STOP_GRACE_S (90: how long a stopped driver may take to checkpoint before SIGKILL).
 Every node's Ray gets this shell's NCCL_*, GLOO_*, HF_*, CUDA_*, LD_LIBRARY_PATH and PYTHONPATH (srun passes the
   whole environment; ssh gets them on the remote command line).
 EOF
@@ -50,8 +59,9 @@ rc_load_cluster_env() {
 }
 
 rc_require_tools() {
-    local tool
-    for tool in "$PYTHON" "$ASYNCFLOW" "$RAY_BIN" "$@"; do
+    local tool tools=("$PYTHON" "$ASYNCFLOW" "$RAY_BIN")
+    (( ${#RC_EXEC[@]} )) && tools=("${RC_EXEC[0]}")  # the AsyncFlow tools are inside the container
+    for tool in "${tools[@]}" "$@"; do
         command -v "$tool" >/dev/null || rc_die "'$tool' not found on PATH (activate the AsyncFlow environment)"
     done
 }
@@ -98,6 +108,17 @@ rc_forwarded_env() {  # prints `VAR=value` words, each quoted for the remote she
     done < <(compgen -e | sort)
 }
 
+# Run on a node: find the IPv4 address of interface $0 there and append it to the command "$@" as Ray's
+# --node-ip-address (outside any container: `ip` is the host's).
+# shellcheck disable=SC2016  # expanded by the remote bash, not here
+RC_NODE_IP_SH='ip=$(ip -4 -o addr show dev "$0" | awk "{print \$4}" | cut -d/ -f1 | head -n 1); '\
+'[ -n "$ip" ] || { echo "no IPv4 address on network interface $0 (NET_IF) on $(hostname)" >&2; exit 2; }; '\
+'exec "$@" --node-ip-address="$ip"'
+
+rc_if_address() {  # the IPv4 address of network interface $1 on this machine
+    ip -4 -o addr show dev "$1" 2>/dev/null | awk '{print $4}' | cut -d/ -f1 | head -n 1
+}
+
 # Start `ray start --block ARGS` on a host and record what must be signalled to stop it.
 rc_start_ray() {
     local host=$1 index=$2; shift 2
@@ -105,6 +126,12 @@ rc_start_ray() {
     local cmd=("$RAY_BIN" start --block --temp-dir="$RAY_TMPDIR" --disable-usage-stats
                --dashboard-agent-listen-port=$((RAY_PORT + 2)) "$(rc_device_arg)" "$@")
     [[ -n "${RAY_NUM_CPUS:-}" ]] && cmd+=(--num-cpus="$RAY_NUM_CPUS")
+    if rc_is_this_host "$host"; then
+        cmd=("${RC_EXEC[@]}" "${cmd[@]}")
+    else
+        cmd=("${RC_REMOTE_EXEC[@]}" "${cmd[@]}")
+        [[ -n "${NET_IF:-}" ]] && cmd=(bash -c "$RC_NODE_IP_SH" "$NET_IF" "${cmd[@]}")
+    fi
     if rc_is_this_host "$host"; then
         "${cmd[@]}" >"$log" 2>&1 </dev/null &
         pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
@@ -143,6 +170,12 @@ rc_device_arg() {
 
 rc_head_ip() {  # this machine's address for the other nodes (not the 127.0.1.1 of some /etc/hosts)
     local ip
+    if [[ -n "${NET_IF:-}" ]]; then
+        ip=$(rc_if_address "$NET_IF")
+        [[ -n "$ip" ]] || rc_die "NET_IF=$NET_IF: this machine ($(hostname)) has no IPv4 address on that interface" \
+            "(see \`ip -4 addr\`)"
+        echo "$ip"; return
+    fi
     ip=$(hostname --ip-address 2>/dev/null | awk '{print $1}')
     [[ -z "$ip" || "$ip" == 127.* ]] && ip=$(hostname -I 2>/dev/null | awk '{print $1}')
     echo "$ip"
@@ -154,7 +187,7 @@ rc_auth() {
     # in the environment of every process it starts (srun passes the environment on; ssh gets a file).
     export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
     if [[ $RAY_AUTH_MODE == token && -z "${RAY_AUTH_TOKEN:-}" ]]; then
-        RAY_AUTH_TOKEN=$("$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
+        RAY_AUTH_TOKEN=$("${RC_EXEC[@]}" "$PYTHON" -c 'import secrets; print(secrets.token_hex(32))')
         export RAY_AUTH_TOKEN
     fi
 }
@@ -176,7 +209,8 @@ rc_start_cluster() {
 rc_wait_for_devices() {
     local want=$((NODES * DEVICES_PER_NODE))
     rc_log "waiting up to ${RAY_WAIT_S}s for $want $DEVICE_RESOURCE on $NODES node(s) at $RC_ADDRESS"
-    "$PYTHON" - "$RC_ADDRESS" "$DEVICE_RESOURCE" "$want" "$NODES" "$RAY_WAIT_S" "$LAUNCH_DIR/ray_nodes.txt" <<'EOF'
+    "${RC_EXEC[@]}" "$PYTHON" - "$RC_ADDRESS" "$DEVICE_RESOURCE" "$want" "$NODES" "$RAY_WAIT_S" \
+        "$LAUNCH_DIR/ray_nodes.txt" <<'EOF'
 import sys
 import time
 
@@ -212,14 +246,16 @@ rc_signal() {  # mode host signal pid; fails when the process is gone
     if [[ $1 == local ]]; then kill "-$3" "$4" 2>/dev/null; else rc_ssh "$2" kill "-$3" "$4" 2>/dev/null; fi
 }
 
-rc_stop() {  # "mode host pid" lines on stdin: SIGTERM to all, 30 s for all to exit, then SIGKILL to those pids
-    local entries=() entry mode host pid left
+# "mode host pid" lines on stdin: SIGTERM to all, GRACE seconds (30) for all to exit, then SIGKILL to those
+# pids; returns 1 when one needed SIGKILL.
+rc_stop() {
+    local grace=${1:-30} entries=() entry mode host pid left
     mapfile -t entries
     for entry in "${entries[@]}"; do
         read -r mode host pid <<<"$entry"
         rc_signal "$mode" "$host" TERM "$pid" || true
     done
-    for _ in $(seq 30); do
+    for _ in $(seq "$grace"); do
         left=0
         for entry in "${entries[@]}"; do
             read -r mode host pid <<<"$entry"
@@ -231,9 +267,10 @@ rc_stop() {  # "mode host pid" lines on stdin: SIGTERM to all, 30 s for all to e
     for entry in "${entries[@]}"; do
         read -r mode host pid <<<"$entry"
         rc_signal "$mode" "$host" 0 "$pid" || continue
-        rc_log "pid $pid on $host ignored SIGTERM for 30 s; sending SIGKILL to that pid"
+        rc_log "pid $pid on $host ignored SIGTERM for $grace s; sending SIGKILL to that pid"
         rc_signal "$mode" "$host" KILL "$pid" || true
     done
+    return 1
 }
 
 rc_cleanup() {
@@ -244,8 +281,14 @@ rc_cleanup() {
     trap '' INT TERM
     set +e
     if [[ -n "${RC_TRAIN_PID:-}" ]] && kill -0 "$RC_TRAIN_PID" 2>/dev/null; then
-        rc_log "stopping the training driver (pid $RC_TRAIN_PID)"
-        echo "local localhost $RC_TRAIN_PID" | rc_stop
+        # The driver checkpoints at its next step boundary and exits (75 after a checkpoint, see
+        # docs/fault_tolerance.md); its code becomes the launcher's, so the sbatch template can requeue on it.
+        rc_log "stopping the training driver (pid $RC_TRAIN_PID; up to ${TRAIN_STOP_GRACE_S}s to checkpoint)"
+        if echo "local localhost $RC_TRAIN_PID" | rc_stop "$TRAIN_STOP_GRACE_S"; then
+            wait "$RC_TRAIN_PID"
+            status=$?
+            rc_log "the training driver exited with code $status"
+        fi
     fi
     if [[ -s "$LAUNCH_DIR/started.txt" ]]; then
         tac "$LAUNCH_DIR/started.txt" | rc_stop  # workers first, the head last; only what this launcher recorded
@@ -271,7 +314,7 @@ rc_parse_args() {
 # RC_ROOTS: overrides that set the run's output and checkpoint roots (config + overrides) to absolute paths,
 # resolved here: the driver and every worker, on any node, then write to the same (shared) place.
 rc_absolute_roots() {
-    mapfile -t RC_ROOTS < <("$PYTHON" - "$RC_RECIPE_DIR/config.yaml" "${RC_OVERRIDES[@]}" <<'EOF'
+    mapfile -t RC_ROOTS < <("${RC_EXEC[@]}" "$PYTHON" - "$RC_RECIPE_DIR/config.yaml" "${RC_OVERRIDES[@]}" <<'EOF'
 import os
 import sys
 
@@ -301,8 +344,15 @@ rc_main() {
     RAY_PORT=${RAY_PORT:-$((20000 + job % 20000))} RAY_WAIT_S=${RAY_WAIT_S:-300}
     RAY_TMPDIR=${RAY_TMPDIR:-/tmp/af_ray_$job} LAUNCH_DIR=${LAUNCH_DIR:-outputs/launch/$RC_NAME-$job}
     SSH_OPTS=${SSH_OPTS:--o BatchMode=yes} SRUN_EXTRA_ARGS=${SRUN_EXTRA_ARGS:-}
+    TRAIN_STOP_GRACE_S=${TRAIN_STOP_GRACE_S:-90}
+    # Word lists (container commands); a path with spaces cannot be given here.
+    read -r -a RC_EXEC <<<"${EXEC_PREFIX:-}"
+    read -r -a RC_REMOTE_EXEC <<<"${REMOTE_EXEC_PREFIX-${EXEC_PREFIX:-}}"
+    if [[ -n "${NET_IF:-}" ]]; then  # one interface for every transport of the run
+        export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$NET_IF} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$NET_IF}
+    fi
     rc_require_tools
-    "$PYTHON" -m asyncflow.recipes_check "$RC_RECIPE_DIR" --model-dir "$MODEL_DIR" "${RC_OVERRIDES[@]}" ||
+    "${RC_EXEC[@]}" "$PYTHON" -m asyncflow.recipes_check "$RC_RECIPE_DIR" --model-dir "$MODEL_DIR" "${RC_OVERRIDES[@]}" ||
         rc_die "recipe check failed (messages above); nothing was started"
     rc_absolute_roots
     rc_hosts
@@ -317,7 +367,7 @@ rc_main() {
     rc_wait_for_devices
     # In the background so that a signal to this script reaches the trap at once (bash defers traps while
     # a foreground child runs); the trap then stops the driver by its recorded pid.
-    "$ASYNCFLOW" train "$RC_RECIPE_DIR/config.yaml" model.path="$MODEL_DIR" ray.address="$RC_ADDRESS" \
+    "${RC_EXEC[@]}" "$ASYNCFLOW" train "$RC_RECIPE_DIR/config.yaml" model.path="$MODEL_DIR" ray.address="$RC_ADDRESS" \
         "${RC_OVERRIDES[@]}" "${RC_ROOTS[@]}" "${RC_RESUME[@]}" &
     RC_TRAIN_PID=$!
     echo "$RC_TRAIN_PID" >"$LAUNCH_DIR/train.pid"
