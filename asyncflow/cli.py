@@ -92,7 +92,7 @@ def _check_plugins(cfg) -> list[str]:
     from asyncflow.data.sources import PROMPT_SOURCES
     from asyncflow.engines.base import CRITIC_ENGINES, ROLLOUT_ENGINES, TRAIN_ENGINES
     from asyncflow.registry import RegistryError, load_object
-    from asyncflow.rewards.registry import REWARD_FUNCTIONS
+    from asyncflow.rewards.registry import REWARD_FUNCTIONS, resolve_reward
 
     named = [("trainer.engine", TRAIN_ENGINES, cfg.trainer.engine), ("critic.engine", CRITIC_ENGINES,
              cfg.critic.engine), ("rollout.engine", ROLLOUT_ENGINES, cfg.rollout.engine),
@@ -107,7 +107,7 @@ def _check_plugins(cfg) -> list[str]:
                             "dotted path (package.module:attribute) to your own")
         elif cfg.ray.address is None:
             try:
-                load_object(spec)
+                (resolve_reward if registry is REWARD_FUNCTIONS else load_object)(spec)
             except RegistryError as exc:
                 problems.append(f"{key}={spec}: {exc} (the module must be importable here: install it, or put its "
                                 "folder on PYTHONPATH)")

@@ -20,6 +20,7 @@ from asyncflow.config_loader import ConfigError
 from asyncflow.config_rules import validate
 from asyncflow.data.config import DataConfig
 from asyncflow.observability.config import ObservabilityConfig
+from asyncflow.rewards.config import RewardConfig
 from asyncflow.transfer_queue.config import TransferQueueConfig
 
 __all__ = [
@@ -332,8 +333,10 @@ class AlgorithmConfig:
     ppo_epochs: int = 2
     """Optimizer steps per global batch (the first streams from the TransferQueue)."""
     reward: str = "add1"
-    """Reward function factory (registry ``REWARD_FUNCTIONS`` or a dotted path to
-    ``factory(tokenizer) -> fn(prompt_ids, response_ids) -> float``)."""
+    """Reward function (registry ``REWARD_FUNCTIONS``: ``add1``, ``calc``, ``math``, ``remote``, ``classifier``), or
+    user code as ``pkg.module:name`` or ``path/to/file.py:name``: a factory ``factory(tokenizer) -> fn`` or the
+    function itself, e.g. verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``; how it is
+    called is set in the ``reward`` section (docs/rewards.md)."""
     reward_on_error: float = 0.0
     """Reward given to a sample whose reward function raised (the failure is counted and reported)."""
 
@@ -429,6 +432,8 @@ class AsyncFlowConfig:
     """The foundation demo."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """RL algorithm."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """How the reward function is called (batched, async, workers) and the remote/classifier rewards."""
     workflow: WorkflowConfig = field(default_factory=WorkflowConfig)
     """The RL loop."""
     data: DataConfig = field(default_factory=DataConfig)

@@ -158,8 +158,24 @@ def agent(cfg: AsyncFlowConfig) -> list[str]:
     return found
 
 
+def reward(cfg: AsyncFlowConfig) -> list[str]:
+    """The reward section's counts, and the settings the built-in ``remote`` and ``classifier`` rewards need."""
+    r, found = cfg.reward, []
+    found += [f"reward.{key}={getattr(r, key)} must be at least 1" for key in ("workers", "max_concurrency",
+                                                                                "model_batch_size")
+              if getattr(r, key) < 1]
+    if r.retries < 0 or r.timeout_s <= 0 or r.backoff_s < 0:
+        found.append(f"reward.retries={r.retries}, reward.timeout_s={r.timeout_s} and reward.backoff_s={r.backoff_s} "
+                     "must be at least 0 (timeout_s above 0)")
+    if cfg.algorithm.reward == "remote" and not r.url:
+        found.append("algorithm.reward=remote needs reward.url (the HTTP endpoint that scores the rows)")
+    if cfg.algorithm.reward == "classifier" and not r.model_path:
+        found.append("algorithm.reward=classifier needs reward.model_path (an HF sequence-classification folder)")
+    return found
+
+
 RULES: tuple[Callable[[AsyncFlowConfig], list[str]], ...] = (batching, algorithm, memory_features, rollout,
-                                                              sync_on_devices, device_sharing, stream, agent)
+                                                              sync_on_devices, device_sharing, stream, agent, reward)
 """The rules that run once ``sizes`` passes (they divide by the sizes)."""
 
 

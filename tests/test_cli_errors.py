@@ -80,8 +80,8 @@ def test_a_file_task_without_data_path_says_which_key_to_set(tmp_path):
 
 
 @pytest.mark.parametrize("override,expected", [
-    ("algorithm.reward=mathh", "algorithm.reward=mathh: unknown reward function; valid: add1, calc, math, or a "
-                               "dotted path (package.module:attribute) to your own"),
+    ("algorithm.reward=mathh", "algorithm.reward=mathh: unknown reward function; valid: add1, calc, classifier, math, "
+                               "remote, or a dotted path (package.module:attribute) to your own"),
     ("rollout.engine=vlm", "rollout.engine=vlm: unknown rollout engine; valid: fake, vllm, or a dotted path"),
     ("algorithm.reward=my_rewards.gsm8k:compute_score", "algorithm.reward=my_rewards.gsm8k:compute_score: cannot "
                                                         "import 'my_rewards.gsm8k'"),

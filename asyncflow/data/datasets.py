@@ -7,7 +7,10 @@ One row per prompt, in the formats verl and slime users already have::
     {"prompt": [...], "reward_model": {"ground_truth": "42"}, "data_source": "gsm8k"}   # verl parquet rows
 
 ``data.prompt_key`` / ``data.answer_key`` name the fields (a dotted key such as
-``reward_model.ground_truth`` reaches into a nested object); other fields are ignored. Every row is read,
+``reward_model.ground_truth`` reaches into a nested object). ``data.data_source_key`` and ``data.extra_info_key``
+(verl's ``data_source`` and ``extra_info``) are optional per row: a row that has either gives its reward function
+a dict ``{"ground_truth", "data_source", "extra_info"}`` as its answer (see :func:`row_answer`), which travels with
+the prompt through the TransferQueue like a plain answer. Other fields are ignored. Every row is read,
 tokenized and checked when the source is built, so a bad row fails the run before any GPU time is spent,
 with a :class:`DatasetError` naming the file, the row and the field. The source is endless: it cycles the
 rows epoch after epoch, reshuffled each epoch from the seed, and its position is a small ``state_dict``.
@@ -101,9 +104,9 @@ def _jsonl_rows(file: Path) -> Iterator[tuple[int, dict]]:
             yield lineno, row
 
 
-def _parquet_rows(file: Path, keys: dict[str, str]) -> Iterator[tuple[int, dict]]:
+def _parquet_rows(file: Path, keys: dict[str, str], optional: tuple[str, ...] = ()) -> Iterator[tuple[int, dict]]:
     """``(row index, row)`` of each row, reading only the columns that ``keys`` (key -> hint when the
-    field is missing) need."""
+    field is missing) need, and the ``optional`` ones the file has."""
     try:
         import pyarrow.parquet as pq
     except ImportError as exc:
@@ -121,6 +124,7 @@ def _parquet_rows(file: Path, keys: dict[str, str]) -> Iterator[tuple[int, dict]
                 return
             raise DatasetError(f"{file} row 0: missing field {key!r} (fields present: {', '.join(names)}){hint}")
         columns.append(column)
+    columns += [c for c in (k.split(".")[0] if k not in names else k for k in optional) if c in names]
     index = 0
     for batch in reader.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=list(dict.fromkeys(columns))):
         for row in batch.to_pylist():
@@ -166,6 +170,25 @@ def _describe(message) -> str:
     return _a(message)
 
 
+def _optional_field(row: Mapping, key: str | None):
+    """``row[key]`` (a dotted key reaches into nested objects), or None when the row does not have it."""
+    if not key:
+        return None
+    try:
+        return _field(row, key, "")
+    except DatasetError:
+        return None
+
+
+def row_answer(ground_truth: str, data_source, extra_info):
+    """What a row gives its reward function: the plain answer, or, when the row has a data source or extra info,
+    ``{"ground_truth", "data_source", "extra_info"}`` (unpacked by the reward task into its keyword arguments)."""
+    if data_source is None and extra_info is None:
+        return ground_truth
+    return {"ground_truth": ground_truth, "data_source": None if data_source is None else str(data_source),
+            "extra_info": extra_info}
+
+
 def _check_answer(value, key: str, where: str) -> str:
     """The reference answer as a string (numbers are converted), or a DatasetError."""
     if isinstance(value, str):
@@ -202,7 +225,8 @@ class PromptDataset:
         self.files = resolve_files(data_cfg.path, fmt if data_cfg.format == "auto" else data_cfg.format)
         self._tokens = array("i")
         self._offsets = array("q", [0])
-        self.answers: list[str] | None = [] if data_cfg.answer_key else None
+        self.answers: list | None = [] if data_cfg.answer_key else None
+        """Per row: the answer string, or a dict with its data source and extra info (:func:`row_answer`)."""
         self.sources: list[tuple[str, int]] = []
         """``(file, row)`` of each prompt, as errors name them."""
         for file, file_fmt in self.files:
@@ -213,14 +237,17 @@ class PromptDataset:
 
     def _load(self, file: Path, fmt: str) -> None:
         keys = {self.cfg.prompt_key: "", **({self.cfg.answer_key: ANSWER_HINT} if self.cfg.answer_key else {})}
-        rows = _jsonl_rows(file) if fmt == "jsonl" else _parquet_rows(file, keys)
+        optional = tuple(k for k in (self.cfg.data_source_key, self.cfg.extra_info_key) if k)
+        rows = _jsonl_rows(file) if fmt == "jsonl" else _parquet_rows(file, keys, optional)
         name = str(file)
         for number, row in rows:
             where = f"{name} row {number}"
             prompt = _check_prompt(_field(row, self.cfg.prompt_key, where), self.cfg.prompt_key, where)
             if self.answers is not None:
                 value = _field(row, self.cfg.answer_key, where, ANSWER_HINT)
-                answer = _check_answer(value, self.cfg.answer_key, where)
+                answer = row_answer(_check_answer(value, self.cfg.answer_key, where),
+                                    _optional_field(row, self.cfg.data_source_key),
+                                    _optional_field(row, self.cfg.extra_info_key))
             ids = self.encode(prompt, where)
             if len(ids) > self.cfg.max_prompt_len:
                 raise DatasetError(f"{where}: field {self.cfg.prompt_key!r} is {len(ids)} tokens"
@@ -311,8 +338,8 @@ class FilePrompts:
 class FilePromptsWithAnswers(FilePrompts):
     """A :class:`FilePrompts` whose rows carry reference answers (``data.answer_key`` is set)."""
 
-    def next_batch(self, count: int) -> tuple[list[list[int]], list[str]]:
-        """The next ``count`` prompts and their reference answers (strings)."""
+    def next_batch(self, count: int) -> tuple[list[list[int]], list]:
+        """The next ``count`` prompts and their reference answers (strings, or dicts: :func:`row_answer`)."""
         indexes = self._take(count)
         return [self.dataset.prompt(i) for i in indexes], [self.dataset.answers[i] for i in indexes]
 

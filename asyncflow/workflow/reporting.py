@@ -12,7 +12,8 @@ from asyncflow.config import AsyncFlowConfig
 from asyncflow.observability import RunObserver, keys
 from asyncflow.observability.logprob_gap import gap_problems, merge_stats
 
-ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries", "/stale_groups")
+ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries", "/stale_groups",
+            "/failures")
 """Metrics that count something: the step's value is the sum over the instances that report it."""
 
 

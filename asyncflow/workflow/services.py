@@ -377,52 +377,66 @@ class RolloutService(TaskService):
 
 
 class RewardService(TaskService):
-    """Verifiable rewards (registry ``REWARD_FUNCTIONS``); a reward function that raises is isolated."""
+    """Rewards by the function ``algorithm.reward`` names, in any shape ``asyncflow.rewards.scorer`` reads (per
+    row or batched, sync or async, token ids or verl's text signature); a function that raises is isolated.
+    ``reward.workers`` of these take chunks of the same steps side by side (each row is read by one of them)."""
 
     name = "reward"
 
     def __init__(self, reward: str, model_dir: str, chunk: int, reward_on_error: float = 0.0,
-                 with_answers: bool = False, agent_errors: bool = False, **kw):
+                 with_answers: bool = False, agent_errors: bool = False, reward_cfg=None, **kw):
         super().__init__(**kw)
         from transformers import AutoTokenizer
 
-        from asyncflow.rewards import make_reward_fn
+        from asyncflow.rewards import RewardScorer, make_reward_fn
 
-        self.reward_fn = make_reward_fn(reward, AutoTokenizer.from_pretrained(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.scorer = RewardScorer(make_reward_fn(reward, tokenizer, reward_cfg), tokenizer, reward_cfg,
+                                   reward_on_error)
         self.chunk, self.reward_on_error, self.with_answers = chunk, reward_on_error, with_answers
         # Multi-turn rows carry ``agent_error`` (the agent loop failed on them) and ``turn_reward`` (the sum of
         # their per-turn rewards, added to the end-of-trajectory reward).
         self.agent_errors = agent_errors
 
-    def _score(self, prompt: list[int], response: list[int], **info) -> tuple[float, str | None]:
-        """The reward, or ``(reward_on_error, message)`` when the reward function raises: one bad sample
-        (or a bug in a user's reward function) must not stop the run, but it is counted and reported."""
-        try:
-            return float(self.reward_fn(prompt, response, **info)), None
-        except Exception as exc:  # noqa: BLE001 - isolation is the point
-            return self.reward_on_error, f"{type(exc).__name__}: {exc}"
-
     def run_step(self, step: int) -> dict:
-        failures, first_error = 0, None
+        from asyncflow.rewards.scorer import RewardRow
+
+        failures, first_error, rows_scored, extra = 0, None, 0, {}
         fields = ["prompt_ids", "response_ids"] + (["ground_truth"] if self.with_answers else []) + \
             (["agent_error", "turn_reward"] if self.agent_errors else [])
         for batch in self.stream(step, fields, self.chunk):
             with self.timeline.span(self.name, "score", self.worker, rows=len(batch)):
                 answers = batch["ground_truth"] if self.with_answers else [None] * len(batch)
-                rows = zip(batch["prompt_ids"], batch["response_ids"], answers)
-                scored = [self._score(p.tolist(), r.tolist(), **({"ground_truth": a} if self.with_answers else {}))
-                          for p, r, a in rows]
+                rows = [RewardRow.of(p.tolist(), r.tolist(), a, self.with_answers)
+                        for p, r, a in zip(batch["prompt_ids"], batch["response_ids"], answers)]
+                scored = [(s.reward, s.error) for s in self._score(rows, extra)]
                 if self.agent_errors:  # the agent loop failed on these rows (counted by the rollout as agent/errors)
                     scored = [(self.reward_on_error, None) if float(f) else (sc[0] + float(tr), sc[1])
                               for sc, f, tr in zip(scored, batch["agent_error"], batch["turn_reward"])]
                 errors = [e for _, e in scored if e]
                 failures += len(errors)
+                rows_scored += len(rows)
                 first_error = first_error or (errors[0] if errors else None)
                 self.tq.put(partition_name(step), {"rewards": torch.tensor([r for r, _ in scored])},
                             indexes=batch.indexes)
         if first_error:
             print(f"reward: {failures} sample(s) of step {step} failed to score, e.g. {first_error}", flush=True)
-        return self.report(step, {"reward/failures": float(failures)})
+        means = {f"reward/extra/{k}_mean": total / count for k, (total, count) in extra.items()}
+        return self.report(step, {"reward/failures": float(failures), "reward/rows": float(rows_scored), **means})
+
+    def _score(self, rows: list, extra: dict) -> list:
+        """Score ``rows``; the extra numbers a function returned add up in ``extra`` (name -> (sum, count))."""
+        scored = self.scorer.score(rows)
+        for s in scored:
+            for key, value in s.metrics.items():
+                total, count = extra.get(key, (0.0, 0))
+                extra[key] = (total + value, count + 1)
+        return scored
+
+    def shutdown(self) -> None:
+        """Close the scorer's event loop too."""
+        self.scorer.close()
+        super().shutdown()
 
 
 class AdvantageService(TaskService):

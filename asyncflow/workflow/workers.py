@@ -72,12 +72,16 @@ class WorkerGroups:
         return handles
 
     def reward(self) -> list:
-        """The reward function's task."""
+        """The reward function's task: ``reward.workers`` actors taking chunks of the same steps."""
+        from asyncflow.rewards.registry import absolute_spec
+
         cfg = self.cfg
-        return [self._place(services.RewardService, self.where.light(), reward=cfg.algorithm.reward,
+        return [self._place(services.RewardService, self.where.light(), reward=absolute_spec(cfg.algorithm.reward),
                             model_dir=self.model_dir, chunk=cfg.workflow.score_chunk,
                             reward_on_error=cfg.algorithm.reward_on_error, with_answers=self.answers,
-                            agent_errors=cfg.agent.loop is not None, threads=1, **self.common)]
+                            agent_errors=cfg.agent.loop is not None, reward_cfg=cfg.reward, worker=i, threads=1,
+                            **self.common)
+                for i in range(cfg.reward.workers)]
 
     def advantage(self) -> list:
         """The advantage estimator's task."""

@@ -68,7 +68,8 @@ def test_jsonl_plain_text_prompts_and_answers(tmp_path, plain_tok):
     assert len(ds) == 3
     assert [plain_tok.decode(ds.prompt(i)) for i in range(3)] == ["What is 6*7?", "Half of 1.5?", "2+2?"]
     assert ds.prompt(0) == plain_tok("What is 6*7?")["input_ids"]
-    assert ds.answers == ["42", "0.75", "4"]  # numbers become strings
+    # Numbers become strings; a row with a data source gives it (and its extra info) with the answer.
+    assert ds.answers == [{"ground_truth": "42", "data_source": "toy", "extra_info": None}, "0.75", "4"]
     assert ds.sources == [(str(path), 1), (str(path), 3), (str(path), 4)]  # 1-based lines, blank lines skipped
     assert ds.max_prompt_len == len("What is 6*7?")
 
@@ -110,8 +111,20 @@ def test_parquet_verl_layout(tmp_path, tok):
     source = make_prompt_source("parquet", tok, 0, cfg(path, answer_key="reward_model.ground_truth", shuffle=False))
     prompts, answers = source.next_batch(4)
     assert texts(tok, prompts) == [f"<user>q{i}<assistant>" for i in range(4)]
-    assert answers == ["0", "10", "20", "30"]
+    assert answers == [{"ground_truth": str(i * 10), "data_source": "gsm8k", "extra_info": {"index": i}}
+                       for i in range(4)]
     assert source.max_prompt_len == len("<user>q0<assistant>")
+
+
+def test_data_source_and_extra_info_keys(tmp_path, tok):
+    """Optional per row, nested keys reach in, and None turns them off (plain answers, as before)."""
+    rows = [{"prompt": "a", "ground_truth": "1", "meta": {"src": "m"}, "extra_info": {"split": "train"}},
+            {"prompt": "b", "ground_truth": "2"}]
+    for path in (write_jsonl(tmp_path / "x.jsonl", rows), write_parquet(tmp_path / "x.parquet", rows)):
+        ds = PromptDataset(tok, cfg(path, data_source_key="meta.src"), "auto")
+        assert ds.answers == [{"ground_truth": "1", "data_source": "m", "extra_info": {"split": "train"}}, "2"]
+        ds = PromptDataset(tok, cfg(path, data_source_key=None, extra_info_key=None), "auto")
+        assert ds.answers == ["1", "2"]
 
 
 def test_parquet_string_prompts_and_numeric_answers(tmp_path, tok):

@@ -39,11 +39,10 @@ def test_user_reward_by_dotted_path_contract(tok):
 
 
 def test_raising_reward_is_isolated(tok):
-    from asyncflow.workflow.services import RewardService
+    from asyncflow.rewards import RewardRow, RewardScorer
 
-    service = RewardService.__new__(RewardService)  # scoring only: no queue needed for this check
-    service.reward_fn = make_reward_fn("tests.rewards.test_rewards:flaky_reward_factory", tok)
-    service.reward_on_error = -1.0
-    assert service._score([1], [5, 6, 7, 8]) == (1.0, None)
-    value, error = service._score([1], [])
-    assert value == -1.0 and error == "ValueError: empty response"
+    scorer = RewardScorer(make_reward_fn("tests.rewards.test_rewards:flaky_reward_factory", tok), tok,
+                          reward_on_error=-1.0)
+    good, bad = scorer.score([RewardRow([1], [5, 6, 7, 8]), RewardRow([1], [])])
+    assert (good.reward, good.error) == (1.0, None)
+    assert (bad.reward, bad.error) == (-1.0, "ValueError: empty response")
