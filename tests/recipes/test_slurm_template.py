@@ -124,6 +124,19 @@ def test_starts_head_and_workers_then_trains_with_resume(tmp_path):
     assert not _calls(marker, "scontrol")
 
 
+def test_single_node_quickstart_starts_only_the_head(tmp_path):
+    recipe = ROOT / "recipes/qwen2.5-1.5b-8gpu"
+    env, marker = _job_env(tmp_path, "exit:0", RECIPE=str(recipe), SLURM_JOB_NODELIST="node1")
+    shutil.copy(recipe / "model_arch.json", Path(env["MODEL_DIR"]) / "config.json")
+    result = _submit(env, tmp_path, "data.path=/shared/gsm8k/train.parquet")
+    assert result.returncode == 0, result.stderr
+    assert not _calls(marker, "srun")  # NODES=1: nothing to start elsewhere
+    head, = _calls(marker, "ray start")
+    assert "--head" in head and "--num-gpus=8" in head.split()
+    train, = _calls(marker, "asyncflow")
+    assert train.split()[:3] == ["asyncflow", "train", str(recipe / "config.yaml")] and "--resume" in train.split()
+
+
 @pytest.mark.parametrize("code,requeued,status", [(75, True, 0), (1, False, 1)])
 def test_requeues_only_after_a_checkpointed_stop(tmp_path, code, requeued, status):
     env, marker = _job_env(tmp_path, f"exit:{code}")
