@@ -37,8 +37,9 @@ def make_objective(cfg: AlgorithmConfig, max_response_tokens: int) -> Callable:
             kl = kl_penalty(cfg.kl_estimator, logprobs, mb["ref_logprobs"])
             per_token = per_token + cfg.kl_coef * kl
             metrics["kl_sum"] = (kl.detach() * mask).sum()
-        if cfg.entropy_coef > 0:  # the trainer adds "entropy" to the micro-batch when asked (needs_entropy)
-            per_token = per_token - cfg.entropy_coef * mb["entropy"]
+        if "entropy" in mb:  # the trainer adds it when asked (needs_entropy): a bonus, or only the metric
+            if cfg.entropy_coef > 0:
+                per_token = per_token - cfg.entropy_coef * mb["entropy"]
             metrics["entropy_sum"] = (mb["entropy"].detach() * mask).sum()
         # Numerators only (totals = 1): the engine divides gradients by the summed normalizer.
         loss = aggregate(per_token, mask, cfg.loss_agg, 1.0, 1, max_tokens=max_response_tokens)
@@ -64,7 +65,9 @@ def make_objective(cfg: AlgorithmConfig, max_response_tokens: int) -> Callable:
         metrics["old_logprobs"] = old.detach()
         return loss, metrics
 
-    loss_fn.needs_entropy = cfg.entropy_coef > 0
+    # The entropy is always reported (``actor/entropy``); its gradient is needed only for the bonus.
+    loss_fn.needs_entropy = True
+    loss_fn.entropy_grad = cfg.entropy_coef > 0
     return loss_fn
 
 

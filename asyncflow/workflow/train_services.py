@@ -269,6 +269,7 @@ class ActorService(TrainerService):
         self.mbs = self.engine.micro_batch_size
         self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)
         self.loss_fn = make_objective(algo, max_new_tokens)
+        self.max_new_tokens = max_new_tokens
         self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else []) + \
             (["loss_mask"] if loss_mask else []) + \
             (["token_versions"] if token_versions else [])  # partial rollout: the version of every token
@@ -318,8 +319,10 @@ class ActorService(TrainerService):
         version = self.engine.version
 
         reads = [0.0]  # seconds the engine waited on the stream (TransferQueue gets, packing)
+        lengths: list[int] = []  # response tokens of every row, in the order of ``groups``
 
         def build(batch):
+            lengths.extend(len(r) for r in batch["response_ids"])
             return to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
 
         def first_pass():
@@ -358,7 +361,8 @@ class ActorService(TrainerService):
         self.engine.version += 1
         self.publish()
         saved = self.maybe_save(step, self.checkpoint)
-        all_groups = self.engine.gather_data_parallel(groups)
+        rows = self.engine.gather_data_parallel(list(zip(groups, lengths)))
+        all_groups = [g for g, _ in rows]
         moved = self.moved_metrics("actor")
         if not self.reporter:
             return None
@@ -367,6 +371,7 @@ class ActorService(TrainerService):
         metrics["actor/rows"] = float(len(all_groups))  # every replica's rows, not only this one's
         metrics["actor/checkpoint_saved"] = float(saved)
         metrics["actor/flat_groups"] = float(_flat_groups(cache, groups))
+        metrics.update(response_metrics([n for _, n in rows], self.max_new_tokens))
         metrics.update(moved)
         return self.report(step, metrics, trained_groups=sorted(all_groups))
 
@@ -498,6 +503,18 @@ def _actor_metrics(results: list[dict], cache: list[dict], seconds: float) -> di
     if "fresh_spanning_tokens" in first[0]:
         metrics["check/fresh_spanning_tokens"] = sum(float(o["fresh_spanning_tokens"]) for o in first)
     return metrics
+
+
+def response_metrics(lengths: list[int], max_new_tokens: int) -> dict:
+    """Length statistics of a step's trained responses and the fraction cut at the generation cap
+    (``observability.keys``: ``response/length_*``, ``response/clip_ratio``)."""
+    from asyncflow.observability import keys
+
+    if not lengths:
+        return {}
+    return {keys.RESPONSE_LEN_MEAN: sum(lengths) / len(lengths), keys.RESPONSE_LEN_MAX: float(max(lengths)),
+            keys.RESPONSE_LEN_MIN: float(min(lengths)),
+            keys.CLIP_RATIO: sum(n >= max_new_tokens for n in lengths) / len(lengths)}
 
 
 def _is_metrics(first: list[dict], tokens: float) -> dict:

@@ -309,10 +309,12 @@ class MegatronTrainer:
             if self.head == "value":  # aligned like the logprobs: position t is the state before token t+1
                 return unpack(scored[..., 0].float()), functools.partial(scaled_loss, mb)
             logprobs = unpack(token_logprobs(scored, labels, self.arch.vocab_size))
-            if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus reads the whole distribution
+            if getattr(loss_fn, "needs_entropy", False):  # an entropy bonus (or metric) reads the whole distribution
                 from asyncflow.engines.megatron.logprobs import token_entropy
 
-                mb = {**mb, "entropy": unpack(token_entropy(scored, self.arch.vocab_size))}
+                # Only a bonus needs its gradient; a metric-only entropy keeps nothing alive for backward.
+                with torch.set_grad_enabled(torch.is_grad_enabled() and getattr(loss_fn, "entropy_grad", True)):
+                    mb = {**mb, "entropy": unpack(token_entropy(scored, self.arch.vocab_size))}
             return logprobs, functools.partial(scaled_loss, mb)
 
         outputs = get_forward_backward_func()(
