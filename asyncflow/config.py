@@ -380,6 +380,11 @@ class WorkflowConfig:
     """Seed of the prompt stream."""
     step_timeout_s: float = 600.0
     """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
+    max_service_restarts: int = 3
+    """``async`` mode: how many times the workers of one stateless service (a rollout instance on the chunked
+    path, the reward task, the advantage task without dynamic sampling) are started again after their process
+    dies; their unfinished rows are made again, once. One more death stops the run naming the service. 0: any
+    death stops the run (docs/fault_tolerance.md)."""
 
 
 @dataclass

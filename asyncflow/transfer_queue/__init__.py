@@ -34,6 +34,8 @@ _EXPORTS = {
     "register_sampler": "samplers",
     "TransferQueueError": "errors",
     "BadRequestError": "errors",
+    "AlreadyWrittenError": "errors",
+    "WritePendingError": "errors",
     "UnknownPartitionError": "errors",
     "TransferQueueTimeoutError": "errors",
     "BackPressureError": "errors",

@@ -393,9 +393,12 @@ class TransferQueueClient:
             return self._call({"op": "renew", "partition": meta.partition, "task": meta.task,
                                "indexes": meta.indexes, "handout": meta.handout, "lease": lease})["renewed"]
 
-    def get_data(self, meta: BatchMeta, fields: list[str] | None = None, *, ragged: str = "list") -> Batch:
+    def get_data(self, meta: BatchMeta, fields: list[str] | None = None, *, ragged: str = "list",
+                 ack: bool = True) -> Batch:
         """Read the rows of ``meta`` from the storage units (all fields, or ``fields``); ragged fields
-        come back as lists of tensors (``ragged="list"``) or as ``Packed`` (``"packed"``)."""
+        come back as lists of tensors (``ragged="list"``) or as ``Packed`` (``"packed"``). ``ack=False``: the
+        rows stay in flight under their lease until ``ack`` (a consumer that acks only once its output is
+        put: rows of a consumer that dies before go back to the task)."""
         check_ragged(ragged)
         plan = ReadPlan(meta, fields)
         with self._lock:
@@ -420,16 +423,26 @@ class TransferQueueClient:
                     raise TransferQueueError(f"{conn.name} returned {len(buffers)} buffers for {len(items)}")
                 for (_, _, dst), buf in zip(items, buffers):
                     dst[:] = memoryview(buf).cast("B")
-            if meta.indexes:
+            if meta.indexes and ack:
                 self._controller.send(self._rids.stamp(ack_header(meta)))
         return plan.finish(meta, ragged)
 
-    def get(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list",
+    def ack(self, meta: BatchMeta, indexes: list[int] | None = None) -> None:
+        """Mark the rows of ``meta`` (or those of them in ``indexes``) read, after ``get_data(..., ack=False)``.
+        One-way; an ack of a hand-out whose rows were released or expired meanwhile is ignored."""
+        header = ack_header(meta)
+        if indexes is not None:
+            header["indexes"] = [int(i) for i in indexes]
+        if header["indexes"]:
+            with self._lock:
+                self._controller.send(self._rids.stamp(header))
+
+    def get(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list", ack: bool = True,
             **kwargs) -> Batch:
         """``get_meta`` then ``get_data``: a batch of up to ``batch_size`` rows (empty and ``done``
         when the sealed partition has nothing left for ``task``)."""
         check_ragged(ragged)
-        return self.get_data(self.get_meta(partition, task, fields, batch_size, **kwargs), ragged=ragged)
+        return self.get_data(self.get_meta(partition, task, fields, batch_size, **kwargs), ragged=ragged, ack=ack)
 
     def poll(self, partition: str, task: str, fields, batch_size: int, *, ragged: str = "list",
              **kwargs) -> Batch | None:

@@ -20,6 +20,20 @@ class BadRequestError(TransferQueueError, ValueError):
     code = "bad_request"
 
 
+class AlreadyWrittenError(BadRequestError):
+    """A put names rows in which one of its fields is already written (fields are write-once). A consumer that
+    processes rows again after a restart meets it for the rows its dead predecessor wrote."""
+
+    code = "already_written"
+
+
+class WritePendingError(BadRequestError):
+    """A put names rows that another put, prepared and not yet committed, is writing the same field of (it
+    commits, or rolls back after ``put_lease_s`` when its writer died)."""
+
+    code = "write_pending"
+
+
 class UnknownPartitionError(BadRequestError, KeyError):
     """The partition does not exist (never created, or already cleared)."""
 
@@ -62,7 +76,8 @@ class ServerUnavailableError(TransferQueueError):
 
 ERRORS_BY_CODE: dict[str, type[TransferQueueError]] = {
     cls.code: cls
-    for cls in (TransferQueueError, BadRequestError, UnknownPartitionError, TransferQueueTimeoutError,
+    for cls in (TransferQueueError, BadRequestError, AlreadyWrittenError, WritePendingError,
+                UnknownPartitionError, TransferQueueTimeoutError,
                 BackPressureError, StorageUnitError, StalePutError, ServerUnavailableError)
 }
 

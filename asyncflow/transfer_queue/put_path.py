@@ -15,11 +15,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import (
+    AlreadyWrittenError,
     BadRequestError,
     StalePutError,
     StorageUnitError,
     TransferQueueError,
     UnknownPartitionError,
+    WritePendingError,
 )
 from .fencing import COPY_GRACE_S
 from .partition import Partition
@@ -82,9 +84,11 @@ class PutHandlers:
                 if f is not None:
                     dup = rows[f.produced[rows] | f.pending[rows]]
                     if len(dup):
-                        raise BadRequestError(f"field {name!r} was already written to rows "
-                                              f"{dup[:8].tolist()} of partition {part.name!r}; fields are "
-                                              "write-once")
+                        pending = bool(f.pending[dup].any())
+                        raise (WritePendingError if pending else AlreadyWrittenError)(
+                            f"field {name!r} was already written to rows {dup[:8].tolist()} of partition "
+                            f"{part.name!r}{' (by a put not committed yet)' if pending else ''}; fields are "
+                            "write-once")
         put_id = next(self._ids)
         placement = self._allocate(specs, count, put_id)
         if placement is None:

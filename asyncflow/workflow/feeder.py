@@ -74,8 +74,9 @@ class Feeder:
         for step in full:
             self.pipe.seal(step)
 
-    def wait(self, refs: list, collect, ahead=None, sync: bool = False) -> None:
-        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile."""
+    def wait(self, refs: list, collect, ahead=None, sync: bool = False, recover=None) -> None:
+        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile.
+        ``recover(ref, exc)``: the ref that replaces a failed one (a restarted service loop), or it raises."""
         import ray
 
         while refs:
@@ -83,7 +84,14 @@ class Feeder:
                 self.feed_until(ahead())
             self.top_up()
             done, refs = ray.wait(refs, timeout=0.2)
-            results = ray.get(done)  # re-raises a service's failure here
+            results = []
+            for ref in done:
+                try:
+                    results.append(ray.get(ref))  # re-raises a service's failure here
+                except Exception as exc:
+                    if recover is None:
+                        raise
+                    refs.append(recover(ref, exc))
             if sync:
                 collect([r for r in results if isinstance(r, dict)])
             else:

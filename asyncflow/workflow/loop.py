@@ -44,6 +44,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
+    from asyncflow.workflow.supervisor import Supervisor
 
     wf = cfg.workflow
     model_dir = ensure_model(cfg.model)
@@ -92,11 +93,12 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         elif wf.mode == "stream":
             running = [s.run.remote(start, wf.steps) for s in pipe.services]
             feeder.wait(running, reporter.collect, ahead=lambda: 0)
-        else:
-            running = [s.run.remote(start, wf.steps) for s in pipe.services]
+        else:  # a stateless service whose process dies is started again (``workflow.supervisor``)
+            supervisor = Supervisor(cfg, pipe, reporter)
             # Prompts go in one step ahead of what rollout may generate under the staleness bound.
-            feeder.wait(running, reporter.collect,
-                        ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
+            feeder.wait(supervisor.start(start, wf.steps), reporter.collect,
+                        ahead=lambda: reporter.trained_steps + wf.max_staleness + 2, recover=supervisor.recover)
+            reporter.extra_summary["service_restarts"] = supervisor.events
         return reporter.finish()
     except BaseException as exc:
         pipe.abort(f"{type(exc).__name__}: {exc}")

@@ -13,7 +13,7 @@ from asyncflow.observability import RunObserver, keys
 from asyncflow.observability.logprob_gap import gap_problems, merge_stats
 
 ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries", "/stale_groups",
-            "/failures")
+            "/failures", "/restarts")
 """Metrics that count something: the step's value is the sum over the instances that report it."""
 
 
@@ -51,6 +51,10 @@ class Reporter:
         self.trained_groups: dict[int, list[int]] = {int(k): v for k, v in (trained_groups or {}).items()}
         self.t_start = time.time()
         self.t_last = self.t_start
+        self.reported: dict[tuple[str, int], int] = {}
+        """(service, worker) -> the last step it reported (where a restarted worker goes on)."""
+        self.extra_summary: dict = {}
+        """Records added to ``summary.json`` (the supervisor's restarts)."""
 
     def collect(self, reports: list[dict] | None = None) -> None:
         """Take ``reports`` (sync mode) or pull them from the board (async); log every complete step."""
@@ -60,6 +64,8 @@ class Reporter:
             reports = ray.get(self.pipe.board.take_reports.remote())
         for item in reports:
             self.observer.timeline.merge(item["spans"])
+            who = (item["service"], item.get("worker", 0))
+            self.reported[who] = max(self.reported.get(who, -1), item["step"])
             if item["step"] < self.trained_steps:  # a sample-stream instance's share of a step already logged
                 continue
             pending = self.pending[item["step"]]
@@ -136,6 +142,7 @@ class Reporter:
             # Sample stream: groups that finished beyond their staleness bound and were generated again.
             "stale_groups": sum(h.get("stream/stale_groups", 0.0) for h in self.history),
             "trained_groups": {str(k): v for k, v in sorted(self.trained_groups.items())},
+            **self.extra_summary,
         }
         out = self.observer.output_dir / "summary.json"
         out.write_text(json.dumps(summary, indent=2))

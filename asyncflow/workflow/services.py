@@ -34,14 +34,19 @@ class TaskService:
     name = "task"
 
     def __init__(self, tq_address: str, tq_cfg: TransferQueueConfig, board, threads: int, worker: int = 0,
-                 timeout_s: float = 600.0, cpus: list[int] | None = None, partial_batches: bool = False):
+                 timeout_s: float = 600.0, cpus: list[int] | None = None, partial_batches: bool = False,
+                 redo: bool = False):
+        """``redo``: the driver restarts this worker when it dies (``asyncflow.workflow.supervisor``): rows are
+        acked only once their outputs are put, and puts skip rows whose outputs a dead predecessor wrote."""
         from asyncflow.observability import Timeline
         from asyncflow.transfer_queue import TransferQueueClient
+        from asyncflow.workflow.supervisor import RedoClient
 
         if cpus:  # Ray reserves CPUs but does not pin; pinning keeps side-by-side workers off each other's cores
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
-        self.tq = TransferQueueClient(tq_address, tq_cfg)
+        self.redo = redo
+        self.tq = (RedoClient if redo else TransferQueueClient)(tq_address, tq_cfg)
         self.board = board
         self.worker = worker
         self.timeout_s = timeout_s
@@ -58,7 +63,7 @@ class TaskService:
         kwargs.setdefault("allow_partial", self.partial_batches)
         while True:
             batch = self.tq.get(partition_name(step), task or self.name, fields, batch_size, timeout=self.timeout_s,
-                                **kwargs)
+                                ack=not self.redo, **kwargs)
             # Lost rows would otherwise end the step early: a step trained on part of its rows, or none.
             if batch.meta.lost_rows:
                 raise StorageUnitError(f"step {step}: {batch.meta.lost_rows} of its rows were lost with a "
@@ -67,6 +72,8 @@ class TaskService:
             if batch.done:
                 return
             yield batch
+            if self.redo:  # the caller has put what it made of the batch: its rows are done
+                self.tq.ack(batch.meta)
 
     def post(self, report: dict | None) -> None:
         """Hand a step's report to the board (ranks that do not report return None)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.workflow import services, train_services
+from asyncflow.workflow.supervisor import restartable
 
 
 class WorkerGroups:
@@ -36,6 +37,8 @@ class WorkerGroups:
                            partial_batches=algo.dynamic_sampling)
         self.trained = dict(model_dir=self.model_dir, seq_len=seq_len, threads=self.threads,
                             share_device=self.share_device, **self.common)
+        # Workers the driver restarts when their process dies (``asyncflow.workflow.supervisor``).
+        self.restart = restartable(cfg)
         self.persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,
                                         "steps": wf.steps},
                             resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
@@ -43,6 +46,9 @@ class WorkerGroups:
     def _place(self, cls, opts: dict, **kwargs):
         import ray
 
+        if getattr(cls, "name", None) in self.restart:  # Ray starts it again in its bundle when its process dies
+            opts = {**opts, "max_restarts": self.cfg.workflow.max_service_restarts}
+            kwargs["redo"] = True
         return ray.remote(cls).options(**opts).remote(**kwargs)
 
     def _ranks(self, cls, group: str, mcfg, **kwargs) -> list:

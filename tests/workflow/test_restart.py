@@ -1,0 +1,96 @@
+"""Stateless services that die are started again and their rows made again, exactly once (the supervisor,
+``asyncflow.workflow.supervisor``), on the fake engines: the worker processes are real Ray actors, and the test
+SIGKILLs them (``os.kill`` of the worker's pid) in the middle of a run.
+
+Checked: the run finishes, every prompt of every step is trained once in its own step with its whole group
+(``check_staleness_and_exactly_once``, the resume tests' check), the staleness bound holds, and the summary and
+the metrics record the restarts. Past ``workflow.max_service_restarts`` the run stops with an error naming the
+service. The trainer is slowed down (``tests/fakes/slowed.SlowTrainer``) so that the kills land mid-run.
+"""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from asyncflow.workflow.errors import WorkerDiedError
+from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, records, run_fake
+
+pytestmark = pytest.mark.loop
+
+STEPS, PROMPTS, GROUP = 8, 8, 4
+RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0"]
+
+
+class Killer(threading.Thread):
+    """SIGKILLs the process of one worker of ``service`` each time the run has logged the steps in ``after``."""
+
+    def __init__(self, out, service: str, after: list[int], instance: int = 0):
+        super().__init__(daemon=True)
+        self.out, self.service, self.after, self.instance = out, service, after, instance
+        self.killed: list[int] = []  # pids, in kill order
+        self.stop = False
+
+    def run(self) -> None:
+        for logged in self.after:
+            while not self.stop and self._logged() < logged:
+                time.sleep(0.05)
+            if self.stop:
+                return
+            pid = self._pid()
+            if pid is not None:
+                os.kill(pid, signal.SIGKILL)
+                self.killed.append(pid)
+            time.sleep(0.5)  # the next kill hits the restarted process, not a dying one
+
+    def _logged(self) -> int:
+        metrics = self.out / "metrics.jsonl"
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    def _pid(self) -> int | None:
+        """The pid of the worker's process, as Ray's actor table has it (the public state API needs the dashboard,
+        which the tests' Ray does not start)."""
+        import ray
+
+        name = {"reward": "RewardService", "rollout": "RolloutService"}[self.service]
+        pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
+                      if a["ActorClassName"] == name and a["State"] == "ALIVE")
+        return pids[min(self.instance, len(pids) - 1)] if pids else None
+
+
+def _run_with_kills(tmp_path, model_dir, name: str, service: str, after: list[int], *extra: str):
+    killer = Killer(tmp_path / name, service, after)
+    killer.start()
+    try:
+        return run_fake(tmp_path, model_dir, name, *RUN, *extra), killer
+    finally:
+        killer.stop = True
+        killer.join(10)
+
+
+def test_a_killed_reward_worker_is_restarted_and_every_prompt_trained_once(tmp_path, tiny_model_dir, shared_ray):
+    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "reward", "reward", [2])
+    assert len(killer.killed) == 1, "the run ended before the kill"
+    check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
+    events = summary["service_restarts"]
+    assert [(e["service"], e["worker"], e["restart"]) for e in events] == [("reward", 0, 1)], events
+    assert events[0]["resumed_at_step"] >= 2
+    assert sum(r.get("supervisor/restarts", 0.0) for r in records(summary)) == 1.0
+
+
+def test_a_killed_rollout_instance_is_replaced_and_the_run_goes_on(tmp_path, tiny_model_dir, shared_ray):
+    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "rollout", "rollout", [2],
+                                      "workflow.rollout_instances=2")
+    assert len(killer.killed) == 1, "the run ended before the kill"
+    check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
+    events = summary["service_restarts"]
+    assert [(e["service"], e["restart"]) for e in events] == [("rollout", 1)], events
+
+
+def test_deaths_past_the_bound_stop_the_run_naming_the_service(tmp_path, tiny_model_dir, shared_ray):
+    with pytest.raises(WorkerDiedError) as failed:
+        _run_with_kills(tmp_path, tiny_model_dir, "bound", "reward", [1, 3], "workflow.max_service_restarts=1")
+    assert str(failed.value) == ("reward worker 0 died; reward workers died 2 times, more than "
+                                 "workflow.max_service_restarts=1"), str(failed.value)
