@@ -15,12 +15,14 @@ CPU_STACK = [
 ]
 
 # The code is written against these APIs (the same versions as the CPU stack). vllm 0.32.0 brings its CUDA
-# torch; transformer-engine in the range megatron-core 0.16.1 declares for itself (its "dev" extra). NVIDIA apex
-# is optional (not on PyPI). Resolved from the package metadata; not installed or run on a GPU here yet.
+# torch; transformer-engine in the range and with the CUDA 13 core library megatron-core 0.16.1 declares for
+# itself (its "dev" extra; plain [pytorch] installs the CUDA 12 core). NVIDIA apex is optional (not on PyPI).
+# Resolved from the package metadata; not installed or run on a GPU here yet. containers/ installs the same pins
+# (tests/recipes/test_containers.py).
 GPU_STACK = [
     "vllm==0.32.0",
     "megatron-core==0.16.1",
-    "transformer-engine[pytorch]>=2.9,<2.12",
+    "transformer-engine[core_cu13,pytorch]>=2.9,<2.12",
     "ray==2.60.0",
 ]
 
