@@ -12,6 +12,12 @@ it is empty, so a step that needs a newer version waits for the tail to drain fi
 the tail carries on under the new version. Either way a response's oldest token comes from a version that
 admitted its step, so workflow.max_staleness bounds every token (the row's version is its oldest token's).
 A step's report is posted once every one of its rows has been generated.
+
+Multi-turn (``agent.loop``): a finished turn leaves the engine and its agent-loop call runs in a worker
+(``asyncflow.agents.calls``) while the engine steps the other sequences; once the call answers, the trajectory
+is continued (its observation appended, its next turn admitted) or finished. A trajectory waiting for its call
+holds its step open, and counts as work in flight: the engine is not "empty" while a call runs, so weights
+change under it only with partial rollout, as for a sequence being generated.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncflow.agents import row_metadata
 from asyncflow.workflow.board import admitted_version
 from asyncflow.workflow.partitions import PUT_ROWS, partition_name, row_length
 
@@ -40,6 +47,7 @@ class _StepState:
     turns: int = 0  # model turns of the finished rows (multi-turn agent loops)
     observations: int = 0  # observations the agent loop appended (tool calls answered)
     agent_errors: int = 0
+    tool_timeouts: int = 0  # agent-loop calls cut off at agent.tool_timeout_s (their trajectories end as failures)
     turn_reward: float = 0.0  # sum of the finished rows' turn rewards (``AgentLoop.turn_reward``)
 
 
@@ -52,9 +60,14 @@ class ContinuousRollout:
         self.svc = service
         self.partial = partial
         self.agent = service.agent  # an ``asyncflow.agents.AgentLoop`` or None (single turn)
+        self.calls = None  # its calls in flight (``asyncflow.agents.calls.AgentCalls``), made in ``run``
+        self.meta: dict = {}  # key -> the prompt row's metadata (multi-turn trajectories in flight)
+        self.waiting: dict = {}  # key -> the sample of a finished turn whose agent-loop call runs
         self.stream = service.engine.stream(ignore_eos="max_new_tokens" in service.fields,
                                             turns=self.agent is not None)
         self.stop = tuple(self.agent.stop_token_ids) if self.agent is not None else ()
+        # An agent loop sees the row's reference answer (with data_source/extra_info, asyncflow.data) as metadata.
+        self.fields = list(service.fields) + (["ground_truth"] if self.agent is not None and service.answers else [])
         self.steps: dict[int, _StepState] = {}
         # (step, row, sample, agent failed, turn rewards) not yet put
         self.pending: list[tuple[int, int, object, bool, float]] = []
@@ -78,7 +91,7 @@ class ContinuousRollout:
         """Bring the engine to a version allowed for ``step``, and to the newest one when that is free."""
         engine, need = self.svc.engine, admitted_version(step, self.svc.max_staleness)
         served = engine.weight_version
-        if not len(self.stream):
+        if not self._busy():
             if served < need or self._newest_version() > served:
                 self._idle()
                 self.svc._admit(step)  # blocks until a version >= need is staged; applies the newest
@@ -97,10 +110,10 @@ class ContinuousRollout:
             return False
         kw = dict(allow_partial=True)
         if block:
-            batch = self.svc.tq.get(partition_name(step), self.svc.name, self.svc.fields, self.stream.free,
+            batch = self.svc.tq.get(partition_name(step), self.svc.name, self.fields, self.stream.free,
                                     timeout=self.svc.timeout_s, **kw)
         else:
-            batch = self.svc.tq.poll(partition_name(step), self.svc.name, self.svc.fields, self.stream.free, **kw)
+            batch = self.svc.tq.poll(partition_name(step), self.svc.name, self.fields, self.stream.free, **kw)
         if batch is None:
             return False
         if batch.done:
@@ -109,55 +122,80 @@ class ContinuousRollout:
         if state.first_version < 0:
             state.first_version = self.svc.engine.weight_version
         budgets = batch["max_new_tokens"].tolist() if "max_new_tokens" in batch else [None] * len(batch)
-        for index, prompt, budget in zip(batch.indexes, batch["prompt_ids"], budgets):
+        answers = batch["ground_truth"] if "ground_truth" in self.fields else [None] * len(batch)
+        for index, prompt, budget, answer in zip(batch.indexes, batch["prompt_ids"], budgets, answers):
             self.stream.add((step, index), prompt.tolist(), budget, stop_token_ids=self.stop)
+            if self.agent is not None:
+                self.meta[(step, index)] = row_metadata(answer)
         state.in_flight += len(batch)
         if self.busy_since is None:
             self.busy_since = time.time()
         return False
 
-    def _next_turn(self, key, sample, state: _StepState) -> tuple[bool, bool]:
-        """Multi-turn: ask the agent loop; ``(continued, failed)``. A loop that raises ends the trajectory
-        (its reward becomes algorithm.reward_on_error; the failure is counted)."""
+    def _busy(self) -> bool:
+        """Sequences in the engine, or trajectories waiting for their agent-loop call."""
+        return bool(len(self.stream) or self.waiting)
+
+    def _ask(self, key, sample) -> None:
+        """Multi-turn: start the agent loop's call on ``key``'s finished turn (``turn_reward``, then ``observe``
+        unless the turn limit is reached); ``_answered`` takes its outcome."""
         from asyncflow.agents import Trajectory
 
-        try:
-            trajectory = Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.turns,
-                                    sample.finish_reason)
-            self.turn_rewards[key] = self.turn_rewards.get(key, 0.0) + float(self.agent.turn_reward(trajectory))
-            observation = self.agent.observe(trajectory)
-        except Exception as exc:  # noqa: BLE001 - one tool failure must not stop the run
-            state.agent_errors += 1
-            if state.agent_errors == 1:
-                print(f"rollout {self.svc.worker}: agent loop failed ({type(exc).__name__}: {exc}); the sample "
-                      f"gets algorithm.reward_on_error", flush=True)
+        trajectory = Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.turns,
+                                sample.finish_reason, metadata=self.meta.get(key, {}), tokenizer=self.svc.tokenizer)
+        self.waiting[key] = sample
+        self.calls.submit(key, trajectory, ask=sample.turns < self.svc.max_turns)
+
+    def _answered(self, outcomes) -> None:
+        """Continue or finish the trajectories whose calls answered, failed or timed out. A loop that raises, or
+        a call past agent.tool_timeout_s, ends its trajectory (its reward becomes algorithm.reward_on_error;
+        the failure is counted: agent/errors, agent/tool_timeouts)."""
+        for key, out in outcomes:
+            sample, state = self.waiting.pop(key), self.steps[key[0]]
+            self.turn_rewards[key] = self.turn_rewards.get(key, 0.0) + out.turn_reward
+            failed = out.timed_out or out.error is not None
+            if out.timed_out:
+                state.tool_timeouts += 1
+                if state.tool_timeouts == 1:
+                    print(f"rollout {self.svc.worker}: an agent-loop call took longer than agent.tool_timeout_s="
+                          f"{self.calls.timeout_s}; the sample gets algorithm.reward_on_error", flush=True)
+            elif out.error is not None:
+                state.agent_errors += 1
+                if state.agent_errors == 1:
+                    print(f"rollout {self.svc.worker}: agent loop failed ({type(out.error).__name__}: {out.error}); "
+                          f"the sample gets algorithm.reward_on_error", flush=True)
+            elif out.observation and self.stream.continue_turn(key, list(out.observation)):
+                state.observations += 1
+                continue
             self.stream.release(key)
-            return False, True
-        if observation and sample.turns < self.svc.max_turns and self.stream.continue_turn(key, list(observation)):
-            state.observations += 1
-            return True, False
-        self.stream.release(key)
-        return False, False
+            self._end(key, sample, failed)
+        self._maybe_flush()
+
+    def _end(self, key, sample, failed: bool) -> None:
+        """``key``'s response is complete: count it and queue it for the TransferQueue."""
+        step, index = key
+        state = self.steps[step]
+        state.in_flight -= 1
+        state.rows += 1
+        state.turns += sample.turns
+        state.tokens += len(sample.response_ids)
+        versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
+        mask = sample.loss_mask or [1] * len(versions)
+        state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
+        turn_reward = self.turn_rewards.pop(key, 0.0)
+        self.meta.pop(key, None)
+        state.turn_reward += turn_reward
+        self.pending.append((step, index, sample, failed, turn_reward))
 
     def _finished(self, done) -> None:
         for key, sample in done:
-            step, index = key
-            state = self.steps[step]
-            failed = False
             if self.agent is not None:
-                continued, failed = self._next_turn(key, sample, state)
-                if continued:
-                    continue
-            state.in_flight -= 1
-            state.rows += 1
-            state.turns += sample.turns
-            state.tokens += len(sample.response_ids)
-            versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
-            mask = sample.loss_mask or [1] * len(versions)
-            state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
-            turn_reward = self.turn_rewards.pop(key, 0.0)
-            state.turn_reward += turn_reward
-            self.pending.append((step, index, sample, failed, turn_reward))
+                self._ask(key, sample)
+            else:
+                self._end(key, sample, False)
+        self._maybe_flush()
+
+    def _maybe_flush(self) -> None:
         if len(self.pending) >= PUT_ROWS or any(self.steps[s].in_flight == 0 for s, *_ in self.pending):
             self._flush()
 
@@ -201,12 +239,24 @@ class ContinuousRollout:
             "staleness/token_lag_min": lags.min().item(), "staleness/token_lag_mean": lags.mean().item(),
             "staleness/token_lag_max": lags.max().item(), **self.svc.apply_stats,
             **({"agent/turns_mean": state.turns / max(state.rows, 1), "agent/observations": float(state.observations),
-                "agent/errors": float(state.agent_errors),
+                "agent/errors": float(state.agent_errors), "agent/tool_timeouts": float(state.tool_timeouts),
                 "agent/turn_reward_mean": state.turn_reward / max(state.rows, 1)} if self.agent is not None else {})})
 
     # ------------------------------------------------------------------ the loop
     def run(self, first: int, last: int, post) -> None:
         """Generate steps ``first .. last-1``; ``post(report)`` each as its last row is put."""
+        if self.agent is not None:
+            from asyncflow.agents.calls import AgentCalls
+
+            cfg = self.svc.agent_cfg
+            self.calls = AgentCalls(self.agent, cfg.tool_workers, cfg.tool_timeout_s)
+        try:
+            self._run(first, last, post)
+        finally:
+            if self.calls is not None:
+                self.calls.close()
+
+    def _run(self, first: int, last: int, post) -> None:
         admit, reported = first, first
         while reported < last:
             # Post finished steps first: nothing below may block while a finished step goes unreported.
@@ -219,7 +269,7 @@ class ContinuousRollout:
                 self._weights(admit)
                 if self.svc.engine.weight_version >= admitted_version(admit, self.svc.max_staleness):
                     # Block on the queue only when the engine has nothing else to do.
-                    if self._admit_rows(admit, block=not len(self.stream)):
+                    if self._admit_rows(admit, block=not self._busy()):
                         self.steps[admit].taken = True
                         admit += 1
                         continue
@@ -230,6 +280,10 @@ class ContinuousRollout:
                     if state.in_flight:
                         state.running.append(running)
                 self._finished(done)
+                if self.waiting:
+                    self._answered(self.calls.ready())
+            elif self.waiting:  # only agent-loop calls are left: wait a little for one (admission polls meanwhile)
+                self._answered(self.calls.ready(wait_s=self.poll_weights_s))
             elif self.busy_since is not None:
                 self._idle()
         self._idle()

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from asyncflow.config import AlgorithmConfig, TransferQueueConfig, VllmConfig
+from asyncflow.config import AgentConfig, AlgorithmConfig, TransferQueueConfig, VllmConfig
 from asyncflow.workflow.errors import WeightApplyError
 from asyncflow.workflow.partitions import PUT_ROWS, partition_name, row_length
 from asyncflow.workflow.rollout_stream import ContinuousRollout
@@ -154,7 +154,7 @@ class RolloutService(TaskService):
 
     def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
                  relay: dict | None = None, share_device: bool = False, visible_devices: list[str] | None = None,
-                 agent: str | None = None, max_turns: int = 1, stream: bool = False, group_size: int = 1,
+                 agent: AgentConfig | None = None, stream: bool = False, group_size: int = 1,
                  answers: bool = False, **kw):
         """``share_device``: colocated ``sync`` on devices (the engine sleeps between its phases);
         ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``); ``stream``: the
@@ -171,15 +171,18 @@ class RolloutService(TaskService):
                                           visible_devices=visible_devices)
         self.max_staleness = max_staleness
         self.chunk = chunk
-        self.continuous, self.partial = vllm_cfg.continuous or vllm_cfg.partial or bool(agent), vllm_cfg.partial
+        multi_turn = agent is not None and agent.loop is not None
+        self.continuous, self.partial = vllm_cfg.continuous or vllm_cfg.partial or multi_turn, vllm_cfg.partial
         self.partial_kv = vllm_cfg.partial_kv
-        self.agent, self.max_turns = None, max_turns
-        if agent:  # multi-turn rollouts run on the continuous stream (asyncflow.workflow.rollout_stream)
+        self.agent, self.agent_cfg, self.tokenizer = None, agent, None
+        self.max_turns = agent.max_turns if multi_turn else 1
+        if multi_turn:  # multi-turn rollouts run on the continuous stream (asyncflow.workflow.rollout_stream)
             from transformers import AutoTokenizer
 
             from asyncflow.agents import make_agent_loop
 
-            self.agent = make_agent_loop(agent, AutoTokenizer.from_pretrained(model_dir))
+            self.tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the loop's, and its trajectories' text
+            self.agent = make_agent_loop(agent.loop, self.tokenizer)
         self.fields = ["prompt_ids"] + (["max_new_tokens"] if budgets else [])
         self.apply_stats: dict = {}  # how the version admitted for the current step was applied
         self.max_stale_retries = 5

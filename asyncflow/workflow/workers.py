@@ -73,7 +73,7 @@ class WorkerGroups:
                 services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
                 max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
                 budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
-                agent=cfg.agent.loop, max_turns=cfg.agent.max_turns, visible_devices=self.where.rollout_devices(i),
+                agent=cfg.agent, visible_devices=self.where.rollout_devices(i),
                 stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers, **self.common))
         return handles
 
