@@ -41,7 +41,8 @@ Optional: RAY_PORT (default 20000 + job id mod 20000), RAY_TMPDIR (default /tmp/
   PYTHON (python3), ASYNCFLOW (asyncflow), RAY_BIN (ray; the path on every host), SSH_OPTS, SRUN_EXTRA_ARGS.
   NET_IF (network interface: each node's Ray address, the TransferQueue's, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME),
   EXEC_PREFIX / REMOTE_EXEC_PREFIX (container: words before every python / ray / asyncflow command, here / on the
-  other nodes), TRAIN_STOP_GRACE_S (90: how long a stopped driver may take to checkpoint before SIGKILL).
+  other nodes), TRAIN_STOP_GRACE_S (180: how long a stopped driver may take to checkpoint and exit before SIGKILL;
+  above its own checkpoint.signal_grace_s plus teardown).
 Every node's Ray gets this shell's NCCL_*, GLOO_*, HF_*, CUDA_*, LD_LIBRARY_PATH and PYTHONPATH (srun passes the
   whole environment; ssh gets them on the remote command line).
 EOF
@@ -344,7 +345,7 @@ rc_main() {
     RAY_PORT=${RAY_PORT:-$((20000 + job % 20000))} RAY_WAIT_S=${RAY_WAIT_S:-300}
     RAY_TMPDIR=${RAY_TMPDIR:-/tmp/af_ray_$job} LAUNCH_DIR=${LAUNCH_DIR:-outputs/launch/$RC_NAME-$job}
     SSH_OPTS=${SSH_OPTS:--o BatchMode=yes} SRUN_EXTRA_ARGS=${SRUN_EXTRA_ARGS:-}
-    TRAIN_STOP_GRACE_S=${TRAIN_STOP_GRACE_S:-90}
+    TRAIN_STOP_GRACE_S=${TRAIN_STOP_GRACE_S:-180}
     # Word lists (container commands); a path with spaces cannot be given here.
     read -r -a RC_EXEC <<<"${EXEC_PREFIX:-}"
     read -r -a RC_REMOTE_EXEC <<<"${REMOTE_EXEC_PREFIX-${EXEC_PREFIX:-}}"
