@@ -122,15 +122,27 @@ def final_line(summary: dict) -> str:
             f"step{'s' if tail != 1 else ''}); max version lag {summary['max_version_lag']:.0f}")
 
 
+def resume_command(path: str | None, overrides: list[str]) -> str:
+    """The command that resumes a stopped ``asyncflow train`` run with the same config and overrides."""
+    import shlex
+
+    return shlex.join(["asyncflow", "train", *([path] if path else []), "--resume", *overrides])
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from asyncflow.workflow.loop import train
+    from asyncflow.workflow.signals import RunStopped, stopped_line
 
     path, overrides = _split_config_and_overrides(args.items)
     cfg = load_config(path, overrides)
     problems = _checks_before_train(cfg, path, overrides)
     if problems:
         return _refuse(problems)
-    summary = train(cfg, resume=args.resume)
+    try:
+        summary = train(cfg, resume=args.resume)
+    except RunStopped as stop:
+        print(stopped_line(stop, resume_command(path, overrides)), flush=True)
+        return stop.exit_code
     print(final_line(summary), flush=True)
     if summary.get("fresh_logprob_gap_max") is not None:
         print(f"|vLLM logprob - Megatron logprob| on the {summary['fresh_logprob_gap_tokens']:.0f} tokens trained by "
@@ -255,6 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
+    except KeyboardInterrupt:  # Ctrl-C outside a run's own handling (loading, checks): one line, no traceback
+        print("asyncflow: interrupted", file=sys.stderr)
+        return 130
     except ConfigSyntaxError as exc:  # file:line:column first, so that editors and terminals link to the spot
         print(f"asyncflow: error: {exc}", file=sys.stderr)
         return 2

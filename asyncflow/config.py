@@ -417,6 +417,10 @@ class CheckpointConfig:
     """Save after every this many trained steps and after the last one (0: never)."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a new one is committed (0 keeps all)."""
+    signal_grace_s: float = 120.0
+    """On SIGTERM or SIGINT the run stops at the next step boundary and writes a checkpoint there (when ``dir`` is
+    set or ``interval`` > 0); if the boundary is not reached within this many seconds it stops without one (the
+    previous checkpoint stays the resume point; 0: no limit). Exit status 75 either way (docs/fault_tolerance.md)."""
 
 
 @dataclass

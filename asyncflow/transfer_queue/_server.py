@@ -45,7 +45,9 @@ def main() -> None:
         controller = spec.get("controller") or sys.stdin.readline().strip()
         server = StorageUnit(spec["unit"], config, controller, spec.get("shm_prefix"))
     signal.signal(signal.SIGTERM, lambda *_: server.stop())
-    signal.signal(signal.SIGINT, lambda *_: server.stop())
+    # Ctrl-C in a terminal reaches the whole process group: the run that started this server decides when it
+    # stops (it stops at a step boundary first, workflow.signals), then terminates it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     server.serve_forever()
 
 

@@ -38,6 +38,9 @@ class VersionBoard:
         self._rollout: dict[int, dict] = {}  # rollout instance -> {"serving": v, "applying": v | None}
         self._aborted: str | None = None
         self._stream = None  # the sample stream's ledger (workflow.mode=stream)
+        self._begun = -1  # the highest step a trainer rank has begun (``trainer_begin``)
+        self._stop: dict | None = None  # {"at": step, "save": bool} once the driver asked the run to stop
+        self._stopped = 0  # trainer ranks that stopped there (and saved their parts)
 
     def _condition(self) -> asyncio.Condition:
         if self._cond is None:  # created lazily: it must belong to the actor's event loop
@@ -125,6 +128,31 @@ class VersionBoard:
         async with cond:
             self._aborted = reason
             cond.notify_all()
+
+    async def request_stop(self, first: int, save: bool) -> int:
+        """The run stops on a signal (``workflow.signals``): at the step boundary after the highest step a trainer
+        rank has begun (``first`` when none has), so that every rank of every trainer group finishes the steps any
+        of its peers began and none begins a later one. ``save``: the ranks save their checkpoint parts there.
+        Returns that boundary (the number of trained steps at the stop)."""
+        if self._stop is None:
+            self._stop = {"at": max(self._begun + 1, first), "save": save}
+        return self._stop["at"]
+
+    async def trainer_begin(self, step: int) -> dict | None:
+        """A trainer rank is about to begin ``step``: None to go on, or ``{"at": step, "save": bool}`` when the run
+        stops at this step's boundary."""
+        if self._stop is not None and step >= self._stop["at"]:
+            return self._stop
+        self._begun = max(self._begun, step)
+        return None
+
+    async def trainer_stopped(self) -> None:
+        """A trainer rank stopped at the boundary (its checkpoint part, if any, is written)."""
+        self._stopped += 1
+
+    async def trainers_stopped(self) -> int:
+        """How many trainer ranks stopped at the boundary."""
+        return self._stopped
 
     async def version(self, domain: str = "local") -> int:
         """The newest complete version in ``domain`` (-1: none yet)."""

@@ -74,12 +74,13 @@ class Feeder:
         for step in full:
             self.pipe.seal(step)
 
-    def wait(self, refs: list, collect, ahead=None, sync: bool = False, recover=None) -> None:
-        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile.
-        ``recover(ref, exc)``: the ref that replaces a failed one (a restarted service loop), or it raises."""
+    def wait(self, refs: list, collect, ahead=None, sync: bool = False, until=None, recover=None) -> list:
+        """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile, or
+        until ``until()`` holds (a stop on a signal); returns the refs not done. ``recover(ref, exc)``: the ref
+        that replaces a failed one (a restarted service loop; None: none does), or it raises."""
         import ray
 
-        while refs:
+        while refs and not (until is not None and until()):
             if ahead is not None:
                 self.feed_until(ahead())
             self.top_up()
@@ -91,11 +92,12 @@ class Feeder:
                 except Exception as exc:
                     if recover is None:
                         raise
-                    refs.append(recover(ref, exc))
+                    refs.extend(r for r in [recover(ref, exc)] if r is not None)
             if sync:
                 collect([r for r in results if isinstance(r, dict)])
             else:
                 collect()
+        return refs
 
 
 class StreamFeeder(Feeder):

@@ -21,6 +21,7 @@ The driver feeds prompts ahead of the services, grows steps under DAPO dynamic s
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
@@ -33,7 +34,24 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     """Run ``cfg.workflow.steps`` RL steps (from the newest checkpoint with ``resume``); return the summary.
 
     Runs on the Ray this process is connected to, if any (left up at the end, with nothing of the run in it),
-    else on one it starts for the run (``connect_ray``) and shuts down at the end."""
+    else on one it starts for the run (``connect_ray``) and shuts down at the end.
+
+    Called from the main thread, it handles SIGTERM and SIGINT (``workflow.signals``): the run stops at the next
+    step boundary with a checkpoint there, writes ``summary.json``, tears everything down and raises
+    ``RunStopped``."""
+    from asyncflow.workflow.signals import RunStopped, StopNow, StopSignals
+
+    signals = StopSignals(cfg.checkpoint.signal_grace_s)
+    with signals.installed():
+        try:
+            return _train(cfg, resume, signals)
+        except StopNow as exc:  # before the loop began: nothing trained, the resume point is where it was
+            signals.tearing_down()
+            raise RunStopped(_resumed_at(cfg, resume), signals.signal_name, _resume_point(cfg),
+                             reason=exc.reason) from None
+
+
+def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
@@ -44,6 +62,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
+    from asyncflow.workflow.signals import RunStopped, StopNow
     from asyncflow.workflow.supervisor import Supervisor
 
     wf = cfg.workflow
@@ -55,6 +74,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         with ThreadPoolExecutor(1) as pool:
             loading = pool.submit(_prompt_source, cfg, model_dir)
             started = connect_ray(cfg)
+            signals.install()  # ray.init replaced the SIGTERM handler with its own
             source = loading.result()
         ckpt = RunCheckpoints(cfg, source)
         start, resume_dir, meta = ckpt.resume() if resume else (0, None, {})
@@ -66,6 +86,7 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, hasattr(source, "sample_budgets"),
                               answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start,
                               owns_ray=started)
+        signals.install()  # a Ray started by start_pipeline replaced it again
     except BaseException:
         if started:
             ray.shutdown()
@@ -79,6 +100,8 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
                   else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
         if wf.mode == "sync":
             for step in range(start, wf.steps):
+                if signals.requested:
+                    _stop(cfg, pipe, ckpt, reporter, signals, step, start)
                 feeder.feed_until(step + 1)
                 stages = pipe.stages
                 if feeder.sampling:  # generate, judge and top up the step until it is full
@@ -92,16 +115,28 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
                     reporter.collect([r for r in reports if r is not None])
         elif wf.mode == "stream":
             running = [s.run.remote(start, wf.steps) for s in pipe.services]
-            feeder.wait(running, reporter.collect, ahead=lambda: 0)
+            wait = functools.partial(feeder.wait, collect=reporter.collect, ahead=lambda: 0)
+            if wait(running, until=lambda: signals.requested):
+                _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
         else:  # a stateless service whose process dies is started again (``workflow.supervisor``)
             supervisor = Supervisor(cfg, pipe, reporter)
             # Prompts go in one step ahead of what rollout may generate under the staleness bound.
-            feeder.wait(supervisor.start(start, wf.steps), reporter.collect,
-                        ahead=lambda: reporter.trained_steps + wf.max_staleness + 2, recover=supervisor.recover)
+            wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
+                                     ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
+            running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
+            if running:
+                _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
             reporter.extra_summary["service_restarts"] = supervisor.events
         return reporter.finish()
     except BaseException as exc:
+        signals.tearing_down()
         pipe.abort(f"{type(exc).__name__}: {exc}")
+        if isinstance(exc, StopNow):  # a second signal, or the grace time is over: no checkpoint at the stop
+            stop = RunStopped(reporter.trained_steps if reporter else start, signals.signal_name,
+                              _resume_point(cfg), reason=exc.reason)
+            if reporter is not None:
+                reporter.finish(stopped=stop.record())
+            raise stop from None
         explained = pipe.explain(exc)
         if explained is not exc:
             raise explained from exc
@@ -110,6 +145,61 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
+
+
+def _stop_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, start: int, wait) -> None:
+    """A signal arrived while the services run on their own: every trainer rank stops at the boundary the board
+    fixes (``VersionBoard.request_stop``) and saves its part there; then ``_stop`` commits. ``wait(until=...)``
+    waits on the service loops while feeding and collecting. Returns (the run goes on to its end) when that
+    boundary is the end of the run."""
+    import ray
+
+    at = ray.get(pipe.board.request_stop.remote(start, ckpt.enabled))
+    if at >= cfg.workflow.steps:  # the trainers are in the last step already: let the run finish
+        wait()
+        return
+    ranks = sum(len(pipe.groups.get(name, [])) for name in ("actor", "critic"))
+    # Until every trainer rank has stopped (and saved) and the other services' reports of the last steps are in;
+    # bounded by the grace time.
+    wait(until=lambda: reporter.trained_steps >= at and ray.get(pipe.board.trainers_stopped.remote()) >= ranks)
+    _stop(cfg, pipe, ckpt, reporter, signals, at, start, saved=True)
+
+
+def _stop(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, trained: int, start: int, saved: bool = False):
+    """Stop at the boundary after ``trained`` steps: the trainer groups save their parts (unless ``saved``), the
+    driver commits the checkpoint and writes the summary; raises ``RunStopped``."""
+    import ray
+
+    from asyncflow.workflow.signals import RunStopped
+
+    path = None
+    if ckpt.enabled and trained > start:
+        if not saved:
+            ray.get([h.stop_save.remote(trained) for name in ("actor", "critic") for h in pipe.groups.get(name, [])])
+        signals.boundary_reached()
+        path = ckpt.commit_stop(trained, reporter.trained_groups)
+    signals.tearing_down()
+    stop = RunStopped(trained, signals.signal_name, _resume_point(cfg), None if path is None else str(path))
+    reporter.finish(stopped=stop.record())
+    raise stop
+
+
+def _resume_point(cfg: AsyncFlowConfig) -> int | None:
+    """Where ``--resume`` continues: the newest complete checkpoint's step (0 if none); None when checkpoints
+    are off (``checkpoint.dir`` unset and ``checkpoint.interval`` 0)."""
+    from asyncflow.workflow.checkpoints import CheckpointManager
+    from asyncflow.workflow.resume import checkpoint_root
+
+    if cfg.checkpoint.interval <= 0 and cfg.checkpoint.dir is None:
+        return None
+    root = checkpoint_root(cfg)
+    found = CheckpointManager(root, 0).latest() if root.is_dir() else None
+    return 0 if found is None else int(found[1]["step"])
+
+
+def _resumed_at(cfg: AsyncFlowConfig, resume: bool) -> int:
+    """The step a run starts at (before it trained anything)."""
+    return (_resume_point(cfg) or 0) if resume else 0
 
 
 def _prompt_source(cfg: AsyncFlowConfig, model_dir: Path):

@@ -109,8 +109,9 @@ class Reporter:
         self.history.append({"step": step, **metrics})
         self.observer.log(step, metrics)
 
-    def finish(self) -> dict:
-        """Write plots, timeline and ``summary.json``; return the summary."""
+    def finish(self, stopped: dict | None = None) -> dict:
+        """Write plots, timeline and ``summary.json``; return the summary. ``stopped``: the run stopped early on a
+        signal (``workflow.signals.RunStopped.record``), written as the summary's ``stopped_early``."""
         wall = time.time() - self.t_start
         rewards = [h.get(keys.REWARD_MEAN, math.nan) for h in self.history]
         lags = [h.get(keys.LAG_MAX, 0.0) for h in self.history]
@@ -142,6 +143,7 @@ class Reporter:
             # Sample stream: groups that finished beyond their staleness bound and were generated again.
             "stale_groups": sum(h.get("stream/stale_groups", 0.0) for h in self.history),
             "trained_groups": {str(k): v for k, v in sorted(self.trained_groups.items())},
+            "stopped_early": stopped,  # None for a run that trained all its steps
             **self.extra_summary,
         }
         out = self.observer.output_dir / "summary.json"

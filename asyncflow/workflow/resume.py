@@ -71,6 +71,9 @@ class RunCheckpoints:
         # More of the run's state for its checkpoints: ``extra(trained_groups) -> dict`` (the sample stream's
         # prompts not trained yet, ``workflow.feeder.StreamFeeder``).
         self.extra = None
+        # A stop on a signal writes a checkpoint wherever checkpoints have a place: ``checkpoint.dir`` set, or
+        # periodic ones on (``workflow.signals``); the data cursors are then kept for every step.
+        self.enabled = self.interval > 0 or (cfg.checkpoint.dir is not None and hasattr(source, "state_dict"))
         if self.interval > 0 and not hasattr(source, "state_dict"):
             raise TypeError(f"prompt source {type(source).__name__} has no state_dict(): checkpoints need the "
                             "data cursor (add state_dict/load_state_dict, or set checkpoint.interval=0)")
@@ -95,12 +98,12 @@ class RunCheckpoints:
 
     def before_feed(self, step: int) -> None:
         """Remember the data cursor before the first prompts of ``step`` are drawn."""
-        if self.interval > 0 and step not in self.cursors:
+        if self.enabled and step not in self.cursors:
             self.cursors[step] = (self.source.state_dict(), self.draws_offset + len(self.draws))
 
     def log_draw(self, step: int, count: int, first: bool) -> None:
         """``count`` prompts were drawn for ``step`` (its first round or a top-up)."""
-        if self.interval > 0:
+        if self.enabled:
             self.draws.append((step, count, first))
 
     def step_done(self, step: int, trained_groups: dict[int, list[int]]) -> Path | None:
@@ -108,6 +111,28 @@ class RunCheckpoints:
         trained = step + 1
         if not checkpoint_due(trained, self.interval, self.steps):
             return None
+        return self._commit(trained, trained_groups)
+
+    def commit_stop(self, trained: int, trained_groups: dict[int, list[int]]) -> Path | None:
+        """The run stops on a signal once ``trained`` steps are complete and the trainer groups saved their parts
+        (unless a periodic checkpoint of that step was already committed): commit the checkpoint. None when
+        checkpoints are off or the run trained nothing since it started (the checkpoint it resumed from stays)."""
+        if not self.enabled:
+            return None
+        if checkpoint_due(trained, self.interval, self.steps) or not staging_path(self.root, trained).is_dir():
+            found = self.manager.latest()
+            return found[0] if found is not None and found[1].get("step") == trained else None
+        return self._commit(trained, trained_groups)
+
+    def resume_step(self) -> int | None:
+        """Where ``--resume`` would continue now: the newest complete checkpoint's step (0 when there is none);
+        None when checkpoints are off."""
+        if not self.enabled:
+            return None
+        found = self.manager.latest()
+        return 0 if found is None else int(found[1]["step"])
+
+    def _commit(self, trained: int, trained_groups: dict[int, list[int]]) -> Path:
         # Not fed yet (sync mode feeds a step just before it runs): the source is exactly there now.
         cursor, index = self.cursors.get(trained) or (self.source.state_dict(), self.draws_offset + len(self.draws))
         meta = {"step": trained, "weight_version": trained, "data_cursor": cursor,

@@ -36,6 +36,9 @@ from asyncflow.workflow.services import TaskService
 class TrainerService(TaskService):
     """A rank of a trained model's worker group; its engine joins the group and knows its DP/MP position."""
 
+    checkpoint: dict | None = None
+    """Where and when the group writes its part of run checkpoints; None for groups without training state."""
+
     def __init__(self, megatron_cfg: MegatronEngineConfig, model_dir: str, seq_len: int, rank: int = 0,
                  world_size: int = 1, master_port: int = 0, master_addr: str = "127.0.0.1",
                  share_device: bool = False, **kw):
@@ -84,6 +87,35 @@ class TrainerService(TaskService):
             with self.timeline.span(self.name, "load_checkpoint", self.worker):
                 self.engine.load(str(Path(resume_dir) / self.name))
             self.engine.version = version
+
+    def run(self, first: int, last: int) -> int:
+        """``TaskService.run``; a group that holds training state (a run checkpoint dict) asks the board before each
+        step whether the run stops at that step's boundary (a signal, ``workflow.signals``), and then saves its
+        part of the checkpoint there (unless the run trained nothing yet) and returns the step it stopped at."""
+        import ray
+
+        for step in range(first, last):
+            if self.checkpoint is not None:
+                stop = ray.get(self.board.trainer_begin.remote(step))
+                if stop is not None:
+                    if stop["save"] and step > first:
+                        self.stop_save(step)
+                    ray.get(self.board.trainer_stopped.remote())
+                    return step
+            self.post(self.run_step(step))
+        return last
+
+    def stop_save(self, trained: int) -> bool:
+        """The run stops once ``trained`` steps are done: write this group's part of the checkpoint there, unless
+        the periodic one of that step was written already (collective over the group)."""
+        from asyncflow.workflow.resume import checkpoint_due, staging_path
+
+        cp = self.checkpoint
+        if cp is None or checkpoint_due(trained, cp["interval"], cp["steps"]):
+            return False
+        with self.timeline.span(self.name, "save_checkpoint", self.worker, step=trained):
+            self.engine.save(str(staging_path(cp["root"], trained) / self.name))
+        return True
 
     def maybe_save(self, step: int, checkpoint: dict | None) -> bool:
         """After the update of ``step``: write this group's part of the run checkpoint when one is due
