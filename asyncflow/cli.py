@@ -60,7 +60,7 @@ def _checks_before_train(cfg, path: str | None, overrides: list[str]) -> list[st
     from asyncflow.recipes_check import check_model_path, check_run
     from asyncflow.tiny_model import ensure_model
 
-    problems = check_model_path(cfg) + _check_data_path(cfg) + _check_plugins(cfg)
+    problems = check_model_path(cfg) + _check_data_path(cfg) + _check_val_path(cfg) + _check_plugins(cfg)
     if problems:
         return problems
     ensure_model(cfg.model)  # a tiny model, where the recipe asks for one, so that its layout can be checked too
@@ -81,6 +81,20 @@ def _check_data_path(cfg) -> list[str]:
         resolve_files(cfg.data.path, cfg.workflow.task if cfg.data.format == "auto" else cfg.data.format)
     except DatasetError as exc:
         return [f"{exc}; workflow.task={cfg.workflow.task} reads its prompts from data.path"]
+    return []
+
+
+def _check_val_path(cfg) -> list[str]:
+    """A validation set (``data.val_path``) of an evaluating run must name files that exist."""
+    from asyncflow.data.datasets import DatasetError, resolve_files
+
+    if not cfg.data.val_path or not (cfg.workflow.eval_every or cfg.workflow.eval_before_train):
+        return []
+    try:
+        resolve_files(cfg.data.val_path, cfg.data.format)
+    except DatasetError as exc:
+        return [f"{str(exc).replace('(data.path)', '(data.val_path)')}; data.val_path is the validation set of "
+                "workflow.eval_every"]
     return []
 
 

@@ -380,6 +380,20 @@ class WorkflowConfig:
     """Seed of the prompt stream."""
     step_timeout_s: float = 600.0
     """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
+    eval_every: int = 0
+    """Evaluate on the validation set (``data.val_path``) each time rollout admits the weights of the next multiple
+    of this many trained steps (0: off); the ``eval/*`` metrics go with that step's metrics
+    (``asyncflow.workflow.evaluation``)."""
+    eval_before_train: bool = False
+    """Also evaluate the weights before the first step (version 0)."""
+    eval_k: int = 4
+    """Sampled responses per validation prompt (at ``rollout.temperature``), for ``eval/pass@<k>``; one greedy
+    response (temperature 0) per prompt gives ``eval/greedy_acc``."""
+    eval_samples: int = 4
+    """Validation prompts whose responses are written to ``<output_dir>/eval_samples/step_<n>.jsonl`` per
+    evaluation (0: none)."""
+    eval_correct_reward: float = 1.0
+    """A validation response counts as correct (greedy accuracy, pass@k) when its reward is at least this."""
     max_service_restarts: int = 3
     """``async`` mode: how many times the workers of one stateless service (a rollout instance on the chunked
     path, the reward task, the advantage task without dynamic sampling) are started again after their process

@@ -136,6 +136,30 @@ def stream(cfg: AsyncFlowConfig) -> list[str]:
     return found
 
 
+def evaluation(cfg: AsyncFlowConfig) -> list[str]:
+    """Evaluation needs a validation set, and an engine that is idle between two steps: the chunked rollout in
+    ``async`` mode (a continuous stream keeps requests in flight across steps), any rollout in ``sync``."""
+    wf, found = cfg.workflow, []
+    found += [f"workflow.{key}={getattr(wf, key)} must be at least {low}"
+              for key, low in (("eval_every", 0), ("eval_k", 1), ("eval_samples", 0)) if getattr(wf, key) < low]
+    if cfg.data.val_size is not None and cfg.data.val_size < 1:
+        found.append(f"data.val_size={cfg.data.val_size} must be at least 1 (or null: the whole validation set)")
+    if not (wf.eval_every or wf.eval_before_train):
+        return found
+    what = f"workflow.eval_every={wf.eval_every}" if wf.eval_every else "workflow.eval_before_train=true"
+    if not cfg.data.val_path:
+        found.append(f"{what} needs data.val_path (a .jsonl / .parquet validation set)")
+    streaming = wf.mode == "stream" or (wf.mode == "async" and (cfg.rollout.continuous or cfg.rollout.partial))
+    if streaming:
+        found.append(f"{what} runs between two generations of the chunked rollout: workflow.mode={wf.mode} with "
+                     f"rollout.continuous={cfg.rollout.continuous}, rollout.partial={cfg.rollout.partial} keeps "
+                     "requests in flight across steps; use workflow.mode=async with rollout.continuous=false and "
+                     "rollout.partial=false, or workflow.mode=sync")
+    if cfg.agent.loop is not None:
+        found.append(f"{what} generates single-turn responses; agent.loop={cfg.agent.loop!r} runs multi-turn ones")
+    return found
+
+
 def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
     """A bundle of a share of a device holds one whole engine, so a shared device takes no rollout TP."""
     share, rtp = cfg.ray.device_fraction, cfg.rollout.tensor_parallel
@@ -175,7 +199,8 @@ def reward(cfg: AsyncFlowConfig) -> list[str]:
 
 
 RULES: tuple[Callable[[AsyncFlowConfig], list[str]], ...] = (batching, algorithm, memory_features, rollout,
-                                                              sync_on_devices, device_sharing, stream, agent, reward)
+                                                              sync_on_devices, device_sharing, stream, agent, reward,
+                                                              evaluation)
 """The rules that run once ``sizes`` passes (they divide by the sizes)."""
 
 

@@ -250,10 +250,12 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def generate(self, prompts: Sequence[Sequence[int]], n: int,
                  on_sample: Callable[[int, Sample], None] | None = None,
-                 max_new_tokens: int | Sequence[int | None] | None = None, ignore_eos: bool = False) -> list[Sample]:
+                 max_new_tokens: int | Sequence[int | None] | None = None, ignore_eos: bool = False,
+                 temperature: float | None = None) -> list[Sample]:
         """``n`` responses per prompt, in prompt order. ``on_sample(prompt_index, sample)`` fires as each one
         finishes. ``max_new_tokens``: one budget, or one per prompt (None: the engine's configured one);
-        ``ignore_eos``: every response uses its whole budget. Weights never change during a call."""
+        ``ignore_eos``: every response uses its whole budget; ``temperature``: None samples at the configured one,
+        0 is greedy (evaluation, ``asyncflow.workflow.evaluation``). Weights never change during a call."""
 
     @abc.abstractmethod
     def apply_staged(self, staging: dict, version: int) -> dict:

@@ -413,10 +413,12 @@ class FakeRolloutEngine(RolloutEngine):
         return FakeStream(self, ignore_eos, turns)
 
     def generate(self, prompts: Sequence[Sequence[int]], n: int = 1, on_sample=None,
-                 max_new_tokens: int | Sequence[int] | None = None, ignore_eos: bool = False) -> list[Sample]:
+                 max_new_tokens: int | Sequence[int] | None = None, ignore_eos: bool = False,
+                 temperature: float | None = None) -> list[Sample]:
         """``n`` responses per prompt in prompt order; ``on_sample(prompt_index, sample)`` as each finishes."""
         budgets = max_new_tokens if isinstance(max_new_tokens, Sequence) else [max_new_tokens] * len(prompts)
         stream, done = self.stream(ignore_eos), {}
+        stream.temperature = self.cfg.temperature if temperature is None else temperature
         for i, prompt in enumerate(prompts):
             for j in range(n):
                 stream.add((i, j), list(prompt), budgets[i])
@@ -451,6 +453,7 @@ class FakeStream(RolloutStream):
 
     def __init__(self, engine: FakeRolloutEngine, ignore_eos: bool = False, turns: bool = False):
         self.engine, self.ignore_eos, self.turns = engine, ignore_eos, turns
+        self.temperature = engine.cfg.temperature  # 0: greedy (argmax), drawing nothing from the generator
         self.capacity = engine.cfg.max_num_seqs
         self._live: dict[int, StreamRequest] = {}
         self._ended: dict[Hashable, StreamRequest] = {}
@@ -498,8 +501,8 @@ class FakeStream(RolloutStream):
         ctx = torch.tensor([_context(r.prompt + r.tokens) for _, r in running])
         logits = ngram_logits(engine.table, ctx)
         logp = torch.log_softmax(logits, dim=-1)
-        if engine.cfg.temperature > 0:
-            picked = torch.multinomial(torch.softmax(logits / engine.cfg.temperature, -1), 1,
+        if self.temperature > 0:
+            picked = torch.multinomial(torch.softmax(logits / self.temperature, -1), 1,
                                        generator=engine.generator).squeeze(-1)
         else:
             picked = logits.argmax(-1)

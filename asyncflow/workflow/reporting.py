@@ -84,6 +84,10 @@ class Reporter:
                 pending["_end"] = max(pending.get("_end", 0.0), max(ends))
             if "trained_groups" in item:
                 self.trained_groups[item["step"]] = item["trained_groups"]
+            if item.get("eval_samples"):  # validation responses of an evaluation (``workflow.evaluation``)
+                from asyncflow.workflow.evaluation import write_samples
+
+                write_samples(self.cfg.observability.output_dir, item["step"], item["eval_samples"])
         while True:
             step = self.trained_steps
             have = self.pending.get(step, {}).get("_services", set())

@@ -155,11 +155,12 @@ class RolloutService(TaskService):
     def __init__(self, vllm_cfg: VllmConfig, model_dir: str, max_staleness: int, chunk: int, budgets: bool = False,
                  relay: dict | None = None, share_device: bool = False, visible_devices: list[str] | None = None,
                  agent: AgentConfig | None = None, stream: bool = False, group_size: int = 1,
-                 answers: bool = False, **kw):
+                 answers: bool = False, evaluation=None, **kw):
         """``share_device``: colocated ``sync`` on devices (the engine sleeps between its phases);
         ``visible_devices``: the devices of its engine there (``Placement.rollout_devices``); ``stream``: the
         sample stream (``workflow.mode: stream``) of whole groups of ``group_size``, carrying reference answers
-        (``answers``) from the prompt stream to the steps."""
+        (``answers``) from the prompt stream to the steps; ``evaluation``: the validation set this instance
+        evaluates between steps (``asyncflow.workflow.evaluation.EvalSpec``; instance 0 only)."""
         super().__init__(**kw)
         self.sample_stream, self.group_size, self.answers = stream, group_size, answers
         from asyncflow.engines.base import make_rollout_engine
@@ -199,6 +200,11 @@ class RolloutService(TaskService):
         # rank on another host) and by source (``layout.json``, beside the TransferQueue's ``moved_bytes``).
         self.weight_bytes = {"shm": 0, "relay": 0}
         self.weight_sources: dict[str, dict] = {}
+        self.evaluator = None
+        if evaluation is not None:
+            from asyncflow.workflow.evaluation import Evaluator
+
+            self.evaluator = Evaluator(evaluation, model_dir)
 
     def shutdown(self) -> None:
         """Stop the engine first: its workers may be separate processes (vLLM at TP > 1)."""
@@ -343,12 +349,33 @@ class RolloutService(TaskService):
         ContinuousRollout(self, self.partial).run(first, last, self.post)
         return last
 
+    def _evaluate(self, version: int) -> tuple[dict, list[dict]] | None:
+        """The validation set at ``version`` when an evaluation is due (between generations, never inside one)."""
+        if self.evaluator is None or not self.evaluator.due(version):
+            return None
+        with self.timeline.span(self.name, "evaluate", self.worker, version=version):
+            return self.evaluator.run(self.engine, version)
+
+    @staticmethod
+    def _with_evaluation(report: dict, evaluated: tuple[dict, list[dict]] | None) -> dict:
+        if evaluated is not None:
+            report["metrics"].update(evaluated[0])
+            report["eval_samples"] = evaluated[1]
+        return report
+
     def run_step(self, step: int) -> dict:
         if self.continuous:  # sync mode: one step through the same stream (no chunks within the step)
+            from asyncflow.workflow.board import admitted_version
+
+            evaluated, stats = None, {}
+            if self.evaluator is not None and self.evaluator.due(admitted_version(step, self.max_staleness)):
+                evaluated, stats = self._evaluate(self._admit(step)), dict(self.apply_stats)
             reports: list[dict] = []
             ContinuousRollout(self, self.partial).run(step, step + 1, reports.append)
-            return reports[0]
+            reports[0]["metrics"] = {**stats, **reports[0]["metrics"]}
+            return self._with_evaluation(reports[0], evaluated)
         version = self._admit(step)
+        evaluated = self._evaluate(version)
         part, pending, rows, tokens = partition_name(step), [], 0, 0
 
         def flush():
@@ -381,9 +408,9 @@ class RolloutService(TaskService):
                 flush()
             rows += len(samples)
             tokens += sum(len(s.response_ids) for s in samples)
-        return self.report(step, {"rollout/rows": rows, "rollout/tokens": tokens, "rollout/version": version,
-                                  "rollout/weight_buckets": self.apply_stats.get("weights/buckets", 0.0),
-                                  **self.apply_stats})
+        return self._with_evaluation(self.report(step, {
+            "rollout/rows": rows, "rollout/tokens": tokens, "rollout/version": version,
+            "rollout/weight_buckets": self.apply_stats.get("weights/buckets", 0.0), **self.apply_stats}), evaluated)
 
 
 class RewardService(TaskService):

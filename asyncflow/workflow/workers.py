@@ -64,8 +64,11 @@ class WorkerGroups:
         return handles
 
     def rollout(self) -> list:
-        """``workflow.rollout_instances`` generation engines."""
+        """``workflow.rollout_instances`` generation engines; the first one also evaluates the validation set."""
+        from asyncflow.workflow.evaluation import evaluation_spec
+
         cfg, wf = self.cfg, self.cfg.workflow
+        evaluation = evaluation_spec(cfg, self.model_dir)
         handles = []
         for i in range(wf.rollout_instances):
             opts, cpus = self.where.rollout(i)
@@ -74,7 +77,8 @@ class WorkerGroups:
                 max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
                 budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
                 agent=cfg.agent, visible_devices=self.where.rollout_devices(i),
-                stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers, **self.common))
+                stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers,
+                evaluation=evaluation if i == 0 else None, **self.common))
         return handles
 
     def reward(self) -> list:

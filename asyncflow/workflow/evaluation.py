@@ -1,0 +1,152 @@
+"""Evaluation while training: the validation set through a rollout engine at the current weights.
+
+The driver reads the validation set (``data.val_path``) once, before the workers start, and hands it to rollout
+instance 0 (``evaluation_spec``). That instance evaluates between two generations, never inside one: when the
+weight version it admits for a step reaches the next multiple of ``workflow.eval_every`` (version 0 too with
+``workflow.eval_before_train``), it generates one greedy response (temperature 0) and ``workflow.eval_k`` sampled
+responses (at ``rollout.temperature``) per validation prompt, scores them with the run's reward function and
+returns the metrics (``eval/*``, ``asyncflow.observability.keys``) and the first ``workflow.eval_samples``
+prompts' responses with that step's report. The driver logs the metrics with the step's and writes the samples to
+``<output_dir>/eval_samples/step_<n>.jsonl``.
+
+Nothing of an evaluation enters the TransferQueue: validation responses are never trained and never counted by
+the staleness bound or the exactly-once record of trained prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from asyncflow.observability import keys
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of one prompt from ``n`` samples of which ``c`` are correct (Chen et al. 2021):
+    ``1 - C(n-c, k) / C(n, k)``, the chance that ``k`` of the ``n`` drawn without replacement hold a correct one;
+    computed as a product, which stays exact where the binomials overflow."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n (n={n}, c={c}, k={k})")
+    if n - c < k:
+        return 1.0
+    return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+@dataclasses.dataclass
+class EvalSpec:
+    """What rollout instance 0 needs to evaluate (plain data, sent once when the instance starts)."""
+
+    prompts: list[list[int]]
+    answers: list | None
+    """Reference answers (``ground_truth`` for the reward function), one per prompt; None without."""
+    every: int
+    """Evaluate each time the admitted version reaches the next multiple of this (0: only ``before``)."""
+    before: bool
+    """Evaluate version 0, the weights before the first step."""
+    k: int
+    samples: int
+    correct_reward: float
+    reward: str
+    reward_on_error: float
+
+
+def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
+    """The run's validation set and settings for rollout instance 0, or None when the run does not evaluate.
+
+    Read with the training data's options (``data.prompt_key``, ``answer_key``, chat template, ...), in file
+    order, the first ``data.val_size`` rows (all when None)."""
+    wf, data = cfg.workflow, cfg.data
+    if not (wf.eval_every or wf.eval_before_train):
+        return None
+    from transformers import AutoTokenizer
+
+    from asyncflow.data.datasets import DatasetError, PromptDataset
+
+    val_cfg = dataclasses.replace(data, path=data.val_path, shuffle=False)
+    dataset = PromptDataset(AutoTokenizer.from_pretrained(model_dir), val_cfg)
+    count = len(dataset) if data.val_size is None else min(data.val_size, len(dataset))
+    room = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
+    if dataset.max_prompt_len > room:
+        raise DatasetError(f"{data.val_path}: a validation prompt is {dataset.max_prompt_len} tokens; "
+                           f"rollout.max_model_len - rollout.max_new_tokens = {room} leaves room for that many")
+    return EvalSpec(prompts=[dataset.prompt(i) for i in range(count)],
+                    answers=None if dataset.answers is None else dataset.answers[:count],
+                    every=wf.eval_every, before=wf.eval_before_train, k=wf.eval_k, samples=wf.eval_samples,
+                    correct_reward=wf.eval_correct_reward, reward=cfg.algorithm.reward,
+                    reward_on_error=cfg.algorithm.reward_on_error)
+
+
+class Evaluator:
+    """Runs in rollout instance 0: decides when an evaluation is due and runs it on the instance's engine."""
+
+    def __init__(self, spec: EvalSpec, model_dir: str):
+        from transformers import AutoTokenizer
+
+        from asyncflow.rewards import make_reward_fn
+
+        self.spec = spec
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.reward_fn = make_reward_fn(spec.reward, self.tokenizer)
+        self.next_due = 0 if spec.before else (spec.every or None)
+
+    def due(self, version: int) -> bool:
+        """Whether the weights of ``version`` (just admitted) are to be evaluated."""
+        return self.next_due is not None and version >= self.next_due
+
+    def _score(self, prompt: list[int], response: list[int], answer) -> float:
+        try:
+            info = {} if answer is None else {"ground_truth": answer}
+            return float(self.reward_fn(prompt, response, **info))
+        except Exception:  # noqa: BLE001 - as in training, a failing reward scores reward_on_error
+            return self.spec.reward_on_error
+
+    def run(self, engine, version: int) -> tuple[dict, list[dict]]:
+        """Evaluate ``engine`` (serving ``version``): the ``eval/*`` metrics and the sample records."""
+        spec, t0 = self.spec, time.perf_counter()
+        answers = spec.answers or [None] * len(spec.prompts)
+        greedy = engine.generate(spec.prompts, n=1, temperature=0.0)
+        sampled = engine.generate(spec.prompts, n=spec.k)  # prompt order, k consecutive per prompt
+        greedy_r = [self._score(p, s.response_ids, a) for p, s, a in zip(spec.prompts, greedy, answers)]
+        sampled_r = [self._score(spec.prompts[i // spec.k], s.response_ids, answers[i // spec.k])
+                     for i, s in enumerate(sampled)]
+        correct = [sum(r >= spec.correct_reward for r in sampled_r[i * spec.k:(i + 1) * spec.k])
+                   for i in range(len(spec.prompts))]
+        n = max(len(spec.prompts), 1)
+        metrics = {keys.EVAL_GREEDY_ACC: sum(r >= spec.correct_reward for r in greedy_r) / n,
+                   keys.eval_pass_at(spec.k): sum(pass_at_k(spec.k, c, spec.k) for c in correct) / n,
+                   keys.EVAL_MEAN_REWARD: sum(sampled_r) / max(len(sampled_r), 1),
+                   keys.EVAL_GREEDY_REWARD: sum(greedy_r) / n,
+                   keys.EVAL_VERSION: float(version), keys.EVAL_PROMPTS: float(len(spec.prompts)),
+                   "eval/seconds": time.perf_counter() - t0}
+        if spec.k > 1:  # pass@1 from the same samples: the mean chance that one sampled response is correct
+            metrics[keys.eval_pass_at(1)] = sum(pass_at_k(spec.k, c, 1) for c in correct) / n
+        records = []
+        for i in range(min(spec.samples, len(spec.prompts))):
+            records.append({
+                "version": version, "prompt": self._text(spec.prompts[i]), "ground_truth": answers[i],
+                "greedy": {"response": self._text(greedy[i].response_ids), "reward": greedy_r[i]},
+                "sampled": [{"response": self._text(s.response_ids), "reward": r}
+                            for s, r in zip(sampled[i * spec.k:(i + 1) * spec.k],
+                                            sampled_r[i * spec.k:(i + 1) * spec.k])],
+            })
+        self.next_due = (version // spec.every + 1) * spec.every if spec.every else None
+        return metrics, records
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def write_samples(output_dir: str | Path, step: int, records: list[dict]) -> Path:
+    """``<output_dir>/eval_samples/step_<step>.jsonl``: one validation prompt per line, with its reference answer,
+    greedy response and sampled responses and their rewards."""
+    folder = Path(output_dir) / "eval_samples"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"step_{step:06d}.jsonl"
+    with open(path, "w", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps({"step": step, **record}, ensure_ascii=False) + "\n")
+    return path

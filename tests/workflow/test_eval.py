@@ -1,0 +1,167 @@
+"""Evaluation while training (``asyncflow.workflow.evaluation``): the unbiased pass@k, the config rules, and fake-engine
+runs with a validation file in both step-tied modes. The fake rollout engine is deterministic, so the evaluation of
+the weights before training (version 0, the first thing the engine generates) is recomputed here on an engine of
+the same config and must match the logged metrics exactly; later evaluations must sit at the right steps and
+versions, and the validation responses must never reach the trainer (every training prompt trained exactly once).
+"""
+
+import itertools
+import json
+import math
+
+import pytest
+
+from asyncflow.workflow.evaluation import pass_at_k
+from tests.recipe_runs import FAKE, REPO, SMALL, check_staleness_and_exactly_once, records, run_fake
+
+STEPS, PROMPTS, GROUP, K = 5, 8, 4, 3
+VAL = ["1234", "9099", "0000", "5817", "4444", "7260"]  # add-one prompts; the file has one row more than val_size
+VAL_SIZE, SHOWN = 5, 3
+
+
+def _brute_pass_at_k(n: int, c: int, k: int) -> float:
+    """The fraction of k-subsets of n samples (c of them correct) that hold a correct one."""
+    subsets = list(itertools.combinations([True] * c + [False] * (n - c), k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_pass_at_k_is_the_subset_probability(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(_brute_pass_at_k(n, c, k), abs=1e-12)
+
+
+def test_pass_at_k_bounds_and_large_n():
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+    # Where C(n, k) overflows a float, the product form stays finite and equals 1 - C(n-c,k)/C(n,k).
+    assert pass_at_k(2000, 10, 500) == pytest.approx(1 - math.comb(1990, 500) / math.comb(2000, 500))
+    for bad in [(3, 4, 1), (3, 1, 0), (3, 1, 4), (3, -1, 1)]:
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+def _load(*overrides):
+    from asyncflow.config import load_config
+
+    return load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["workflow.eval_every=2"], "needs data.val_path"),
+    (["workflow.eval_before_train=true", "data.val_path=v.jsonl", "rollout.continuous=true"], "chunked rollout"),
+    (["workflow.eval_every=2", "data.val_path=v.jsonl", "workflow.mode=stream"], "chunked rollout"),
+    (["workflow.eval_every=2", "data.val_path=v.jsonl", "workflow.eval_k=0"], "workflow.eval_k=0 must be at least 1"),
+    (["workflow.eval_every=-1"], "workflow.eval_every=-1 must be at least 0"),
+    (["data.val_size=0"], "data.val_size=0 must be at least 1"),
+])
+def test_config_rules_refuse(overrides, message):
+    from asyncflow.config_loader import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        _load(*overrides)
+
+
+def test_config_rules_accept_sync_continuous():
+    cfg = _load("workflow.eval_every=2", "data.val_path=v.jsonl", "workflow.mode=sync", "rollout.continuous=true")
+    assert cfg.workflow.eval_every == 2 and cfg.data.val_path == "v.jsonl"
+
+
+def _val_file(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": "".join(str((int(d) + 1) % 10)
+                                                                                         for d in p)}) + "\n"
+                            for p in VAL))
+    return path
+
+
+def _eval_overrides(val):
+    return [*SMALL, f"data.val_path={val}", f"data.val_size={VAL_SIZE}", "data.apply_chat_template=false",
+            "workflow.eval_every=2", "workflow.eval_before_train=true", f"workflow.eval_k={K}",
+            f"workflow.eval_samples={SHOWN}"]
+
+
+def _expected_before_training(tmp_path, model_dir, *overrides) -> dict:
+    """What the version-0 evaluation must log, recomputed on a fresh fake engine of the run's config."""
+    from transformers import AutoTokenizer
+
+    from asyncflow.config import load_config
+    from asyncflow.data.synthetic import Add1Task
+    from asyncflow.engines.fake import FakeRolloutEngine
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [f"model.path={model_dir}", *FAKE, *overrides])
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    task = Add1Task(tok)
+    prompts = [[tok.bos_token_id, *tok.convert_tokens_to_ids(list(p)), task.sep_id] for p in VAL[:VAL_SIZE]]
+    engine = FakeRolloutEngine(cfg.rollout, model_dir)
+    greedy = [task.reward(p, s.response_ids) for p, s in zip(prompts, engine.generate(prompts, n=1, temperature=0))]
+    sampled = [task.reward(prompts[i // K], s.response_ids) for i, s in enumerate(engine.generate(prompts, n=K))]
+    correct = [sum(r >= 1.0 for r in sampled[i * K:(i + 1) * K]) for i in range(len(prompts))]
+    return {"eval/greedy_acc": sum(r >= 1.0 for r in greedy) / len(prompts),
+            "eval/greedy_reward": sum(greedy) / len(prompts),
+            "eval/mean_reward": sum(sampled) / len(sampled),
+            f"eval/pass@{K}": sum(c > 0 for c in correct) / len(prompts),
+            "eval/pass@1": sum(c / K for c in correct) / len(prompts)}
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def evaluated(request, tmp_path_factory, tiny_model_dir, shared_ray):
+    tmp = tmp_path_factory.mktemp(f"eval_{request.param}")
+    overrides = _eval_overrides(_val_file(tmp))
+    mode = [f"workflow.mode={request.param}"]
+    run = run_fake(tmp, tiny_model_dir, "run", *overrides, *mode)
+    run["_expected_v0"] = _expected_before_training(tmp, tiny_model_dir, *overrides, *mode)
+    run["_mode"] = request.param
+    return run
+
+
+def test_eval_metrics_at_the_right_steps(evaluated):
+    rows = records(evaluated)
+    evals = [r for r in rows if "eval/version" in r]
+    assert evals[0]["step"] == 0 and evals[0]["eval/version"] == 0
+    if evaluated["_mode"] == "sync":  # lock-step: step s generates with version s, so evaluations at 0, 2, 4
+        assert [(r["step"], r["eval/version"]) for r in evals] == [(0, 0), (2, 2), (4, 4)]
+    else:  # step s admits a version in [s - 1, s]; each evaluation at the first one past the next multiple of 2
+        assert len(evals) >= 2
+        for i, r in enumerate(evals):
+            assert r["step"] - 1 <= r["eval/version"] <= r["step"] and r["eval/version"] >= 2 * i
+        assert all(a["eval/version"] // 2 < b["eval/version"] // 2 for a, b in zip(evals, evals[1:]))
+    for r in evals:
+        assert r["eval/prompts"] == VAL_SIZE
+        assert 0.0 <= r["eval/greedy_acc"] <= 1.0 and 0.0 <= r["eval/mean_reward"] <= 1.0
+        assert r["eval/pass@1"] <= r[f"eval/pass@{K}"] <= 1.0
+    # Steps without an evaluation carry no eval metric.
+    assert all(not any(k.startswith("eval/") for k in r) for r in rows if r not in evals)
+
+
+def test_eval_before_training_matches_a_fresh_engine(evaluated):
+    first = records(evaluated)[0]
+    for key, want in evaluated["_expected_v0"].items():
+        assert first[key] == pytest.approx(want), key
+
+
+def test_eval_rows_never_trained(evaluated):
+    k = 0 if evaluated["_mode"] == "sync" else 1
+    check_staleness_and_exactly_once(evaluated, k, STEPS, PROMPTS, GROUP)
+    assert all(r["actor/rows"] == PROMPTS * GROUP for r in records(evaluated))
+
+
+def test_eval_samples_file(evaluated):
+    rows = records(evaluated)
+    for r in (r for r in rows if "eval/version" in r):
+        path = evaluated["_out"] / "eval_samples" / f"step_{r['step']:06d}.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines()]
+        assert len(lines) == SHOWN
+        for line, prompt in zip(lines, VAL):
+            assert line["prompt"] == f"<bos>{prompt}>" and line["version"] == r["eval/version"]
+            assert len(line["sampled"]) == K and 0.0 <= line["greedy"]["reward"] <= 1.0
+    assert len(list((evaluated["_out"] / "eval_samples").iterdir())) == sum("eval/version" in r for r in rows)
+
+
+def test_response_length_and_entropy_every_step(evaluated):
+    import math as m
+
+    for r in records(evaluated):
+        assert 1 <= r["response/length_min"] <= r["response/length_mean"] <= r["response/length_max"] <= 4
+        assert 0.0 <= r["response/clip_ratio"] <= 1.0
+        assert 0.0 < r["actor/entropy"] <= m.log(19) + 1e-6  # the tiny model's vocabulary
