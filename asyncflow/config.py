@@ -380,6 +380,11 @@ class WorkflowConfig:
     """Seed of the prompt stream."""
     step_timeout_s: float = 600.0
     """A task waiting longer than this for its inputs fails with an error naming what it waits for."""
+    max_service_restarts: int = 3
+    """``async`` mode: how many times the workers of one stateless service (a rollout instance on the chunked
+    path, the reward task, the advantage task without dynamic sampling) are started again after their process
+    dies; their unfinished rows are made again, once. One more death stops the run naming the service (a
+    rollout instance is left out instead while others run). 0: any death stops the run (docs/fault_tolerance.md)."""
     eval_every: int = 0
     """Evaluate on the validation set (``data.val_path``) each time rollout admits the weights of the next multiple
     of this many trained steps (0: off); the ``eval/*`` metrics go with that step's metrics
@@ -394,11 +399,6 @@ class WorkflowConfig:
     evaluation (0: none)."""
     eval_correct_reward: float = 1.0
     """A validation response counts as correct (greedy accuracy, pass@k) when its reward is at least this."""
-    max_service_restarts: int = 3
-    """``async`` mode: how many times the workers of one stateless service (a rollout instance on the chunked
-    path, the reward task, the advantage task without dynamic sampling) are started again after their process
-    dies; their unfinished rows are made again, once. One more death stops the run naming the service. 0: any
-    death stops the run (docs/fault_tolerance.md)."""
 
 
 @dataclass

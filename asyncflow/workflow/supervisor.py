@@ -102,7 +102,8 @@ class Supervisor:
 
     def recover(self, ref, exc: BaseException):
         """The ref of the restarted loop of the service whose loop ``ref`` failed with ``exc``; raises ``exc`` (or a
-        ``WorkerDiedError`` past ``workflow.max_service_restarts``) when the failure is not one it restarts."""
+        ``WorkerDiedError`` past ``workflow.max_service_restarts``) when the failure is not one it restarts. None
+        when a rollout instance past the bound is left out and the others go on."""
         import ray
 
         name, i, handle = self.runs.pop(ref, (None, None, None))
@@ -113,6 +114,8 @@ class Supervisor:
         count = self.restarts.get(name, 0) + 1
         self.restarts[name] = count
         if count > self.limit:
+            if name == "rollout" and self._running("rollout"):
+                return self._drop(handle, i, what, count, detected)
             raise WorkerDiedError(f"{what} died; {name} workers died {count} times, more than "
                                   f"workflow.max_service_restarts={self.limit}") from exc
         self._wait_up(handle, what, exc)
@@ -130,6 +133,26 @@ class Supervisor:
         print(f"{what} died; restarted ({count} of at most {self.limit}), {released} of its rows handed out again, "
               f"going on from step {start}", flush=True)
         return new
+
+    def _running(self, name: str) -> int:
+        """How many workers of group ``name`` have a loop running."""
+        return sum(1 for group, _, _ in self.runs.values() if group == name)
+
+    def _drop(self, handle, i: int, what: str, count: int, detected: float) -> None:
+        """Past the bound, a rollout instance is not started again while others run: the run goes on with them,
+        and they generate its rows."""
+        import ray
+
+        try:  # Ray may be starting it again still (its own bound is per instance)
+            ray.kill(handle)
+        except Exception:  # already gone for good
+            pass
+        released = self._release("rollout")
+        self.events.append({"service": "rollout", "worker": i, "restart": None, "error": "dropped",
+                            "detected_at": detected, "recovered_at": time.time(), "released_rows": released,
+                            "resumed_at_step": None})
+        print(f"{what} died; rollout workers died {count} times, more than workflow.max_service_restarts="
+              f"{self.limit}: the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
 
     def _wait_up(self, handle, what: str, exc: BaseException) -> None:
         """Return once Ray has started the actor again in its bundle (it answers a ping)."""

@@ -5,7 +5,8 @@ SIGKILLs them (``os.kill`` of the worker's pid) in the middle of a run.
 Checked: the run finishes, every prompt of every step is trained once in its own step with its whole group
 (``check_staleness_and_exactly_once``, the resume tests' check), the staleness bound holds, and the summary and
 the metrics record the restarts. Past ``workflow.max_service_restarts`` the run stops with an error naming the
-service. The trainer is slowed down (``tests/fakes/slowed.SlowTrainer``) so that the kills land mid-run.
+service, or, for a rollout instance while another runs, goes on without it. The trainer is slowed down
+(``tests/fakes/slowed.SlowTrainer``) so that the kills land mid-run.
 """
 
 import os
@@ -80,13 +81,17 @@ def test_a_killed_reward_worker_is_restarted_and_every_prompt_trained_once(tmp_p
     assert sum(r.get("supervisor/restarts", 0.0) for r in records(summary)) == 1.0
 
 
-def test_a_killed_rollout_instance_is_replaced_and_the_run_goes_on(tmp_path, tiny_model_dir, shared_ray):
-    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "rollout", "rollout", [2],
-                                      "workflow.rollout_instances=2")
-    assert len(killer.killed) == 1, "the run ended before the kill"
+def test_killed_rollout_instances_are_replaced_then_left_out_and_the_run_goes_on(tmp_path, tiny_model_dir,
+                                                                                 shared_ray):
+    # Two of two instances' deaths with a bound of 1: the first is restarted, the second left out (the run ends
+    # on the other instance).
+    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "rollout", "rollout", [2, 4],
+                                      "workflow.rollout_instances=2", "workflow.max_service_restarts=1")
+    assert len(killer.killed) == 2, "the run ended before the kills"
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
     events = summary["service_restarts"]
-    assert [(e["service"], e["restart"]) for e in events] == [("rollout", 1)], events
+    assert [(e["service"], e["restart"]) for e in events] == [("rollout", 1), ("rollout", None)], events
+    assert events[1]["error"] == "dropped"
 
 
 def test_deaths_past_the_bound_stop_the_run_naming_the_service(tmp_path, tiny_model_dir, shared_ray):
