@@ -179,12 +179,13 @@ def _light_costs(cfg: AsyncFlowConfig, model_dir: str) -> LightCosts:
     from transformers import AutoTokenizer
 
     from asyncflow.algorithms import compute_advantages
-    from asyncflow.rewards import make_reward_fn
+    from asyncflow.rewards import RewardRow, RewardScorer, make_reward_fn
 
-    reward = make_reward_fn(cfg.algorithm.reward, AutoTokenizer.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scorer = RewardScorer(make_reward_fn(cfg.algorithm.reward, tokenizer, cfg.reward), tokenizer, cfg.reward)
     prompt, response = [2, 7, 8, 9, 10, 18], [8, 9, 10, 11]
     rows = 256
-    per_reward = _median_time(lambda: [reward(prompt, response) for _ in range(rows)], 3) / rows
+    per_reward = _median_time(lambda: scorer.score([RewardRow(prompt, response)] * rows), 3) / rows
     rewards, groups = torch.rand(rows), torch.arange(rows) // cfg.workflow.samples_per_prompt
     per_adv = _median_time(lambda: compute_advantages(cfg.algorithm.advantage, rewards, groups), 3) / rows
     return LightCosts(reward_per_row_s=per_reward, advantage_per_row_s=per_adv)
