@@ -3,7 +3,7 @@
 - ``AgentCalls`` alone: a call that blocks does not hold back the others (plain ``observe`` on threads and
   ``async def observe`` on the event loop); a call past its deadline comes back timed out, is counted, and the
   workers go on serving (a blocked thread is replaced); exceptions come back as errors; ``ask=False`` calls
-  only ``turn_reward``.
+  only ``turn_reward``; the two settings are checked when the config loads.
 - ``Trajectory``: the row's metadata (a plain answer, or verl's ground_truth/data_source/extra_info) and its
   decoded text.
 - Through the rollout stream on the fake engines (the loop, the stream, the services and the TransferQueue are
@@ -137,6 +137,16 @@ def test_metadata_and_text_reach_the_trajectory(tiny_model_dir):
         assert _collect(calls, 1)["k"].observation == [len("gsm8k")]
     finally:
         calls.close()
+
+
+def test_agent_call_settings_are_checked():
+    from asyncflow.config import load_config
+    from asyncflow.config_loader import ConfigError
+
+    cfg = load_config(None, ["agent.loop=calculator", "agent.tool_workers=1", "agent.tool_timeout_s=0.5"])
+    assert (cfg.agent.tool_workers, cfg.agent.tool_timeout_s) == (1, 0.5)
+    with pytest.raises(ConfigError, match=r"agent.tool_workers=0 must be at least 1.*agent.tool_timeout_s=0.0 must"):
+        load_config(None, ["agent.tool_workers=0", "agent.tool_timeout_s=0"])
 
 
 def test_slow_tool_does_not_stall_the_others_and_a_hung_one_is_cut_off(tmp_path, tiny_model_dir, shared_ray):
