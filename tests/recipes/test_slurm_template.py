@@ -103,8 +103,10 @@ def test_template_is_valid_bash_with_the_directives_slurm_needs():
 
 def test_requeue_code_is_the_drivers():
     """The template requeues on the code the driver exits with after a checkpoint on SIGTERM."""
+    from asyncflow.workflow.signals import EX_TEMPFAIL
+
     default = re.search(r"REQUEUE_EXIT_CODE=\$\{REQUEUE_EXIT_CODE:-(\d+)\}", TEMPLATE.read_text())
-    assert default and int(default.group(1)) == 75
+    assert default and int(default.group(1)) == EX_TEMPFAIL == 75
 
 
 def test_starts_head_and_workers_then_trains_with_resume(tmp_path):
@@ -121,6 +123,8 @@ def test_starts_head_and_workers_then_trains_with_resume(tmp_path):
     assert words[:3] == ["asyncflow", "train", str(RECIPE / "config.yaml")]
     assert "ray.address=10.0.0.1:21000" in words and f"model.path={env['MODEL_DIR']}" in words
     assert "data.path=/shared/train.parquet" in words and "--resume" in words
+    # The driver's wait for a step boundary fits the template's 120 s; the user's overrides come after it.
+    assert words.index("checkpoint.signal_grace_s=60") < words.index("data.path=/shared/train.parquet")
     assert not _calls(marker, "scontrol")
 
 
