@@ -48,8 +48,10 @@ class TransferQueueConfig:
     heartbeat_interval_s: float = 0.5
     """How often storage units report to the controller."""
 
-    heartbeat_timeout_s: float = 3.0
-    """A storage unit silent for this long is declared dead; requests that need its rows fail."""
+    heartbeat_timeout_s: float = 30.0
+    """A storage unit silent for this long is declared dead; requests that need its rows fail. Generous, because a
+    busy host delays heartbeats by seconds; a unit whose process died is declared dead about a second after its
+    connection closed, whatever this is (``membership.LINK_GRACE_S``)."""
 
     shm_enabled: bool = True
     """Move large payloads between processes of one host through shared memory instead of sockets."""

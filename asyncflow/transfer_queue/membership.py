@@ -8,6 +8,13 @@ read every heartbeat waiting on its socket, and from no earlier than the end of 
 last pause. A pause of the whole machine (swapping, an overloaded host) stops the units and the controller
 alike; counting it as the units' silence would declare healthy units dead and lose their rows.
 
+Silence is the slow evidence, kept for a unit whose host or network is gone: a busy host delays heartbeats by
+seconds (a unit paged out, descheduled, or its heartbeat thread waiting for the interpreter lock behind a long
+copy), so ``heartbeat_timeout_s`` is generous. A unit whose process died is known much sooner and for sure:
+the kernel closes its sockets, and the controller's link to it (the fence connection, watched with a ZMQ socket
+monitor) reports the disconnection; a unit disconnected for ``LINK_GRACE_S`` without reconnecting is dead. A
+stopped or starved process keeps its connections, so only silence beyond the timeout can declare it dead.
+
 A unit declared dead (its process died, or it was silent too long: a pause, swapping) loses its rows
 for good: waiters were already told, the partition went on without them, and rows may have been
 cleared or rolled back since, so the controller cannot tell which of the unit's ranges still hold
@@ -36,6 +43,9 @@ from .validation import check_int
 
 logger = logging.getLogger(__name__)
 
+LINK_GRACE_S = 1.0
+"""A unit whose link stays disconnected this long (no reconnect) is dead: its process closed its sockets."""
+
 
 @dataclass
 class Unit:
@@ -57,6 +67,8 @@ class Unit:
     fence_seq: int = 0
     fence_inflight: list | None = None
     fence_sent: float = 0.0
+    monitor: object = None  # ZMQ socket monitor of ``link``: connection and disconnection events
+    disconnected: float | None = None  # when ``link`` lost its connection (None: connected)
 
 
 class HeartbeatListener:
@@ -143,6 +155,7 @@ class MembershipHandlers:
             raise BadRequestError("shm_host must be a string")
         unit = Unit(uid, address, arena, size, RangeAllocator(size), time.monotonic(), next(self._ids), shm_host)
         if old is not None:
+            self._unwatch_link(old)
             self._unlink_unit(old)
             if old.arena == arena and old.address == address:
                 # The same process, wrongly declared dead: writers of its old incarnation may still copy
@@ -156,6 +169,7 @@ class MembershipHandlers:
                            "incarnation stay lost", uid, unit.incarnation)
         self.units[uid] = unit
         self._link_unit(unit)
+        self._watch_link(unit)
         self.heartbeats.alive = frozenset(u.incarnation for u in self.units.values() if u.alive)
         logger.info("storage unit %d registered at %s", uid, address)
         # floor: every epoch so far is closed for this incarnation (none of them was placed on it).
@@ -171,13 +185,43 @@ class MembershipHandlers:
             last = max(listening.heard.get(unit.incarnation, unit.registered), listening.resumed)
             if unit.alive and listening.caught_up - last > self.config.heartbeat_timeout_s:
                 self._unit_died(unit)
+            elif unit.alive and unit.disconnected is not None and now - unit.disconnected > LINK_GRACE_S:
+                self._unit_died(unit, "closed its connections (its process exited)")
 
-    def _unit_died(self, unit: Unit) -> None:
+    def _watch_link(self, unit: Unit) -> None:
+        """Watch the unit's link for disconnection (``LINK_GRACE_S``), on the server loop like the link itself."""
+        unit.monitor = unit.link.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        unit.monitor.setsockopt(zmq.LINGER, 0)
+        self.server.add_socket(unit.monitor, lambda: self._on_link_event(unit))
+
+    def _unwatch_link(self, unit: Unit) -> None:
+        if unit.monitor is None:
+            return
+        self.server.remove_socket(unit.monitor)
+        if unit.link is not None:
+            unit.link.disable_monitor()
+        unit.monitor.close(linger=0)
+        unit.monitor = None
+
+    def _on_link_event(self, unit: Unit) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while unit.monitor is not None:
+            try:
+                event = recv_monitor_message(unit.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_DISCONNECTED:
+                unit.disconnected = unit.disconnected or time.monotonic()
+            elif event == zmq.EVENT_CONNECTED:
+                unit.disconnected = None
+
+    def _unit_died(self, unit: Unit, how: str = "stopped sending heartbeats") -> None:
         unit.alive = False
+        self._unwatch_link(unit)
         self._unlink_unit(unit)
         self.heartbeats.alive = frozenset(u.incarnation for u in self.units.values() if u.alive)
-        logger.error("storage unit %d at %s stopped sending heartbeats; its rows are lost", unit.id,
-                     unit.address)
+        logger.error("storage unit %d at %s %s; its rows are lost", unit.id, unit.address, how)
         for part in self.partitions.values():
             for f in part.fields.values():
                 n = part.n
