@@ -35,6 +35,8 @@ class GPTArch:
     qk_layernorm: bool
     tie_word_embeddings: bool
     torch_dtype: str = "float32"
+    rope_scaling: dict[str, Any] | None = None
+    """``config.json``'s ``rope_scaling`` as written there (None: none). The built-in builder does not apply it."""
     num_experts: int = 0
     """Routed experts per MoE layer (0: dense model). Every layer is an MoE layer when > 0."""
     moe_ffn_hidden_size: int = 0
@@ -89,6 +91,7 @@ class GPTArch:
             qk_layernorm=model_type in ("qwen3", "qwen3_moe"),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),
+            rope_scaling=_rope_scaling(cfg),
             **moe,
         )
 
@@ -113,6 +116,16 @@ def _moe_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         shared_expert_ffn_hidden_size=int(cfg.get("shared_expert_intermediate_size") or 0),
     )
+
+
+def _rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope scaling of a config, None for plain rope (transformers >= 5 writes ``rope_type: default`` into
+    ``rope_parameters`` beside ``rope_theta``; older configs have ``rope_scaling``)."""
+    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    return {k: v for k, v in scaling.items() if k != "rope_theta"}
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:

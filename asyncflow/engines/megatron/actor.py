@@ -28,7 +28,7 @@ class MegatronActor(TrainEngine):
         ``TrainableEngine``)."""
         self.trainer = MegatronTrainer(cfg, model_dir, head=head, trainable=trainable, group_timeout_s=group_timeout_s)
         if load_weights:
-            self.trainer.load_hf(model_dir)
+            self.trainer.load_initial_weights(model_dir)
         self.version = 0
         self._offloader = None
         self.streamer = None

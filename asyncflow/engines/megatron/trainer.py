@@ -26,6 +26,7 @@ from asyncflow.engines.megatron.logprobs import token_logprobs
 from asyncflow.models.device import CPU, engine_device, to_device
 from asyncflow.models.megatron import GPTArch, build_gpt_model, padded_vocab_size, transformer_config
 from asyncflow.models.parallel import init_megatron
+from asyncflow.models.provider import model_context
 
 LossFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``loss_fn(logprobs [mbs, s-1], micro_batch) -> (loss, metrics)``; losses sum to the batch loss."""
@@ -74,7 +75,8 @@ class MegatronTrainer:
             self.arch.vocab_size, cfg.make_vocab_size_divisible_by, cfg.tensor_parallel
         )
         if cfg.model_provider:
-            module = _user_model(cfg.model_provider, self.tconfig)
+            context = model_context(self.arch, cfg.make_vocab_size_divisible_by)
+            module = _user_model(cfg.model_provider, self.tconfig, context)
         else:
             module = build_gpt_model(
                 self.arch, self.tconfig, make_vocab_size_divisible_by=cfg.make_vocab_size_divisible_by
@@ -140,6 +142,18 @@ class MegatronTrainer:
         skip = ("output_layer.",) if self.head == "value" else ()
         load_hf_into(self.module, self.arch, layout, model_rank()[0], HFReader(model_dir), skip=skip)
         self._refresh_main_params()
+
+    def load_initial_weights(self, model_dir: str | Path) -> None:
+        """Load the run's initial weights: ``trainer.load_dir`` as ``trainer.load_format`` says, else ``model_dir``'s
+        Hugging Face weights (``initial_weights.resolve``)."""
+        from asyncflow.engines.megatron import initial_weights
+
+        kind, path = initial_weights.resolve(getattr(self.cfg, "load_dir", None),
+                                             getattr(self.cfg, "load_format", "auto"), model_dir)
+        if kind == initial_weights.MEGATRON_DIST:
+            self.load_dist_checkpoint(path)
+        else:
+            self.load_hf(path)
 
     def _refresh_main_params(self) -> None:
         """Copy the model's weights into the optimizer's fp32 main params after a load of model weights only.
@@ -404,19 +418,20 @@ class ValueHead(torch.nn.Module):
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
-def _user_model(path: str, tconfig):
-    """Call a user's Megatron model provider: ``fn(config, pre_process, post_process) -> MegatronModule``.
+def _user_model(path: str, tconfig, context):
+    """Call a user's Megatron model provider: ``fn(config, pre_process, post_process[, context]) -> GPTModel``.
 
-    The same signature as Megatron-LM's ``model_provider`` plus the ``TransformerConfig`` that
-    AsyncFlow derived from the checkpoint (so the provider need not parse arguments again).
+    The same signature as Megatron-LM's ``model_provider`` plus the ``TransformerConfig`` that AsyncFlow derived
+    from the checkpoint and, for a provider that takes it, the ``ModelContext`` (``asyncflow.models.provider``).
     """
-    from megatron.core import parallel_state
-
+    from asyncflow.models.provider import call_provider
     from asyncflow.registry import load_object
 
-    provider = load_object(path)
-    return provider(
-        tconfig,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-    )
+    module = call_provider(load_object(path), tconfig, context)
+    embedding = getattr(getattr(module, "embedding", None), "word_embeddings", None)
+    if embedding is not None:  # a wrong vocabulary would otherwise fail deep inside the weight loader
+        rows = embedding.weight.shape[0] * context.parallel.tensor_parallel
+        if rows != context.padded_vocab_size:
+            raise ValueError(f"trainer.model_provider={path} built an embedding of {rows} rows; the checkpoint needs "
+                             f"{context.padded_vocab_size} (context.padded_vocab_size: GPTModel's vocab_size)")
+    return module
