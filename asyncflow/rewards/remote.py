@@ -34,6 +34,10 @@ class RemoteReward:
         self.tokenizer, self.cfg = tokenizer, cfg
         self.client = httpx.Client(timeout=cfg.timeout_s)
 
+    def close(self) -> None:
+        """Close the HTTP client's connections."""
+        self.client.close()
+
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 

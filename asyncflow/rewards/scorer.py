@@ -124,7 +124,11 @@ class RewardScorer:
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def close(self) -> None:
-        """Close the event loop of ``async`` rewards."""
+        """Close the function (its ``close()``, if it has one: a client, a model) and the event loop of ``async``
+        rewards."""
+        close = getattr(self.fn, "close", None)
+        if callable(close):
+            close()
         if self._loop is not None:
             self._loop.close()
             self._loop = None

@@ -78,9 +78,12 @@ def scorer(tok, url, **kw):
 @pytest.mark.parametrize("mode", ["ok", "list"])
 def test_openrlhf_request_and_both_answer_shapes(tok, server, mode):
     server.mode = mode
-    out = scorer(tok, server.url).score(rows(tok))
+    s = scorer(tok, server.url)
+    out = s.score(rows(tok))
     assert [s.reward for s in out] == [float(len("Q1 abc")), float(len("Q22 a"))]
     assert server.requests == [{"query": ["Q1 abc", "Q22 a"], "prompts": ["Q1 ", "Q22 "], "labels": ["7", "8"]}]
+    s.close()
+    assert s.fn.client.is_closed
 
 
 def test_a_failed_request_is_retried(tok, server):
