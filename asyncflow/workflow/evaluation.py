@@ -42,7 +42,8 @@ class EvalSpec:
 
     prompts: list[list[int]]
     answers: list | None
-    """Reference answers (``ground_truth`` for the reward function), one per prompt; None without."""
+    """What each prompt's row gives the reward function (its answer, or ``{"ground_truth", "data_source",
+    "extra_info"}``: ``asyncflow.data.datasets.row_answer``); None when the set has no answers."""
     every: int
     """Evaluate each time the admitted version reaches the next multiple of this (0: only ``before``)."""
     before: bool
@@ -52,6 +53,8 @@ class EvalSpec:
     correct_reward: float
     reward: str
     reward_on_error: float
+    reward_cfg: object = None
+    """The run's ``reward`` section (``asyncflow.rewards.RewardConfig``): the function is called as in training."""
 
 
 def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
@@ -65,6 +68,7 @@ def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
     from transformers import AutoTokenizer
 
     from asyncflow.data.datasets import DatasetError, PromptDataset
+    from asyncflow.rewards.registry import absolute_spec
 
     val_cfg = dataclasses.replace(data, path=data.val_path, shuffle=False)
     dataset = PromptDataset(AutoTokenizer.from_pretrained(model_dir), val_cfg)
@@ -76,8 +80,8 @@ def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
     return EvalSpec(prompts=[dataset.prompt(i) for i in range(count)],
                     answers=None if dataset.answers is None else dataset.answers[:count],
                     every=wf.eval_every, before=wf.eval_before_train, k=wf.eval_k, samples=wf.eval_samples,
-                    correct_reward=wf.eval_correct_reward, reward=cfg.algorithm.reward,
-                    reward_on_error=cfg.algorithm.reward_on_error)
+                    correct_reward=wf.eval_correct_reward, reward=absolute_spec(cfg.algorithm.reward),
+                    reward_on_error=cfg.algorithm.reward_on_error, reward_cfg=cfg.reward)
 
 
 class Evaluator:
@@ -86,23 +90,31 @@ class Evaluator:
     def __init__(self, spec: EvalSpec, model_dir: str):
         from transformers import AutoTokenizer
 
-        from asyncflow.rewards import make_reward_fn
+        from asyncflow.rewards import RewardScorer, make_reward_fn
 
         self.spec = spec
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.reward_fn = make_reward_fn(spec.reward, self.tokenizer)
+        # The training reward's scorer: every shape it reads (token ids, verl's text signature, batched, async).
+        self.scorer = RewardScorer(make_reward_fn(spec.reward, self.tokenizer, spec.reward_cfg), self.tokenizer,
+                                   spec.reward_cfg, spec.reward_on_error)
         self.next_due = 0 if spec.before else (spec.every or None)
 
     def due(self, version: int) -> bool:
         """Whether the weights of ``version`` (just admitted) are to be evaluated."""
         return self.next_due is not None and version >= self.next_due
 
-    def _score(self, prompt: list[int], response: list[int], answer) -> float:
-        try:
-            info = {} if answer is None else {"ground_truth": answer}
-            return float(self.reward_fn(prompt, response, **info))
-        except Exception:  # noqa: BLE001 - as in training, a failing reward scores reward_on_error
-            return self.spec.reward_on_error
+    def _score(self, prompts: list[list[int]], samples: list, answers: list) -> list[float]:
+        """Rewards of ``samples`` (of ``prompts``, with their rows' ``answers``); a function that raises gives
+        ``reward_on_error``, as in training."""
+        from asyncflow.rewards.scorer import RewardRow
+
+        has = self.spec.answers is not None
+        rows = [RewardRow.of(p, s.response_ids, a, has) for p, s, a in zip(prompts, samples, answers)]
+        return [scored.reward for scored in self.scorer.score(rows)]
+
+    def close(self) -> None:
+        """Release the scorer (its event loop, for ``async def`` rewards)."""
+        self.scorer.close()
 
     def run(self, engine, version: int) -> tuple[dict, list[dict]]:
         """Evaluate ``engine`` (serving ``version``): the ``eval/*`` metrics and the sample records."""
@@ -110,9 +122,9 @@ class Evaluator:
         answers = spec.answers or [None] * len(spec.prompts)
         greedy = engine.generate(spec.prompts, n=1, temperature=0.0)
         sampled = engine.generate(spec.prompts, n=spec.k)  # prompt order, k consecutive per prompt
-        greedy_r = [self._score(p, s.response_ids, a) for p, s, a in zip(spec.prompts, greedy, answers)]
-        sampled_r = [self._score(spec.prompts[i // spec.k], s.response_ids, answers[i // spec.k])
-                     for i, s in enumerate(sampled)]
+        greedy_r = self._score(spec.prompts, greedy, answers)
+        sampled_r = self._score([p for p in spec.prompts for _ in range(spec.k)], sampled,
+                                [a for a in answers for _ in range(spec.k)])
         correct = [sum(r >= spec.correct_reward for r in sampled_r[i * spec.k:(i + 1) * spec.k])
                    for i in range(len(spec.prompts))]
         n = max(len(spec.prompts), 1)

@@ -211,6 +211,8 @@ class RolloutService(TaskService):
         self.engine.close()
         for receiver in self.receivers:
             receiver.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         super().shutdown()
 
     def acquire_device(self) -> None:

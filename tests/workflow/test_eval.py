@@ -41,6 +41,44 @@ def test_pass_at_k_bounds_and_large_n():
             pass_at_k(*bad)
 
 
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward in verl's shape (text in), for the evaluator: 1 when the response starts with the answer."""
+    return 1.0 if solution_str.startswith(ground_truth) else 0.0
+
+
+def test_evaluator_schedule_and_a_verl_shaped_reward(tiny_model_dir):
+    """In process, on the fake engine: the evaluator scores through the run's reward scorer (here verl's text
+    signature, with the row's ground truth), and decides when the next evaluation is due."""
+    from transformers import AutoTokenizer
+
+    from asyncflow.config import VllmConfig
+    from asyncflow.engines.fake import FakeRolloutEngine
+    from asyncflow.rewards import RewardConfig
+    from asyncflow.workflow.evaluation import EvalSpec, Evaluator
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    prompts = [tok(f"<bos>{p}>")["input_ids"] for p in VAL]
+    cfg = VllmConfig(engine="fake", max_new_tokens=4)
+    # Answers the fresh engine's greedy responses start with for half the prompts: greedy accuracy 1/2.
+    reference = FakeRolloutEngine(cfg, tiny_model_dir)
+    greedy = [tok.decode(s.response_ids, skip_special_tokens=True)
+              for s in reference.generate(prompts, n=1, temperature=0.0)]
+    answers = [g if i % 2 == 0 else "x" for i, g in enumerate(greedy)]
+    sampled = [tok.decode(s.response_ids, skip_special_tokens=True) for s in reference.generate(prompts, n=K)]
+    spec = EvalSpec(prompts=prompts, answers=answers, every=2, before=False, k=K, samples=2, correct_reward=1.0,
+                    reward="tests.workflow.test_eval:verl_score", reward_on_error=-1.0, reward_cfg=RewardConfig())
+    evaluator = Evaluator(spec, str(tiny_model_dir))
+    assert [evaluator.due(v) for v in (0, 1, 2)] == [False, False, True]
+    metrics, samples = evaluator.run(FakeRolloutEngine(cfg, tiny_model_dir), 3)
+    correct = [sum(sampled[i * K + j].startswith(answers[i]) for j in range(K)) for i in range(len(VAL))]
+    assert metrics["eval/greedy_acc"] == 0.5 and metrics["eval/version"] == 3.0
+    assert metrics[f"eval/pass@{K}"] == pytest.approx(sum(c > 0 for c in correct) / len(VAL))
+    assert metrics["eval/mean_reward"] == pytest.approx(sum(correct) / (K * len(VAL)))
+    assert [s["ground_truth"] for s in samples] == answers[:2] and samples[0]["greedy"]["reward"] == 1.0
+    assert not evaluator.due(3) and evaluator.due(4)  # the next multiple of eval_every after version 3
+    evaluator.close()
+
+
 def _load(*overrides):
     from asyncflow.config import load_config
 
