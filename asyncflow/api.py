@@ -14,6 +14,7 @@ into its workers, but the run's config could then not name it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
@@ -68,10 +69,10 @@ def build_config(cfg: AsyncFlowConfig | str | Path | None = None, *, overrides: 
     if megatron_args is not None:
         from asyncflow.engines.megatron.args import config_from_megatron_args
 
-        cfg = config_from_megatron_args(cfg, megatron_args, arch=_arch_if_present(cfg.model.path))
-    if overrides:
-        data = config_loader.deep_merge(config_loader.to_dict(cfg), config_loader.parse_overrides(list(overrides)))
-        cfg = config_loader.build(AsyncFlowConfig, data)
+        # The architecture arguments are checked against the model the run will train (model.path may be an override).
+        arch = _arch_if_present(_with_overrides(cfg, overrides).model.path)
+        cfg = config_from_megatron_args(cfg, megatron_args, arch=arch)
+    cfg = _with_overrides(cfg, overrides)
     hooks = [("trainer", "model_provider", model_provider), ("workflow", "task", prompts),
              ("algorithm", "reward", reward)]
     for section, key, spec in hooks:
@@ -79,6 +80,14 @@ def build_config(cfg: AsyncFlowConfig | str | Path | None = None, *, overrides: 
             cfg = replace_section(cfg, section, **{key: dotted_path(spec, f"{section}.{key}")})
     validate(cfg)
     return cfg
+
+
+def _with_overrides(cfg: AsyncFlowConfig, overrides: Sequence[str]) -> AsyncFlowConfig:
+    if not overrides:
+        return cfg
+    # asdict, not config_loader.to_dict: that one redacts secrets (a reward endpoint's token) for printing.
+    data = config_loader.deep_merge(dataclasses.asdict(cfg), config_loader.parse_overrides(list(overrides)))
+    return config_loader.build(AsyncFlowConfig, data)
 
 
 def dotted_path(spec: Spec, key: str) -> str:
