@@ -78,13 +78,14 @@ class _Parsed(Exception):
 
 
 def _parse_only(monkeypatch, run) -> None:
-    real = argparse.ArgumentParser.parse_args
+    for method in ("parse_args", "parse_intermixed_args"):  # recipes_check parses intermixed
+        real = getattr(argparse.ArgumentParser, method)
 
-    def parse_then_stop(self, args=None, namespace=None):
-        real(self, args, namespace)
-        raise _Parsed
+        def parse_then_stop(self, args=None, namespace=None, _real=real):
+            _real(self, args, namespace)
+            raise _Parsed
 
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        monkeypatch.setattr(argparse.ArgumentParser, method, parse_then_stop)
     with pytest.raises(_Parsed):
         run()
 
@@ -120,6 +121,7 @@ def _python(words: list[str], tmp_path, monkeypatch) -> None:
     if words[1] == "-m":
         assert words[2] in ("pytest", "asyncflow.recipes_check"), f"no rule for python -m {words[2]}"
         if words[2] == "asyncflow.recipes_check":
+            monkeypatch.setattr(sys, "argv", [words[2], *words[3:]])
             _parse_only(monkeypatch, lambda: runpy.run_module("asyncflow.recipes_check", run_name="__main__"))
         return
     script = REPO / words[1]
