@@ -203,3 +203,18 @@ def test_response_length_and_entropy_every_step(evaluated):
         assert 1 <= r["response/length_min"] <= r["response/length_mean"] <= r["response/length_max"] <= 4
         assert 0.0 <= r["response/clip_ratio"] <= 1.0
         assert 0.0 < r["actor/entropy"] <= m.log(19) + 1e-6  # the tiny model's vocabulary
+
+
+def test_a_missing_validation_file_is_one_error_line_before_the_run(tmp_path):
+    import subprocess
+    import sys
+
+    missing, model = tmp_path / "val.jsonl", tmp_path / "model"
+    argv = ["train", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), f"model.path={model}", f"data.val_path={missing}",
+            "workflow.eval_every=2", f"observability.output_dir={tmp_path / 'run'}"]
+    proc = subprocess.run([sys.executable, "-m", "asyncflow.cli", *argv], capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"asyncflow: error: {missing}: no such file or directory (data.val_path); data.val_path is the validation set "
+        "of workflow.eval_every"]
+    assert not model.exists()  # refused before the tiny model is made, so before Ray and the engines too
