@@ -338,7 +338,15 @@ def check_loaded(recipe: Recipe, model_dir: str | Path | None = None) -> list[st
 
 
 def check_model_path(cfg: AsyncFlowConfig) -> list[str]:
-    """``model.path`` must hold a Hugging Face ``config.json``, unless a tiny model may be created there."""
+    """``model.path`` must hold a Hugging Face ``config.json``, unless a tiny model may be created there; a
+    ``trainer.load_dir`` must hold weights of its ``trainer.load_format``."""
+    from asyncflow.engines.megatron.initial_weights import resolve
+
+    if cfg.trainer.load_dir is not None or cfg.trainer.load_format != "auto":
+        try:
+            resolve(cfg.trainer.load_dir, cfg.trainer.load_format, cfg.model.path)
+        except ConfigError as exc:
+            return [str(exc)]
     path = Path(cfg.model.path)
     if (path / "config.json").is_file() or cfg.model.make_tiny_if_missing:
         return []

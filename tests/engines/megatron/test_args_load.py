@@ -67,3 +67,13 @@ def test_a_provider_gets_the_context_only_when_it_takes_one():
     assert not takes_context(megatron_lm_shape) and takes_context(with_context)
     assert call_provider(megatron_lm_shape, "cfg", ctx) == ("old", "cfg", False, True)
     assert call_provider(with_context, "cfg", ctx) == ("new", 1024)
+
+
+def test_asyncflow_train_refuses_a_wrong_load_dir_before_starting(tmp_path, capsys):
+    from asyncflow.cli import main
+
+    recipe = "recipes/tiny_cpu/grpo_async.yaml"
+    assert main(["train", recipe, f"trainer.load_dir={tmp_path}", "trainer.load_format=megatron_dist"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("asyncflow: ") and err.count("\n") == 0, err
+    assert f"trainer.load_dir={tmp_path}: not a Megatron distributed checkpoint" in err
