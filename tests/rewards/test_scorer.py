@@ -160,3 +160,19 @@ def cfg_factory(tokenizer, cfg):
 def test_factory_receives_the_reward_section_when_it_asks(tok):
     fn = make_reward_fn("tests.rewards.test_scorer:cfg_factory", tok, RewardConfig(max_concurrency=7))
     assert fn([1], [2]) == 7.0
+
+
+@batched
+async def judge_batch(prompt_ids, response_ids, **info):
+    """A batched ``async def`` reward (one request per chunk to a judge, say)."""
+    await asyncio.sleep(0)
+    return [{"score": float(len(r)), "rows_in_call": float(len(response_ids))} for r in response_ids]
+
+
+def test_batched_async_reward_is_awaited_once_per_chunk(tok):
+    scorer = RewardScorer(judge_batch, tok)
+    assert scorer.batched and scorer.is_async
+    out = scorer.score(rows(tok, ["a", "abc", "ab"]))
+    assert [(s.reward, s.metrics) for s in out] == [(1.0, {"rows_in_call": 3.0}), (3.0, {"rows_in_call": 3.0}),
+                                                    (2.0, {"rows_in_call": 3.0})]
+    scorer.close()
