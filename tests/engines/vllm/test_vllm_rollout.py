@@ -19,6 +19,39 @@ def _hf_logprobs(model, rollout):
     return lp[len(rollout.prompt_ids) - 1 :]
 
 
+def two_or_more(prompt_ids, response_ids, **info):
+    """A token-id reward for the evaluation on the real engine: 1 for a response of at least two tokens."""
+    return float(len(response_ids) >= 2)
+
+
+def _evaluate(rollout, hf, model_dir: str, prompts: list[list[int]]) -> dict:
+    """The evaluation path on the real engine (``asyncflow.workflow.evaluation``): greedy responses are the
+    transformers model's argmax at every position, and the evaluator reports them at the served version."""
+    import torch
+
+    from asyncflow.rewards import RewardConfig
+    from asyncflow.workflow.evaluation import EvalSpec, Evaluator
+
+    greedy = rollout.generate(prompts, n=1, temperature=0.0)
+    argmax = []
+    for r in greedy:
+        ids = torch.tensor([r.prompt_ids + r.response_ids])
+        with torch.no_grad():
+            picks = hf(ids).logits[0, len(r.prompt_ids) - 1 : -1].argmax(-1).tolist()
+        argmax.append(picks == r.response_ids)
+    spec = EvalSpec(prompts=prompts, answers=None, every=1, before=True, k=3, samples=len(prompts), correct_reward=1.0,
+                    reward="tests.engines.vllm.test_vllm_rollout:two_or_more", reward_on_error=-1.0,
+                    reward_cfg=RewardConfig())
+    evaluator = Evaluator(spec, model_dir)
+    metrics, samples = evaluator.run(rollout, rollout.weight_version)
+    evaluator.close()
+    texts = [evaluator.tokenizer.decode(r.response_ids, skip_special_tokens=False) for r in greedy]
+    return {"greedy_is_argmax": argmax, "eval_metrics": metrics,
+            "eval_greedy_matches": [s["greedy"]["response"] for s in samples] == texts,
+            "eval_greedy_acc_expected": sum(len(r.response_ids) >= 2 for r in greedy) / len(greedy),
+            "eval_sampled_counts": [len(s["sampled"]) for s in samples]}
+
+
 def _child(model_dir: str) -> dict:
     import torch
     import transformers
@@ -57,6 +90,7 @@ def _child(model_dir: str) -> dict:
         ),
         "versions": rollout.served_versions(),
         "rollout_versions": sorted({r.weight_version for r in after}),
+        **_evaluate(rollout, hf, model_dir, prompts),
     }
 
 
@@ -83,3 +117,12 @@ def test_weight_update_is_applied_and_versioned(result):
     assert result["stale_diff_after_update"] > 1e-3
     assert result["versions"] == [7]
     assert result["rollout_versions"] == [7]
+
+
+def test_evaluation_on_the_real_engine(result):
+    """Greedy decoding (temperature 0) is the model's argmax, and the evaluator reports it at the served version."""
+    assert all(result["greedy_is_argmax"])
+    m = result["eval_metrics"]
+    assert m["eval/version"] == 7 and m["eval/prompts"] == 3 and result["eval_greedy_matches"]
+    assert m["eval/greedy_acc"] == result["eval_greedy_acc_expected"]
+    assert result["eval_sampled_counts"] == [3, 3, 3] and 0.0 <= m["eval/pass@1"] <= m["eval/pass@3"] <= 1.0
