@@ -95,12 +95,14 @@ def test_objective_entropy_bonus_and_value_objective_hand_computed():
     logprobs = torch.zeros(1, 3)
     plain = make_objective(AlgorithmConfig(kl_coef=0.0, policy_loss="ppo"), 3)
     bonus = make_objective(AlgorithmConfig(kl_coef=0.0, policy_loss="ppo", entropy_coef=0.1), 3)
-    assert not plain.needs_entropy and bonus.needs_entropy  # the trainer computes entropy only when asked
-    loss0, _ = plain(logprobs, mb)
+    # The trainer computes the entropy for every step's metric (actor/entropy); its gradient only for the bonus.
+    assert plain.needs_entropy and bonus.needs_entropy and not plain.entropy_grad and bonus.entropy_grad
+    loss0, metrics0 = plain(logprobs, mb)
     loss1, metrics = bonus(logprobs, mb)
     # ratio 1, advantage 1 -> -1 per token, 2 tokens; the bonus subtracts 0.1 x (0.5 + 1.5), masked token ignored
     assert loss0.item() == pytest.approx(-2.0) and loss1.item() == pytest.approx(-2.2)
     assert metrics["entropy_sum"].item() == pytest.approx(2.0) and metrics["normalizer"].item() == 2
+    assert metrics0["entropy_sum"].item() == pytest.approx(2.0)  # reported without the bonus, which leaves the loss
 
     value = make_value_objective(AlgorithmConfig(value_loss="mse"))
     vmb = {"mask": torch.tensor([[1.0, 1.0, 0.0]]), "returns": torch.tensor([[1.0, 0.0, 5.0]]),
