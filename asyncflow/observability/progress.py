@@ -105,3 +105,27 @@ class ProgressReporter:
             line += f" | {extra}"
         self.print_fn(line)
         return line
+
+
+class StartupLog:
+    """One line per start-up phase of a run, as it begins or ends, with the seconds since the run started, so that a
+    slow start (Ray on a busy cluster, engines loading a large model) shows where it is::
+
+        start-up    0.0 s | starting Ray
+        start-up    4.1 s | TransferQueue up
+        start-up    4.3 s | rollout engines loading (vllm, 2 instances); trainer loading (megatron, 4 ranks)
+
+    Args:
+        print_fn: where lines go (default: ``print(..., flush=True)``).
+        start_time: ``time.monotonic()`` at the run's start (default: now).
+    """
+
+    def __init__(self, print_fn: Callable[[str], None] | None = None, start_time: float | None = None):
+        self.print_fn = print_fn or (lambda line: print(line, flush=True))
+        self.start_time = time.monotonic() if start_time is None else start_time
+
+    def phase(self, what: str) -> str:
+        """Print and return the line of phase ``what``."""
+        line = f"start-up {time.monotonic() - self.start_time:6.1f} s | {what}"
+        self.print_fn(line)
+        return line

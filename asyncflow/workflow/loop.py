@@ -57,6 +57,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     import ray
 
     from asyncflow.config import replace_section
+    from asyncflow.observability.progress import StartupLog
     from asyncflow.tiny_model import ensure_model
     from asyncflow.workflow.feeder import Feeder, StreamFeeder
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
@@ -66,6 +67,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     from asyncflow.workflow.supervisor import Supervisor
 
     wf = cfg.workflow
+    startup = StartupLog()
     model_dir = ensure_model(cfg.model)
     # Ray's start is mostly its daemons' work in other processes, and the tokenizer's load mostly this
     # process's imports (transformers, torch): side by side they overlap.
@@ -73,6 +75,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     try:  # until a pipeline owns Ray, a failure here shuts down a Ray started for the run
         with ThreadPoolExecutor(1) as pool:
             loading = pool.submit(_prompt_source, cfg, model_dir)
+            startup.phase("starting Ray" if cfg.ray.address is None else f"joining Ray at {cfg.ray.address}")
             started = connect_ray(cfg)
             signals.install()  # ray.init replaced the SIGTERM handler with its own
             source = loading.result()
@@ -85,7 +88,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
             raise ValueError(f"the checkpoint is at step {start}; workflow.steps={wf.steps} leaves nothing to train")
         pipe = start_pipeline(cfg, model_dir, source.max_prompt_len, hasattr(source, "sample_budgets"),
                               answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start,
-                              owns_ray=started)
+                              owns_ray=started, startup=startup)
         signals.install()  # a Ray started by start_pipeline replaced it again
     except BaseException:
         if started:
@@ -94,8 +97,13 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     reporter = None
     try:
         pipe.create_partitions(wf.steps, wf.prompts_per_step * wf.samples_per_prompt, first=start)
-        reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"),
-                            on_step=lambda step: ckpt.step_done(step, reporter.trained_groups))
+
+        def step_done(step: int) -> None:
+            if step == start:
+                startup.phase(f"first step done (step {step})")
+            ckpt.step_done(step, reporter.trained_groups)
+
+        reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"), on_step=step_done)
         feeder = (StreamFeeder(cfg, pipe, source, ckpt, start, meta) if wf.mode == "stream"
                   else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
         if wf.mode == "sync":

@@ -199,7 +199,7 @@ def connect_ray(cfg: AsyncFlowConfig) -> bool:
 
 def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, budgets: bool = False,
                    answers: bool = False, resume_dir: Path | None = None, start_step: int = 0,
-                   owns_ray: bool = False) -> Pipeline:
+                   owns_ray: bool = False, startup=None) -> Pipeline:
     """Bring up Ray, the TransferQueue, the version board and every worker group for ``cfg.workflow.mode``.
 
     ``budgets``: rows carry per-sample generation budgets (``max_new_tokens``), used to the end.
@@ -207,14 +207,17 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     ``resume_dir``: a committed run checkpoint the actor (and critic) load; training continues at ``start_step``.
     ``owns_ray``: the caller started Ray for this run (``connect_ray``); the pipeline's ``close`` shuts it down,
     as it does a Ray that ``start_pipeline`` starts itself.
+    ``startup``: where each start-up phase is printed (``observability.progress.StartupLog``; default: a new one).
     """
     import ray
 
     from asyncflow import transfer_queue
     from asyncflow.algorithms.advantages import estimator_scope
+    from asyncflow.observability.progress import StartupLog
     from asyncflow.workflow.placement import Placement
     from asyncflow.workflow.workers import WorkerGroups
 
+    startup = startup or StartupLog()
     critic, reference = estimator_scope(cfg.algorithm.advantage) == "critic", cfg.algorithm.kl_coef > 0
     owns_ray = connect_ray(cfg) or owns_ray
     model_dir = Path(model_dir).resolve()  # workers on other nodes start in other folders: never a relative path
@@ -222,6 +225,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     net = network.resolve_connected(cfg)
     tq = transfer_queue.start(net.tq)
     print(f"{net.log_line()}; controller at {tq.address}", flush=True)
+    startup.phase("TransferQueue up")
     where = Placement(cfg, critic, reference)
     relay_store, relay, routes = _weight_relay(cfg, where, net.store_host)
     board = ray.remote(VersionBoard).options(num_cpus=0).remote()
@@ -231,7 +235,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     pipeline = Pipeline(cfg, tq, tq.client(), board, groups, where.pg, seq_len, consumer_tasks(groups),
                         sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes, owns_ray)
     try:
-        _wait_until_up(pipeline, workers)
+        _wait_until_up(pipeline, workers, startup)
     except BaseException:
         pipeline.close()
         raise
@@ -291,15 +295,43 @@ def consumer_tasks(groups: dict[str, list]) -> list[str]:
     return [task for name in groups for task in multi_task.get(name, (name,))]
 
 
-def _wait_until_up(pipeline: Pipeline, workers) -> None:
-    """Return once every worker answers. Under device sharing the trainers start first and release the devices
-    before the rollout engines start: vLLM sizes its KV cache from the memory free at its start."""
+def _wait_until_up(pipeline: Pipeline, workers, startup) -> None:
+    """Return once every worker answers, printing a start-up phase as each group comes up. Under device sharing
+    the trainers start first and release the devices before the rollout engines start: vLLM sizes its KV cache
+    from the memory free at its start."""
     import ray
 
-    groups = pipeline.groups
+    groups, cfg = pipeline.groups, pipeline.cfg
+    trainer = f"trainer loading ({_engine_name(cfg.trainer.engine)}, {len(groups['actor'])} rank(s))"
     if workers.share_device:
+        startup.phase(f"{trainer}; rollout engines start once it released the devices")
         trained = [h for name in ("actor", "reference", "critic") for h in groups.get(name, [])]
-        ray.get([h.ping.remote() for h in trained], timeout=600)
+        _wait_groups({name: groups[name] for name in ("actor", "reference", "critic") if name in groups}, startup)
         ray.get([h.release_device.remote() for h in trained], timeout=600)
         groups["rollout"].extend(workers.rollout())
-    ray.get([s.ping.remote() for s in pipeline.services], timeout=600)
+    startup.phase(f"rollout engines loading ({_engine_name(cfg.rollout.engine)}, {len(groups['rollout'])} "
+                  f"instance(s)); " + ("services starting" if workers.share_device else trainer))
+    _wait_groups(groups, startup)
+
+
+def _wait_groups(groups: dict[str, list], startup) -> None:
+    """Wait (up to 10 minutes) until every worker of ``groups`` answers; a phase line as each group is up."""
+    import ray
+
+    pending = {h.ping.remote(): name for name, handles in groups.items() for h in handles}
+    left = {name: len(handles) for name, handles in groups.items()}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=600)
+        if not done:
+            raise TimeoutError(f"workers not up within 600 s: {sorted(set(pending.values()))}")
+        for ref in done:
+            ray.get(ref)  # a worker that failed to start raises here
+            name = pending.pop(ref)
+            left[name] -= 1
+            if not left[name]:
+                startup.phase(f"{name} up")
+
+
+def _engine_name(spec: str) -> str:
+    """An engine's registered name, or the class name of a dotted path."""
+    return spec.rsplit(".", 1)[-1]

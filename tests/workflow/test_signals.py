@@ -69,6 +69,18 @@ def _stop_run(tmp_path: Path, args: list[str], signum: int, group: bool, after_s
     return proc.returncode, out, err, pids, leftovers
 
 
+def _startup_phases_in_order(out: str) -> None:
+    """``asyncflow train`` printed its start-up phases as they happened (``observability.progress.StartupLog``)."""
+    phases = [line.split("| ", 1)[1] for line in out.splitlines() if line.startswith("start-up ")]
+    loading = ("rollout engines loading (FakeRolloutEngine, 1 instance(s)); trainer loading (FakeTrainEngine, "
+               "1 rank(s))")
+    assert {"starting Ray", "TransferQueue up", loading, "actor up", "rollout up", "first step done (step 0)"} <= \
+        set(phases), phases
+    at = phases.index
+    assert at("starting Ray") < at("TransferQueue up") < at(loading) < min(at("actor up"), at("rollout up"))
+    assert max(at("actor up"), at("rollout up")) < at("first step done (step 0)") == len(phases) - 1
+
+
 def _trained_exactly_once(summary: dict) -> None:
     groups = {int(step): ids for step, ids in summary["trained_groups"].items()}
     assert sorted(groups) == list(range(STEPS))
@@ -85,6 +97,7 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resume_trains_every_prompt
     assert not leftovers, "processes of the stopped run survived it"
     assert not _shm_of(pids), "shared-memory segments of the stopped run survived it"
     assert "Traceback" not in err, err[-5000:]
+    _startup_phases_in_order(out)
     lines = [line for line in out.splitlines() if line.startswith("asyncflow: stopped")]
     assert len(lines) == 1, out[-3000:]
     found = re.fullmatch(r"asyncflow: stopped at step (\d+) on SIGTERM; resume with: asyncflow train (.+)", lines[0])
