@@ -142,3 +142,44 @@ def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_and_prints_n
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_early"]["signal"] == "SIGINT" and summary["stopped_early"]["resume_step"] is None
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_a_second_signal_or_the_end_of_the_grace_time_stops_at_once_and_teardown_is_never_cut_short():
+    from asyncflow.workflow.signals import StopNow, StopSignals
+
+    before = signal.getsignal(signal.SIGTERM)
+    stop = StopSignals(grace_s=600)
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGTERM)  # the first asks for a stop at the next boundary and returns
+        assert stop.requested and stop.signal_name == "SIGTERM"
+        with pytest.raises(StopNow, match="second SIGINT"):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(60)  # interrupted by the handler
+        stop.tearing_down()
+        os.kill(os.getpid(), signal.SIGINT)  # noted, never raised
+    assert signal.getsignal(signal.SIGTERM) is before
+
+    stop = StopSignals(grace_s=0.2)
+    with stop.installed(), pytest.raises(StopNow, match="signal_grace_s=0.2"):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(60)  # the boundary never comes: the grace timer ends the wait
+    stop = StopSignals(grace_s=0.2)
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGINT)
+        stop.boundary_reached()  # the checkpoint is being written: the timer no longer runs
+        time.sleep(1.0)
+    assert stop.requested
+
+
+def test_the_stopped_line_names_the_step_and_the_resume_command():
+    from asyncflow.cli import resume_command
+    from asyncflow.workflow.signals import RunStopped, stopped_line
+
+    command = resume_command("r.yaml", ["checkpoint.dir=/tmp/a b", "workflow.steps=9"])
+    assert command == "asyncflow train r.yaml --resume 'checkpoint.dir=/tmp/a b' workflow.steps=9"
+    assert stopped_line(RunStopped(5, "SIGTERM", 5, "/c/step_000005"), command) == \
+        f"asyncflow: stopped at step 5 on SIGTERM; resume with: {command}"
+    late = stopped_line(RunStopped(5, "SIGTERM", 4, reason="the step boundary was not reached"), command)
+    assert late == (f"asyncflow: stopped at step 5 on SIGTERM (the step boundary was not reached); resume with: "
+                    f"{command} (continues from step 4)")
+    assert "nothing to resume from" in stopped_line(RunStopped(5, "SIGINT", None), command)
