@@ -207,8 +207,9 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
     from asyncflow.simulator.report import run
 
     replay = args.lengths.removeprefix("replay:") if args.lengths and args.lengths.startswith("replay:") else None
-    if not Path(args.costs).is_file():
-        return _refuse([f"--costs {args.costs} does not exist; write one with `asyncflow profile --out {args.costs}`"])
+    if not args.costs.startswith("published:") and not Path(args.costs).is_file():
+        return _refuse([f"--costs {args.costs} does not exist; write one with `asyncflow profile --out {args.costs}` "
+                         "(or use published:h100, a GPU's published figures)"])
     if replay is not None and not Path(replay).is_file():
         return _refuse([f"--lengths replay:{replay}: no such file (the metrics.jsonl of a run, under its "
                         "observability.output_dir)"])
@@ -253,9 +254,13 @@ def build_parser() -> argparse.ArgumentParser:
                               "version lag), a Gantt chart, and the best device split")
     simulate.add_argument("recipe", metavar="RECIPE", help="recipe directory (recipes/<model>) or YAML config")
     simulate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
-    simulate.add_argument("--costs", required=True, help="cost file from asyncflow profile")
+    simulate.add_argument("--costs", required=True, help="cost file from asyncflow profile, or published:h100 / "
+                          "published:h20: costs from the GPU's published figures for the recipe's model")
     simulate.add_argument("--lengths", default=None,
-                          help="response lengths: constant:N, lognormal:MEDIAN:SIGMA or replay:metrics.jsonl")
+                          help="response lengths: constant:N, lognormal:MEDIAN:SIGMA, replay:metrics.jsonl or "
+                          "heavytail (the published runs' heavy tail: mean max_new_tokens / 18)")
+    simulate.add_argument("--prompt-len", type=int, default=None,
+                          help="prompt tokens per row (default: data.max_prompt_len for jsonl/parquet tasks)")
     simulate.add_argument("--steps", type=int, default=None, help="simulated steps (default: workflow.steps, "
                           "at most 50)")
     simulate.add_argument("--devices", type=int, default=None,

@@ -14,6 +14,8 @@ from asyncflow.simulator.sim import SimResult, simulate
 from asyncflow.simulator.workload import Workload, from_config
 
 GROUPS = ("rollout", "reference", "actor")
+PUBLISHED_GPUS = ("h100", "h20")
+"""``--costs published:<gpu>``: the GPUs ``simulator.published`` has figures for."""
 
 
 def load(path: str, overrides: list[str]):
@@ -28,6 +30,34 @@ def load(path: str, overrides: list[str]):
             raise ConfigError("; ".join(problems))
         return recipe.cfg, recipe
     return load_config(path, overrides), None
+
+
+def published_costs(spec: str, cfg, recipe) -> CostFile:
+    """``--costs published:<gpu>``: a cost file built from the GPU's published figures
+    (``simulator.published.gpu_costs``) for the recipe's model, a rollout variant per TP 1-8."""
+    from asyncflow.config import ConfigError
+    from asyncflow.simulator import published
+
+    gpu = spec.removeprefix("published:").lower()
+    if gpu not in PUBLISHED_GPUS:
+        raise ConfigError(f"--costs {spec}: published figures exist for {', '.join(PUBLISHED_GPUS)} "
+                          f"(published:{PUBLISHED_GPUS[0]})")
+    if recipe is None:
+        raise ConfigError(f"--costs {spec} needs a recipe directory (recipes/<model>): the costs come from its "
+                          "model_arch.json")
+    tr = cfg.trainer
+    return published.gpu_costs(recipe.arch, tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel,
+                               getattr(published, gpu.upper()))
+
+
+def lengths_spec(spec: str | None, cfg) -> str | None:
+    """``--lengths``: ``heavytail`` is the published runs' heavy tail at the config's ``rollout.max_new_tokens``
+    (``published_runs.heavy_tail``); anything else as given."""
+    if spec == "heavytail":
+        from asyncflow.simulator.published_runs import heavy_tail
+
+        return heavy_tail(cfg.rollout.max_new_tokens)
+    return spec
 
 
 def model_for(costs: CostFile, w: Workload, rollout_tp: int = 1):
@@ -82,8 +112,8 @@ def variants_of(w: Workload, cfg) -> list[tuple[str, Workload]]:
 def run(args: argparse.Namespace) -> int:
     """The ``simulate`` subcommand: print the table, write the Gantt chart, search the split."""
     cfg, recipe = load(args.recipe, args.overrides)
-    costs = load_costs(args.costs)
-    w = from_config(cfg, lengths=args.lengths)
+    costs = published_costs(args.costs, cfg, recipe) if args.costs.startswith("published:") else load_costs(args.costs)
+    w = from_config(cfg, lengths=lengths_spec(args.lengths, cfg), prompt_len=getattr(args, "prompt_len", None))
     w = dataclasses.replace(w, steps=args.steps or min(w.steps, 50))
     tp = cfg.rollout.tensor_parallel
     rows, sensitivities = [], []
@@ -94,7 +124,9 @@ def run(args: argparse.Namespace) -> int:
         model = model_for(costs, v, tp)
         rows.append((name, simulate(v, model)))
         sensitivities.append(sensitivity(v, model, rows[-1][1]))
-    print(f"predicted from {args.costs} ({costs.hardware.get('host', '?')}), {w.steps} steps, lengths {w.lengths}, "
+    where = costs.hardware.get("host") or costs.hardware.get("kind", "?")
+    print(f"predicted from {args.costs} ({where}), {w.steps} steps, lengths {w.lengths}, prompts of {w.prompt_len} "
+          f"tokens, "
           f"{w.rows_per_step} rows per step; throughput after {w.warmup_steps} warm-up steps\n")
     print(table(rows, sensitivities))
     for note in tipping_notes(rows, sensitivities):
@@ -143,25 +175,74 @@ def print_search(w: Workload, costs: CostFile, devices: int, recipe, cfg) -> Non
         print(f"\nbest: {' '.join(best.overrides())} ({best.result.samples_per_s:.1f} samples/s)")
 
 
+def packing_budget(recipe, cfg) -> int:
+    """The token budget a recipe's trainer would pack by (``trainer.micro_batch_tokens``): its own, or, at 0,
+    ``micro_batch_size`` rows of ``max_prompt_len + max_new_tokens`` (the memory ``asyncflow plan`` already
+    counts for a micro-batch) when the trainer's features allow packing; 0 when they do not."""
+    tr = cfg.trainer
+    if tr.micro_batch_tokens or recipe is None:
+        return 0
+    from asyncflow.engines.megatron.features import problems
+
+    budget = tr.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    packed = dataclasses.replace(tr, micro_batch_tokens=budget)
+    return 0 if problems(packed, "trainer", is_moe=recipe.arch.is_moe, cuda=True, te=True) else budget
+
+
+def _tp_fits_heads(recipe, tp: int) -> bool:
+    """Rollout TP ``tp`` divides the recipe's attention heads as vLLM needs (True without a recipe)."""
+    if recipe is None:
+        return True
+    from asyncflow.recipes_check import _check_attention
+
+    return not _check_attention(recipe.name, "rollout.tensor_parallel", tp, recipe.arch)
+
+
 def print_mode_search(w: Workload, costs: CostFile, devices: int, recipe, cfg) -> None:
-    """Search the sample stream's rollout share, rollout mode and staleness on ``devices`` and print each candidate
-    against the colocated baseline (switching charged), best first."""
-    from asyncflow.simulator.search import colocated_baseline, mode_search
+    """Search the workflow mode (the sample stream, step-tied async), rollout model (chunked, continuous,
+    partial), staleness (1, 2), rollout TP and rollout's share of ``devices`` (a quarter to three quarters),
+    print each candidate against the colocated baseline (switching charged), best first, then the best one the
+    recipe check accepts, as overrides and cluster.env lines."""
+    from asyncflow.simulator.search import colocated_baseline, costs_for_tp, mode_search, recipe_best
 
     tr, tp = cfg.trainer, cfg.rollout.tensor_parallel
     mp = tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel
+    per_node = recipe.cluster.devices_per_node if recipe is not None else 8
     model = model_for(costs, w, tp)
-    base = colocated_baseline(w, model, devices, mp, tp)
-    choices = mode_search(w, model, devices, mp, tp, recipe=recipe)
-    print(f"\nmode search over {devices} devices: the sample stream (workflow.mode=stream) against the colocated "
-          f"baseline, {base.samples_per_s:.1f} samples/s with {model.switch.step_s(devices):.1f} s of switching a "
-          "step\n")
-    print("| rollout | k | instances x TP | trainer DP | step s | samples/s | vs colocated | bound by | dropped |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    tps = [t for t in (1, 2, 4, 8) if t <= per_node and t <= devices // 2 and _tp_fits_heads(recipe, t)]
+    tp_models = {t: costs_for_tp(costs, t)[0] for t in sorted(set(tps) | {tp})}
+    # The baseline at its best rollout TP too, so that the stream's TP choice is not what the ratio measures.
+    base, tp = max(((colocated_baseline(w, m, devices, mp, t), t) for t, m in tp_models.items()),
+                   key=lambda b: b[0].samples_per_s)
+    model = tp_models[tp]
+    choices = mode_search(w, model, devices, mp, tp, recipe=recipe, workflow_modes=("stream", "async"),
+                          models=("chunked", "continuous", "partial"), tp_models=tp_models,
+                          micro_batch_tokens=packing_budget(recipe, cfg))
+    print(f"\nmode search over {devices} devices: the sample stream (workflow.mode=stream) and step-tied async "
+          f"against the colocated baseline (rollout TP{tp}, every device; {model.switch.step_s(devices):.1f} s of "
+          f"switching a step): {base.samples_per_s:.1f} samples/s, {base.step_time_s:.1f} s a step\n")
+    print("| mode | rollout | k | instances x TP | trainer DP | step s | samples/s | vs colocated | bound by | "
+          "dropped | recipe check |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in choices:
         r = c.result
-        print(f"| {c.rollout_model} | {c.max_staleness} | {c.rollout_instances} x {c.rollout_tp} | {c.trainer_dp} | "
-              f"{r.step_time_s:.2f} | {r.samples_per_s:.1f} | {r.samples_per_s / base.samples_per_s:.2f}x | "
-              f"{c.bound} | {r.dropped} |")
-    if choices:
-        print(f"\nbest: {' '.join(choices[0].overrides())} ({choices[0].result.samples_per_s:.1f} samples/s)")
+        check = "ok" if not c.problems else c.problems[0]
+        print(f"| {c.workflow_mode} | {c.rollout_model} | {c.max_staleness} | {c.rollout_instances} x "
+              f"{c.rollout_tp} | {c.trainer_dp} | {r.step_time_s:.2f} | {r.samples_per_s:.1f} | "
+              f"{r.samples_per_s / base.samples_per_s:.2f}x | {c.bound} | {r.dropped} | {check} |")
+    if not choices:
+        return
+    print(f"\nbest: {' '.join(choices[0].overrides())} ({choices[0].result.samples_per_s:.1f} samples/s, "
+          f"{choices[0].result.samples_per_s / base.samples_per_s:.2f}x colocated)")
+    best = recipe_best(choices)
+    if best is None:
+        print("no candidate passes the recipe check")
+        return
+    for mode in ("stream", "async"):
+        top = recipe_best([c for c in choices if c.workflow_mode == mode])
+        if top is not None:
+            print(f"best {mode} the recipe can take: {top.result.samples_per_s:.1f} samples/s, "
+                  f"{top.result.samples_per_s / base.samples_per_s:.2f}x colocated")
+    print(f"for the recipe: {' '.join(best.overrides())}\n  cluster.env: TRAINER_DEVICES={best.trainer_dp * mp} "
+          f"ROLLOUT_DEVICES={best.rollout_devices} ({best.result.samples_per_s:.1f} samples/s, "
+          f"{best.result.samples_per_s / base.samples_per_s:.2f}x colocated)")

@@ -19,8 +19,10 @@ from asyncflow.simulator.workload import Workload
 
 PACKED_MODES = ("stream", "colocated")
 """Modes whose trainer packs rows and balances them over any number of replicas (``simulator.stream``)."""
-STREAM_SHARES = (1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4)
-"""Rollout's shares of the devices that ``mode_search`` tries."""
+MIN_SHARE, MAX_SHARE = 1 / 4, 3 / 4
+"""The smallest and largest share of the devices that ``mode_search`` gives rollout."""
+MODE_POINTS = 12
+"""At most this many splits per rollout TP in ``mode_search`` (evenly spread over the shares)."""
 TP_EFFICIENCY = 0.8
 """Assumed decode speed-up per doubling of rollout TP, relative to ideal, when the cost file has no
 ``device-tp{N}`` variant (an assumption, not a measurement)."""
@@ -81,7 +83,8 @@ def _override(cfg, overrides: list[str]):
     for item in overrides:
         dotted, value = item.split("=", 1)
         section, key = dotted.split(".")
-        cfg = replace_section(cfg, section, **{key: type(getattr(getattr(cfg, section), key))(value)})
+        kind = type(getattr(getattr(cfg, section), key))
+        cfg = replace_section(cfg, section, **{key: value == "true" if kind is bool else kind(value)})
     return cfg
 
 
@@ -124,7 +127,7 @@ def search(w: Workload, costs: CostFile, devices: int, recipe=None, trainer_mp: 
 
 @dataclasses.dataclass
 class ModeChoice:
-    """One sample-stream candidate: rollout model, staleness and split, and its simulation."""
+    """One candidate of ``mode_search``: workflow mode, rollout model, staleness and split, and its simulation."""
 
     rollout_model: str
     max_staleness: int
@@ -132,41 +135,123 @@ class ModeChoice:
     rollout_tp: int
     trainer_dp: int
     result: SimResult
+    workflow_mode: str = "stream"
+    """``stream`` (the sample stream) or ``async`` (step-tied partitions)."""
+    micro_batch_tokens: int = 0
+    """The trainer's packing budget this choice sets (0: the recipe's own ``trainer.micro_batch_tokens``)."""
+    problems: tuple[str, ...] = ()
+    """What the recipe check says against this choice (empty: a recipe can take it as it is)."""
+    extra: tuple[str, ...] = ()
+    """Further overrides the split needs (``expert_overrides``)."""
 
     @property
     def bound(self) -> str:
         """The side that sets the pace: the trainer when it is never short of groups, else rollout."""
         return "trainer" if self.result.idle_fraction.get("actor", 0.0) < 0.05 else "rollout"
 
+    @property
+    def rollout_devices(self) -> int:
+        """Devices that generate."""
+        return self.rollout_instances * self.rollout_tp
+
     def overrides(self) -> list[str]:
         """The choice as ``section.key=value`` overrides."""
-        return ["workflow.mode=stream", f"workflow.max_staleness={self.max_staleness}",
-                f"rollout.partial={str(self.rollout_model == 'partial').lower()}",
-                f"workflow.rollout_instances={self.rollout_instances}", f"rollout.tensor_parallel={self.rollout_tp}",
-                f"trainer.data_parallel={self.trainer_dp}"]
+        out = [f"workflow.mode={self.workflow_mode}", f"workflow.max_staleness={self.max_staleness}",
+               f"rollout.continuous={str(self.rollout_model != 'chunked').lower()}",
+               f"rollout.partial={str(self.rollout_model == 'partial').lower()}",
+               f"workflow.rollout_instances={self.rollout_instances}", f"rollout.tensor_parallel={self.rollout_tp}",
+               f"trainer.data_parallel={self.trainer_dp}"]
+        out += [f"trainer.micro_batch_tokens={self.micro_batch_tokens}"] if self.micro_batch_tokens else []
+        return out + list(self.extra)
+
+
+def expert_overrides(recipe, trainer_dp: int) -> list[str]:
+    """An MoE recipe's expert parallelism for ``trainer_dp`` replicas: the recipe's EP, or the largest smaller one
+    that divides the experts and whose grid (expert TP x EP x PP) divides the trainer's ranks; [] when unchanged
+    (or dense, or no recipe)."""
+    if recipe is None or not recipe.arch.is_moe:
+        return []
+    tr = recipe.cfg.trainer
+    world = tr.tensor_parallel * tr.pipeline_parallel * tr.context_parallel * trainer_dp
+    fits = [ep for ep in range(tr.expert_parallel, 0, -1)
+            if recipe.arch.num_experts % ep == 0 and world % (tr.tensor_parallel * ep * tr.pipeline_parallel) == 0]
+    return [f"trainer.expert_parallel={fits[0]}"] if fits and fits[0] != tr.expert_parallel else []
+
+
+def share_splits(devices: int, trainer_mp: int, rollout_tp: int, low: float = MIN_SHARE, high: float = MAX_SHARE,
+                 points: int = MODE_POINTS) -> list[tuple[int, int]]:
+    """``(rollout instances, trainer DP)`` with rollout's share of ``devices`` in ``[low, high]``: every whole
+    number of trainer replicas (any DP, whether or not it divides the step's rows), at most ``points`` of them
+    evenly spread; rollout takes the rest in whole engines of ``rollout_tp``."""
+    out = []
+    for dp in range(1, devices // trainer_mp + 1):
+        instances = (devices - dp * trainer_mp) // rollout_tp
+        if instances >= 1 and low - 1e-9 <= instances * rollout_tp / devices <= high + 1e-9:
+            out.append((instances, dp))
+    if len(out) > points:
+        out = [out[round(i * (len(out) - 1) / (points - 1))] for i in range(points)]
+    return sorted(set(out), key=lambda s: s[0])
 
 
 def mode_search(w: Workload, model: CostModel, devices: int, trainer_mp: int, rollout_tp: int, recipe=None,
-                shares=STREAM_SHARES, staleness=(1, 2), models=("partial", "continuous"), progress=None
-                ) -> list[ModeChoice]:
-    """The sample stream of ``w`` at every rollout share of ``devices`` (down to a quarter; any trainer DP: the
-    packed trainer balances tokens), rollout model and staleness bound; fitting ones simulated, best first."""
+                staleness=(1, 2), models=("partial", "continuous"), progress=None, workflow_modes=("stream",),
+                tp_models: dict[int, CostModel] | None = None, micro_batch_tokens: int = 0) -> list[ModeChoice]:
+    """Every workflow mode of ``workflow_modes`` (``stream``, ``async``) at every rollout share of ``devices``
+    (``share_splits``: a quarter to three quarters), rollout model of ``models`` (``chunked`` only in ``async``:
+    the stream generates continuously), staleness bound and rollout TP (``tp_models``: a cost model per TP; else
+    ``rollout_tp`` on ``model``); the ones that fit ``asyncflow plan``'s memory are simulated, best first.
+
+    The stream's trainer packs (``stream.trainer_s``); ``async`` packs when ``w.packing`` or ``micro_batch_tokens``
+    (the budget a recipe would set). With a ``recipe``, each choice carries what the recipe check says against it
+    (``ModeChoice.problems``): ``recipe_best`` picks the best a recipe can take."""
     out = []
-    for share in shares:
-        instances = max(1, round(devices * share / rollout_tp))
-        dp = (devices - instances * rollout_tp) // trainer_mp
-        if dp < 1:
-            continue
-        split = Split(instances, rollout_tp, dp, True, "")
-        if not _memory(recipe, split.overrides())[0]:
-            continue
-        for rollout_model, k in itertools.product(models, staleness):
-            trial = dataclasses.replace(w, mode="stream", rollout_model=rollout_model, max_staleness=k,
-                                        rollout_instances=instances, data_parallel=dp, packing=True)
-            out.append(ModeChoice(rollout_model, k, instances, rollout_tp, dp, simulate(trial, model)))
-            if progress is not None:
-                progress(out[-1])
+    for tp, tp_model in (tp_models or {rollout_tp: model}).items():
+        for instances, dp in share_splits(devices, trainer_mp, tp):
+            split, extra = Split(instances, tp, dp, True, ""), tuple(expert_overrides(recipe, dp))
+            if not _memory(recipe, split.overrides() + list(extra))[0]:
+                continue
+            for mode, rollout_model, k in itertools.product(workflow_modes, models, staleness):
+                if mode == "stream" and rollout_model == "chunked":
+                    continue
+                if mode != "stream" and w.rows_per_step % (w.micro_batch_size * dp):
+                    continue  # the step-tied trainer splits a step's rows evenly over its replicas
+                packed = mode == "stream" or w.packing or micro_batch_tokens > 0
+                trial = dataclasses.replace(w, mode=mode, rollout_model=rollout_model, max_staleness=k,
+                                            rollout_instances=instances, data_parallel=dp, packing=packed,
+                                            fixed_shape=w.fixed_shape and not packed)
+                choice = ModeChoice(rollout_model, k, instances, tp, dp, simulate(trial, tp_model), mode,
+                                    micro_batch_tokens, extra=extra)
+                choice.problems = tuple(recipe_problems(recipe, choice.overrides(), devices, trainer_mp))
+                out.append(choice)
+                if progress is not None:
+                    progress(out[-1])
     return sorted(out, key=lambda c: -c.result.samples_per_s)
+
+
+def recipe_problems(recipe, overrides: list[str], devices: int, trainer_mp: int) -> list[str]:
+    """What ``asyncflow.recipes_check`` says against ``recipe`` with ``overrides`` and its cluster.env's device
+    split moved to match them (TRAINER_DEVICES, ROLLOUT_DEVICES); [] without a recipe."""
+    if recipe is None:
+        return []
+    from asyncflow.config import ConfigError
+    from asyncflow.config_rules import problems as rules
+    from asyncflow.recipes_check import Recipe, check_loaded
+
+    try:
+        cfg = _override(recipe.cfg, overrides)
+        problems = rules(cfg)
+    except (ConfigError, ValueError) as exc:
+        return [str(exc)]
+    wf, tr = cfg.workflow, cfg.trainer
+    cluster = dataclasses.replace(recipe.cluster, rollout_devices=wf.rollout_instances * cfg.rollout.tensor_parallel,
+                                  trainer_devices=tr.data_parallel * trainer_mp)
+    moved = Recipe(recipe.name, cfg, recipe.facts, recipe.arch, cluster)
+    return list(problems) + check_loaded(moved)
+
+
+def recipe_best(choices: list[ModeChoice]) -> ModeChoice | None:
+    """The fastest choice the recipe check accepts (``choices`` best first)."""
+    return next((c for c in choices if not c.problems), None)
 
 
 def colocated_baseline(w: Workload, model: CostModel, devices: int, trainer_mp: int, rollout_tp: int) -> SimResult:
