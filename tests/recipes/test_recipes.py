@@ -135,7 +135,8 @@ def test_a_critic_of_another_shape_needs_devices_of_its_own(tmp_path):
 
 
 def test_device_counts_must_match_parallel_sizes(tmp_path):
-    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.rollout_instances": 4}, env={"TRAINER_DEVICES": 4})
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.rollout_instances": 4, "rollout.tensor_parallel": 1},
+                   env={"TRAINER_DEVICES": 4})
     problems = check_recipe(recipe)
     _one_problem_with(problems, "TRAINER_DEVICES=4", "2 x 1 x 4 = 8")
     _one_problem_with(problems, "ROLLOUT_DEVICES=8", "4 x 1 = 4")
@@ -239,7 +240,9 @@ def test_plan_names_the_smallest_change_that_fits(capsys):
 
 
 def test_plan_shrinks_the_kv_cache_to_what_fits():
-    plan = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["rollout.max_num_seqs=512"])
+    # One engine per GPU (TP1): its KV cache has room for 192 sequences of max_model_len.
+    plan = plan_recipe(ROOT / "recipes/qwen2.5-7b", ["rollout.tensor_parallel=1", "workflow.rollout_instances=8",
+                                                     "rollout.max_num_seqs=512"])
     rollout = next(t for t in plan.tasks if t.task == "rollout device")
     assert not rollout.fits and "512 x 5120 tokens wanted, room for 192 sequences" in rollout.notes[0]
     changes, fixed = plan.fixes["rollout device"]
