@@ -109,7 +109,7 @@ def _asyncflow(words: list[str], comment: str, monkeypatch, capsys) -> None:
         assert main(args) == want
         return
     _parse_only(monkeypatch, lambda: main(args))
-    flags_with_values = {"--costs", "--out", "--modes"}
+    flags_with_values = {"--costs", "--out", "--lengths", "--prompt-len", "--steps", "--devices"}
     items = [a for i, a in enumerate(args[1:]) if not a.startswith("--") and args[i] not in flags_with_values]
     if items and "=" not in items[0] and (REPO / items[0]).exists():
         monkeypatch.undo()
