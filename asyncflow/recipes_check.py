@@ -348,6 +348,14 @@ def check_model_path(cfg: AsyncFlowConfig) -> list[str]:
         except ConfigError as exc:
             return [str(exc)]
     path = Path(cfg.model.path)
+    if (path / "config.json").is_file() and not cfg.trainer.model_provider:
+        from asyncflow.models.arch import GPTArch
+        from asyncflow.models.megatron import rope_scaling_kwargs
+
+        try:
+            rope_scaling_kwargs(GPTArch.from_pretrained(path))
+        except ValueError as exc:
+            return [f"model.path {path}: {exc}"]
     if (path / "config.json").is_file() or cfg.model.make_tiny_if_missing:
         return []
     what = "does not exist" if not path.exists() else "has no config.json"

@@ -36,7 +36,8 @@ class GPTArch:
     tie_word_embeddings: bool
     torch_dtype: str = "float32"
     rope_scaling: dict[str, Any] | None = None
-    """``config.json``'s ``rope_scaling`` as written there (None: none). The built-in builder does not apply it."""
+    """``config.json``'s ``rope_scaling`` as written there (None: none); ``models.megatron.rope_scaling_kwargs``
+    reads it."""
     num_experts: int = 0
     """Routed experts per MoE layer (0: dense model). Every layer is an MoE layer when > 0."""
     moe_ffn_hidden_size: int = 0

@@ -142,4 +142,23 @@ def build_gpt_model(
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="rope",
         rotary_base=int(arch.rope_theta),
+        **rope_scaling_kwargs(arch),
     )
+
+
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+"""The parameters of Llama-3 rope scaling that Megatron's ``RotaryEmbedding`` fixes (only the factor is free)."""
+
+
+def rope_scaling_kwargs(arch: GPTArch) -> dict[str, Any]:
+    """``GPTModel`` arguments of the checkpoint's rope scaling; a ``ValueError`` for scaling the built-in model cannot
+    apply (rollout would apply it and the trainer not, so their log-probabilities would disagree)."""
+    scaling = arch.rope_scaling
+    if not scaling:
+        return {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed = all(float(scaling.get(k, v)) == v for k, v in _LLAMA3_FIXED.items())
+    if kind == "llama3" and fixed:
+        return dict(rope_scaling=True, rope_scaling_factor=float(scaling.get("factor", 8.0)))
+    raise ValueError(f"config.json's rope_scaling {scaling} is not supported by the built-in model (Megatron applies "
+                     f"llama3 scaling with {_LLAMA3_FIXED} only): pass a trainer.model_provider that applies it")

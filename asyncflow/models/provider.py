@@ -67,7 +67,8 @@ class ModelContext:
     rotary_base: float
     """Rope base (``rope_theta``): ``GPTModel(rotary_base=...)``."""
     rope_scaling: dict[str, Any] | None
-    """``config.json``'s ``rope_scaling`` (None when the model has none). The built-in builder applies none."""
+    """``config.json``'s ``rope_scaling`` (None when the model has none). The built-in builder applies Llama-3
+    scaling (``models.megatron.rope_scaling_kwargs``) and refuses others."""
     share_embeddings_and_output_weights: bool
     """Tied input and output embeddings (``tie_word_embeddings``)."""
     pre_process: bool

@@ -82,7 +82,6 @@ _DEFAULT_ONLY: dict[str, tuple[Any, str]] = {
     "lr_warmup_fraction": (None, "the learning rate is constant (no warmup)"),
     "weight_decay_incr_style": ("constant", "weight decay is constant"),
     "position_embedding_type": ("learned_absolute", "the models here use rotary embeddings (rope)"),
-    "use_rope_scaling": (False, "the built-in model has no rope scaling: pass a model_provider that applies it"),
     "rotary_percent": (1.0, "rotary embeddings cover the whole head dimension"),
 }
 """``position_embedding_type`` also accepts ``rope``; the dropouts also accept 0 (handled below)."""
@@ -296,5 +295,11 @@ def _check_arch(conv: _Conversion, arch: GPTArch) -> None:
         conv.refuse("add_qkv_bias", why.format("no q/k/v biases"))
     if v.get("qk_layernorm") and not arch.qk_layernorm:
         conv.refuse("qk_layernorm", why.format("no q/k norms"))
+    if v.get("use_rope_scaling"):  # Megatron-LM's Llama-3 scaling, which the built-in model applies from config.json
+        scaling = arch.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) != "llama3":
+            conv.refuse("use_rope_scaling", why.format(f"rope_scaling={arch.rope_scaling}"))
+        elif float(v.get("rope_scaling_factor", 8.0)) != float(scaling.get("factor", 8.0)):
+            conv.refuse("rope_scaling_factor", why.format(f"rope_scaling factor={scaling.get('factor')}"))
     if arch.is_moe and v.get("num_experts") and v.get("moe_router_topk") not in (None, arch.moe_router_topk):
         conv.refuse("moe_router_topk", why.format(f"num_experts_per_tok={arch.moe_router_topk}"))

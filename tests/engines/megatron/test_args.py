@@ -91,3 +91,17 @@ def test_architecture_arguments_must_match_the_checkpoint():
     assert megatron_overrides(same, arch=arch) == {}
     with pytest.raises(MegatronArgsError, match=r"--num-layers=4: .*num_layers=2.*--rotary-base=10001"):
         megatron_overrides({**same, "num_layers": 4, "rotary_base": 10001}, arch=arch)
+
+
+def test_rope_scaling_argument_must_match_the_checkpoint():
+    from dataclasses import replace
+
+    arch = GPTArch(model_type="llama", vocab_size=100, hidden_size=64, num_layers=2, num_attention_heads=4,
+                   num_query_groups=4, head_dim=16, ffn_hidden_size=128, max_position_embeddings=131072,
+                   rms_norm_eps=1e-5, rope_theta=5e5, qkv_bias=False, qk_layernorm=False, tie_word_embeddings=True)
+    llama31 = replace(arch, rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    assert megatron_overrides({"use_rope_scaling": True, "rope_scaling_factor": 8.0}, arch=llama31) == {}
+    with pytest.raises(MegatronArgsError, match="--rope-scaling-factor=32.0"):
+        megatron_overrides({"use_rope_scaling": True, "rope_scaling_factor": 32.0}, arch=llama31)
+    with pytest.raises(MegatronArgsError, match="--use-rope-scaling=True: .*rope_scaling=None"):
+        megatron_overrides({"use_rope_scaling": True}, arch=arch)

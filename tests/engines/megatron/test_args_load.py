@@ -77,3 +77,22 @@ def test_asyncflow_train_refuses_a_wrong_load_dir_before_starting(tmp_path, caps
     err = capsys.readouterr().err.strip()
     assert err.startswith("asyncflow: ") and err.count("\n") == 0, err
     assert f"trainer.load_dir={tmp_path}: not a Megatron distributed checkpoint" in err
+
+
+def test_built_in_model_applies_llama3_rope_scaling_and_refuses_others():
+    from dataclasses import replace
+
+    from asyncflow.models.megatron import rope_scaling_kwargs
+
+    arch = GPTArch(model_type="llama", vocab_size=100, hidden_size=64, num_layers=2, num_attention_heads=4,
+                   num_query_groups=4, head_dim=16, ffn_hidden_size=128, max_position_embeddings=131072,
+                   rms_norm_eps=1e-5, rope_theta=5e5, qkv_bias=False, qk_layernorm=False, tie_word_embeddings=True)
+    assert rope_scaling_kwargs(arch) == {}
+    llama31 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    assert rope_scaling_kwargs(replace(arch, rope_scaling=llama31)) == {"rope_scaling": True,
+                                                                         "rope_scaling_factor": 8.0}
+    for other in ({**llama31, "factor": 32.0, "original_max_position_embeddings": 4096},
+                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}):
+        with pytest.raises(ValueError, match="not supported by the built-in model.*trainer.model_provider"):
+            rope_scaling_kwargs(replace(arch, rope_scaling=other))
