@@ -142,7 +142,8 @@ rc_start_ray() {
         srun --nodes=1 --ntasks=1 -w "$host" --export=ALL $SRUN_EXTRA_ARGS "${cmd[@]}" >"$log" 2>&1 </dev/null &
         pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
     else
-        local tmp token_env="RAY_AUTH_MODE=$RAY_AUTH_MODE $(rc_forwarded_env)"
+        local tmp token_env
+        token_env="RAY_AUTH_MODE=$RAY_AUTH_MODE $(rc_forwarded_env)"
         tmp=$(printf '%q' "$RAY_TMPDIR")
         if [[ $RAY_AUTH_MODE == token ]]; then  # the token goes through stdin, never on a command line
             # shellcheck disable=SC2086,SC2029
