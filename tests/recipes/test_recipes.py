@@ -220,6 +220,15 @@ def test_every_recipe_fits_its_devices(recipe):
     assert {t.task for t in plan.tasks} >= {"trainer rank", "rollout device"}
 
 
+def test_quickstart_fits_one_node_with_room():
+    """The single-node quickstart keeps a quarter of every device free: room for what the estimate leaves out."""
+    recipe = ROOT / "recipes/qwen2.5-1.5b-8gpu"
+    env = read_cluster_env(recipe / "cluster.env")
+    assert (env["NODES"], env["DEVICES_PER_NODE"], env["DEVICE_MEMORY_GB"]) == ("1", "8", "80")
+    plan = plan_recipe(recipe)
+    assert plan.fits and all(task.total <= 0.75 * task.budget for task in plan.tasks), render(plan)
+
+
 def test_plan_command_line_prints_a_table_per_task(capsys):
     assert cli_main(["plan", str(ROOT / "recipes/qwen2.5-32b")]) == 0
     out = capsys.readouterr().out
