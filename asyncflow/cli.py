@@ -208,8 +208,7 @@ def _cmd_simulate(args: argparse.Namespace) -> int:
 
     replay = args.lengths.removeprefix("replay:") if args.lengths and args.lengths.startswith("replay:") else None
     if not args.costs.startswith("published:") and not Path(args.costs).is_file():
-        return _refuse([f"--costs {args.costs} does not exist; write one with `asyncflow profile --out {args.costs}` "
-                         "(or use published:h100, a GPU's published figures)"])
+        return _refuse([f"--costs {args.costs} does not exist; write one with `asyncflow profile --out {args.costs}`"])
     if replay is not None and not Path(replay).is_file():
         return _refuse([f"--lengths replay:{replay}: no such file (the metrics.jsonl of a run, under its "
                         "observability.output_dir)"])
