@@ -121,8 +121,9 @@ def _python(words: list[str], tmp_path, monkeypatch) -> None:
     if words[1] == "-m":
         assert words[2] in ("pytest", "asyncflow.recipes_check"), f"no rule for python -m {words[2]}"
         if words[2] == "asyncflow.recipes_check":
-            monkeypatch.setattr(sys, "argv", [words[2], *words[3:]])
-            _parse_only(monkeypatch, lambda: runpy.run_module("asyncflow.recipes_check", run_name="__main__"))
+            from asyncflow.recipes_check import main
+
+            _parse_only(monkeypatch, lambda: main(words[3:]))
         return
     script = REPO / words[1]
     assert script.exists(), f"{words[1]} is not in the repository"
