@@ -39,16 +39,18 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     Called from the main thread, it handles SIGTERM and SIGINT (``workflow.signals``): the run stops at the next
     step boundary with a checkpoint there, writes ``summary.json``, tears everything down and raises
     ``RunStopped``."""
-    from asyncflow.workflow.signals import RunStopped, StopNow, StopSignals
+    from asyncflow.workflow.signals import RunStopped, StopSignals
 
     signals = StopSignals(cfg.checkpoint.signal_grace_s)
     with signals.installed():
         try:
             return _train(cfg, resume, signals)
-        except StopNow as exc:  # before the loop began: nothing trained, the resume point is where it was
+        except KeyboardInterrupt as exc:  # before the loop began: nothing trained, the resume point stays
+            if not signals.stopping_now(exc):
+                raise
             signals.tearing_down()
             raise RunStopped(_resumed_at(cfg, resume), signals.signal_name, _resume_point(cfg),
-                             reason=exc.reason) from None
+                             reason=signals.stop_reason) from None
 
 
 def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
@@ -63,7 +65,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
-    from asyncflow.workflow.signals import RunStopped, StopNow
+    from asyncflow.workflow.signals import RunStopped
     from asyncflow.workflow.supervisor import Supervisor
 
     wf = cfg.workflow
@@ -130,7 +132,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
             supervisor = Supervisor(cfg, pipe, reporter)
             # Prompts go in one step ahead of what rollout may generate under the staleness bound.
             wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
-                                     ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
+                                     more=supervisor.poll, ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
             running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
             if running:
                 _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
@@ -139,9 +141,9 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     except BaseException as exc:
         signals.tearing_down()
         pipe.abort(f"{type(exc).__name__}: {exc}")
-        if isinstance(exc, StopNow):  # a second signal, or the grace time is over: no checkpoint at the stop
+        if signals.stopping_now(exc):  # a second signal, or the grace time is over: no checkpoint at the stop
             stop = RunStopped(reporter.trained_steps if reporter else start, signals.signal_name,
-                              _resume_point(cfg), reason=exc.reason)
+                              _resume_point(cfg), reason=signals.stop_reason)
             if reporter is not None:
                 reporter.finish(stopped=stop.record())
             raise stop from None

@@ -52,9 +52,12 @@ class RunStopped(Exception):
                 "checkpoint": self.checkpoint, "reason": self.reason}
 
 
-class StopNow(BaseException):
+class StopNow(KeyboardInterrupt):
     """Raised in the driver's main thread by a second signal or when the grace time is over: it unwinds through
-    whatever the driver was waiting on (a BaseException, so that no ``except Exception`` swallows it)."""
+    whatever the driver was waiting on. A KeyboardInterrupt, so that no ``except Exception`` swallows it and Ray's
+    blocking calls let it through: they turn an exception raised by a signal handler into a plain
+    KeyboardInterrupt (any other kind becomes a SystemError), so the reason is kept in ``StopSignals.stop_reason``
+    too."""
 
     def __init__(self, reason: str):
         self.reason = reason
@@ -63,7 +66,7 @@ class StopNow(BaseException):
 
 class StopSignals:
     """The driver's SIGTERM/SIGINT handlers for one run (installed only in the main thread; elsewhere a run has
-    none and signals keep their usual effect).
+    none and signals keep their usual effect), and a SIGALRM handler from the first signal on.
 
     ``requested`` turns true at the first signal; the loop polls it at step boundaries. The first signal also arms
     a timer of ``grace_s`` seconds (``signal.setitimer``) that raises ``StopNow`` unless ``boundary_reached`` came
@@ -73,7 +76,10 @@ class StopSignals:
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.signal_name: str | None = None
+        self.stop_reason: str | None = None
+        """Why the run stops at once (set just before ``StopNow`` is raised)."""
         self._tearing_down = False
+        self._armed = False  # the grace timer runs
         self._previous: dict[int, object] = {}
 
     @property
@@ -85,15 +91,14 @@ class StopSignals:
         """(Re)install the handlers; call again after ``ray.init``, which sets a SIGTERM handler of its own."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum in (*_SIGNALS, signal.SIGALRM):
-            previous = signal.signal(signum, self._on_alarm if signum == signal.SIGALRM else self._on_signal)
-            self._previous.setdefault(signum, previous)
+        for signum in _SIGNALS:
+            self._previous.setdefault(signum, signal.signal(signum, self._on_signal))
 
     def restore(self) -> None:
         """Put back the handlers found at the first ``install`` and disarm the timer."""
         if threading.current_thread() is not threading.main_thread():
             return
-        signal.setitimer(signal.ITIMER_REAL, 0)
+        self.boundary_reached()
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous.clear()
@@ -109,8 +114,9 @@ class StopSignals:
 
     def boundary_reached(self) -> None:
         """The step boundary was reached: the checkpoint is being committed, the grace timer no longer runs."""
-        if threading.current_thread() is threading.main_thread():
+        if self._armed:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            self._armed = False
 
     def tearing_down(self) -> None:
         """From now on signals are noted, never raised: teardown runs to its end."""
@@ -121,16 +127,24 @@ class StopSignals:
         if self._tearing_down:
             return
         if self.signal_name is not None:
-            raise StopNow(f"a second {signal.Signals(signum).name}: no checkpoint at the stop")
+            self.stop_reason = f"a second {signal.Signals(signum).name}: no checkpoint at the stop"
+            raise StopNow(self.stop_reason)
         self.signal_name = signal.Signals(signum).name
-        if self.grace_s > 0:
+        if self.grace_s > 0:  # handlers run in the main thread: the timer's SIGALRM is handled there too
+            self._previous.setdefault(signal.SIGALRM, signal.signal(signal.SIGALRM, self._on_alarm))
             signal.setitimer(signal.ITIMER_REAL, self.grace_s)
+            self._armed = True
 
     def _on_alarm(self, signum, frame) -> None:
         if self._tearing_down or self.signal_name is None:
             return
-        raise StopNow(f"the step boundary was not reached within checkpoint.signal_grace_s={self.grace_s:g} s: "
-                      "no checkpoint at the stop")
+        self.stop_reason = (f"the step boundary was not reached within checkpoint.signal_grace_s={self.grace_s:g} s: "
+                            "no checkpoint at the stop")
+        raise StopNow(self.stop_reason)
+
+    def stopping_now(self, exc: BaseException) -> bool:
+        """``exc`` is this object's ``StopNow``, possibly as the KeyboardInterrupt a Ray call made of it."""
+        return isinstance(exc, KeyboardInterrupt) and self.stop_reason is not None
 
 
 def stopped_line(stop: RunStopped, command: str) -> str:

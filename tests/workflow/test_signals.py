@@ -42,11 +42,11 @@ def _shm_of(pids: set[int]) -> list[str]:
             if name.startswith("afq-") and name.split("-")[1].isdigit() and int(name.split("-")[1]) in pids]
 
 
-def _stop_run(tmp_path: Path, args: list[str], signum: int, group: bool, after_steps: int = 2):
+def _stop_run(tmp_path: Path, args: list[str], signum: int, group: bool, after_steps: int = 2, train_s: str = "0.2"):
     """Start ``asyncflow train`` in a session of its own, send ``signum`` (to its whole process group, as a terminal's
     Ctrl-C does, when ``group``) once ``after_steps`` steps are logged; returns (exit status, stdout, stderr, pids
     of the run seen while it ran, processes left 30 s after it ended)."""
-    env = dict(os.environ, ASYNCFLOW_FAKE_TRAIN_S="0.2")  # steps long enough for the signal to land mid-run
+    env = dict(os.environ, ASYNCFLOW_FAKE_TRAIN_S=train_s)  # steps long enough for the signal to land mid-run
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", *args], cwd=tmp_path, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -142,6 +142,25 @@ def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_and_prints_n
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_early"]["signal"] == "SIGINT" and summary["stopped_early"]["resume_step"] is None
     assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+
+
+def test_a_boundary_not_reached_within_the_grace_time_stops_without_a_checkpoint(tmp_path, tiny_model_dir):
+    # Every train step takes 8 s and the grace time is 0.5 s: the signal lands in a step that cannot end in time.
+    ckpts = tmp_path / "ckpt"
+    args = _args(tmp_path, tiny_model_dir, f"checkpoint.dir={ckpts}", "checkpoint.interval=1",
+                 "checkpoint.signal_grace_s=0.5")
+    status, out, err, pids, leftovers = _stop_run(tmp_path, args, signal.SIGTERM, group=False, after_steps=1,
+                                                  train_s="8")
+    assert status == EX_TEMPFAIL, out[-3000:] + err[-5000:]
+    assert "Traceback" not in err, err[-5000:]
+    assert not leftovers and not _shm_of(pids)
+    lines = [line for line in out.splitlines() if line.startswith("asyncflow: stopped")]
+    assert len(lines) == 1, out[-3000:]
+    assert "not reached within checkpoint.signal_grace_s=0.5 s" in lines[0], lines[0]
+    stopped = json.loads((tmp_path / "run" / "summary.json").read_text())["stopped_early"]
+    latest = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "meta.json").read_text())["step"]
+    assert stopped["checkpoint"] is None and stopped["resume_step"] == latest >= 1
+    assert f"resume with: asyncflow train {args[0]} --resume" in lines[0]
 
 
 def test_a_second_signal_or_the_end_of_the_grace_time_stops_at_once_and_teardown_is_never_cut_short():
