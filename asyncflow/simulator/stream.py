@@ -197,6 +197,8 @@ class _Stream:
                     for j, n in enumerate(group.lengths):
                         engine.add((group.prompt, j), n)
             if not len(engine):
+                if self.version > served:
+                    continue  # published during the swap: apply it before admitting (continuous) or waiting
                 yield self.changed()
                 continue
             seconds, finished = engine.segment(CHECK_STEPS if partial else None)
@@ -225,6 +227,7 @@ class _Stream:
                             self.dropped += 1
                             self.outstanding -= 1
                             self.retry.append(group)
+                            self.notify()  # a free admission slot: an idle engine may take the prompt again
                         else:
                             take.append(group)
                     if len(take) < per_mini:

@@ -111,3 +111,18 @@ def test_published_costs_refusals_are_one_line(tmp_path, capsys, costs, message)
                else str(REPO / "recipes/qwen2.5-7b"), "--costs", costs, "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2 and message in err and "Traceback" not in err
+
+
+def test_a_lone_continuous_engine_applies_a_version_published_while_it_swapped():
+    """One continuous engine, a trainer that publishes the next version while the engine applies the last: the
+    engine, empty and behind, applies it and admits again (it once waited for a change that never came, and every
+    search over one engine stalled)."""
+    from asyncflow.simulator.costs import WeightSyncCosts
+    from asyncflow.simulator.sim import simulate
+
+    w = _w(mode="stream", steps=6, prompts_per_step=4, rollout_model="continuous", max_staleness=1, max_num_seqs=64,
+           data_parallel=2)
+    model = CostModel(rollout=MODEL.rollout, train=TrainCosts(per_token_s=1e-5),
+                      weight_sync=WeightSyncCosts(apply_fixed_s=0.5))
+    result = simulate(w, model)
+    assert len(result.step_end_s) == 6 and len(result.trained) == len(set(result.trained)) == 6 * 4
