@@ -133,13 +133,17 @@ rc_start_ray() {
         cmd=("${RC_REMOTE_EXEC[@]}" "${cmd[@]}")
         [[ -n "${NET_IF:-}" ]] && cmd=(bash -c "$RC_NODE_IP_SH" "$NET_IF" "${cmd[@]}")
     fi
+    # Each in a session of its own (setsid; in this non-interactive shell it keeps the pid): a SIGINT or SIGTERM
+    # to the launcher's process group (Ctrl-C, scancel, a preemption) must not stop Ray under the driver while it
+    # checkpoints; the cleanup stops these processes by their recorded pids once the driver is done.
     if rc_is_this_host "$host"; then
-        "${cmd[@]}" >"$log" 2>&1 </dev/null &
+        setsid "${cmd[@]}" >"$log" 2>&1 </dev/null &
         pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
     elif [[ $RC_MODE == slurm ]]; then
         # srun forwards SIGTERM to the remote `ray start --block`; the job step ends with it.
         # shellcheck disable=SC2086
-        srun --nodes=1 --ntasks=1 -w "$host" --export=ALL $SRUN_EXTRA_ARGS "${cmd[@]}" >"$log" 2>&1 </dev/null &
+        setsid srun --nodes=1 --ntasks=1 -w "$host" --export=ALL $SRUN_EXTRA_ARGS "${cmd[@]}" >"$log" 2>&1 \
+            </dev/null &
         pid=$!; echo "local $host $pid" >>"$LAUNCH_DIR/started.txt"
     else
         local tmp token_env
@@ -282,14 +286,22 @@ rc_cleanup() {
     trap - EXIT
     trap '' INT TERM
     set +e
-    if [[ -n "${RC_TRAIN_PID:-}" ]] && kill -0 "$RC_TRAIN_PID" 2>/dev/null; then
-        # The driver checkpoints at its next step boundary and exits (75 after a checkpoint, see
+    if [[ -n "${RC_TRAIN_PID:-}" ]]; then
+        # The driver checkpoints at its next step boundary and exits (75 after a signal, see
         # docs/fault_tolerance.md); its code becomes the launcher's, so the sbatch template can requeue on it.
-        rc_log "stopping the training driver (pid $RC_TRAIN_PID; up to ${TRAIN_STOP_GRACE_S}s to checkpoint)"
-        if echo "local localhost $RC_TRAIN_PID" | rc_stop "$TRAIN_STOP_GRACE_S"; then
+        # It may have had the signal itself (Ctrl-C, scancel and preemptions signal the whole process group).
+        local killed=0 code
+        if kill -0 "$RC_TRAIN_PID" 2>/dev/null; then
+            rc_log "stopping the training driver (pid $RC_TRAIN_PID; up to ${TRAIN_STOP_GRACE_S}s to checkpoint)"
+            echo "local localhost $RC_TRAIN_PID" | rc_stop "$TRAIN_STOP_GRACE_S" || killed=1
+        fi
+        if (( ! killed )); then
             wait "$RC_TRAIN_PID"
-            status=$?
-            rc_log "the training driver exited with code $status"
+            code=$?  # 127: its code was already collected (the run ended on its own)
+            if (( code != 127 )); then
+                status=$code
+                rc_log "the training driver exited with code $status"
+            fi
         fi
     fi
     if [[ -s "$LAUNCH_DIR/started.txt" ]]; then

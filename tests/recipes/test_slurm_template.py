@@ -9,6 +9,7 @@ python stub.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
@@ -40,7 +41,12 @@ while [ $# -gt 0 ]; do case "$1" in --bind) shift 2 ;; -*) shift ;; *) break ;; 
 shift  # the image
 exec "$@"
 """,
+    # STUB_HEAD=block: the head runs until SIGTERM, as `ray start --block` does.
     "ray": """echo "ray $*" >> "$MARKER"
+case "$STUB_HEAD $*" in
+    "block "*--head*) trap 'echo "head got SIGTERM" >> "$MARKER"; exit 0' TERM
+                      while :; do sleep 0.2; done ;;
+esac
 """,
     # The driver: STUB_TRAIN=exit:N exits N at once; term:N waits for SIGTERM, then exits N.
     "asyncflow": """ifs="NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-} GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-}"
@@ -169,6 +175,29 @@ def test_sigterm_reaches_the_driver_and_its_75_requeues(tmp_path):
     assert "driver got SIGTERM" in calls
     assert calls[-1] == f"scontrol requeue {JOB}", calls
     assert "SIGTERM: asking the driver to checkpoint" in err and "the training driver exited with code 75" in err
+
+
+def test_a_signal_to_the_whole_job_stops_ray_only_after_the_driver(tmp_path):
+    """scancel and preemptions signal every process of the batch step at once: the Ray head must outlive the
+    driver's checkpoint, and the driver's 75 must still reach the template."""
+    env, marker = _job_env(tmp_path, "term:75", STUB_HEAD="block")
+    job = subprocess.Popen(["bash", str(TEMPLATE)], env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(600):
+            if marker.exists() and "driver waiting" in marker.read_text():
+                break
+            assert job.poll() is None, job.communicate()
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGTERM)
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, err
+    calls = marker.read_text().splitlines()
+    assert calls.index("driver got SIGTERM") < calls.index("head got SIGTERM"), calls
+    assert calls[-1] == f"scontrol requeue {JOB}", calls
 
 
 def test_network_interface_and_apptainer(tmp_path):
