@@ -126,10 +126,11 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_resume_trains_every_prompt
     _trained_exactly_once(summary)
 
 
-def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_and_prints_no_traceback(tmp_path,
-                                                                                         tiny_model_dir):
-    # Sync mode (the driver runs each step's phases itself), SIGINT to the whole process group as from a terminal.
-    args = _args(tmp_path, tiny_model_dir, "workflow.mode=sync")
+def test_ctrl_c_in_sync_mode_checkpoints_between_two_periodic_checkpoints_and_prints_no_traceback(tmp_path,
+                                                                                                  tiny_model_dir):
+    # Sync mode (the driver runs each step's phases itself), SIGINT to the whole process group as from a terminal;
+    # periodic checkpoints at steps 5 and 8 only, under the output directory (checkpoint.dir unset).
+    args = _args(tmp_path, tiny_model_dir, "workflow.mode=sync", "checkpoint.interval=5")
     status, out, err, pids, leftovers = _stop_run(tmp_path, args, signal.SIGINT, group=True)
     assert status == EX_TEMPFAIL, out[-3000:] + err[-5000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-5000:]
@@ -137,18 +138,22 @@ def test_ctrl_c_without_checkpoints_says_there_is_nothing_to_resume_and_prints_n
     assert not _shm_of(pids), "shared-memory segments of the stopped run survived it"
     lines = [line for line in out.splitlines() if line.startswith("asyncflow: stopped")]
     assert len(lines) == 1, out[-3000:]
-    assert re.fullmatch(r"asyncflow: stopped at step \d+ on SIGINT; nothing to resume from: .*checkpoint\.dir.*",
-                        lines[0]), lines[0]
+    found = re.fullmatch(r"asyncflow: stopped at step (\d+) on SIGINT; resume with: asyncflow train \S+ --resume .*",
+                         lines[0])
+    assert found, lines[0]
+    step = int(found.group(1))
+    folder = tmp_path / "run" / "checkpoints" / f"step_{step:06d}"
+    assert (folder / "COMPLETE").is_file() and (folder / "actor").is_dir()
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert summary["stopped_early"]["signal"] == "SIGINT" and summary["stopped_early"]["resume_step"] is None
-    assert not list((tmp_path / "run").glob("checkpoints/step_*"))
+    assert summary["stopped_early"] == {"signal": "SIGINT", "step": step, "resume_step": step,
+                                        "checkpoint": str(folder), "reason": None}
+    assert summary["steps"] == step
 
 
-def test_a_boundary_not_reached_within_the_grace_time_stops_without_a_checkpoint(tmp_path, tiny_model_dir):
+def test_a_boundary_not_reached_within_the_grace_time_stops_at_once(tmp_path, tiny_model_dir):
     # Every train step takes 8 s and the grace time is 0.5 s: the signal lands in a step that cannot end in time.
-    ckpts = tmp_path / "ckpt"
-    args = _args(tmp_path, tiny_model_dir, f"checkpoint.dir={ckpts}", "checkpoint.interval=1",
-                 "checkpoint.signal_grace_s=0.5")
+    # Checkpoints are off: the line says there is nothing to resume from.
+    args = _args(tmp_path, tiny_model_dir, "checkpoint.signal_grace_s=0.5")
     status, out, err, pids, leftovers = _stop_run(tmp_path, args, signal.SIGTERM, group=False, after_steps=1,
                                                   train_s="8")
     assert status == EX_TEMPFAIL, out[-3000:] + err[-5000:]
@@ -156,11 +161,12 @@ def test_a_boundary_not_reached_within_the_grace_time_stops_without_a_checkpoint
     assert not leftovers and not _shm_of(pids)
     lines = [line for line in out.splitlines() if line.startswith("asyncflow: stopped")]
     assert len(lines) == 1, out[-3000:]
-    assert "not reached within checkpoint.signal_grace_s=0.5 s" in lines[0], lines[0]
+    assert re.fullmatch(r"asyncflow: stopped at step \d+ on SIGTERM \(the step boundary was not reached within "
+                        r"checkpoint\.signal_grace_s=0\.5 s: no checkpoint at the stop\); nothing to resume from: .*",
+                        lines[0]), lines[0]
     stopped = json.loads((tmp_path / "run" / "summary.json").read_text())["stopped_early"]
-    latest = json.loads((ckpts / (ckpts / "latest").read_text().strip() / "meta.json").read_text())["step"]
-    assert stopped["checkpoint"] is None and stopped["resume_step"] == latest >= 1
-    assert f"resume with: asyncflow train {args[0]} --resume" in lines[0]
+    assert stopped["checkpoint"] is None and stopped["resume_step"] is None and stopped["reason"]
+    assert not list((tmp_path / "run").glob("checkpoints/step_*"))
 
 
 def test_a_second_signal_or_the_end_of_the_grace_time_stops_at_once_and_teardown_is_never_cut_short():
