@@ -59,8 +59,15 @@ case "$STUB_TRAIN" in
     *) exit "$code" ;;
 esac
 """,
-    # Real Python, except the launcher's wait for the Ray cluster's devices (stdin script, 6 arguments).
-    "python3": f"""case "$7" in */ray_nodes.txt) echo "wait for ray $2 $4" >> "$MARKER"; : > "$7"; exit 0 ;; esac
+    # Real Python, except the launcher's wait for the Ray cluster (stdin script; $5 nodes, $7 the file it writes),
+    # which waits, as the real one does, until every node's `ray start` has run.
+    "python3": f"""case "$7" in */ray_nodes.txt)
+    i=0
+    while n=$(grep -c '^ray start' "$MARKER" 2>/dev/null); [ "${{n:-0}}" -lt "$5" ] && [ $i -lt 1200 ]; do
+        sleep 0.1; i=$((i + 1))
+    done
+    echo "wait for ray $2 $4" >> "$MARKER"; : > "$7"; exit 0 ;;
+esac
 exec {sys.executable} "$@"
 """,
 }
