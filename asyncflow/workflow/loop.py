@@ -152,6 +152,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
             raise explained from exc
         raise
     finally:
+        signals.tearing_down()  # a signal now (the run is over or stopping) must not cut the teardown short
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
