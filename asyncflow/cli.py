@@ -201,6 +201,22 @@ def _cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_scale(args: argparse.Namespace) -> int:
+    from asyncflow.workflow.supervisor import request_scale
+
+    name, _, value = args.target.partition("=")
+    if name != "rollout" or not value.isdigit() or int(value) < 1:
+        print(f"asyncflow: error: scale takes rollout=N with N >= 1, got {args.target!r}", file=sys.stderr)
+        return 2
+    try:
+        request_scale(args.run, int(value))
+    except FileNotFoundError as exc:
+        print(f"asyncflow: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"asked the run writing to {args.run} for {value} rollout instance(s); it prints what it does", flush=True)
+    return 0
+
+
 def _cmd_simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -268,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                           "(down to 1/4), rollout mode and staleness against the colocated baseline")
     simulate.add_argument("--out", default="outputs/simulate", help="folder for timeline.png / timeline.json")
     simulate.set_defaults(func=_cmd_simulate)
+
+    scale = sub.add_parser("scale", help="change the number of rollout instances of a running async run "
+                           "(docs/fault_tolerance.md)")
+    scale.add_argument("run", metavar="RUN", help="the run's output directory (observability.output_dir)")
+    scale.add_argument("target", metavar="rollout=N", help="the rollout instances wanted")
+    scale.set_defaults(func=_cmd_scale)
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command", required=True)

@@ -74,16 +74,20 @@ class Feeder:
         for step in full:
             self.pipe.seal(step)
 
-    def wait(self, refs: list, collect, ahead=None, sync: bool = False, until=None, recover=None) -> list:
+    def wait(self, refs: list, collect, ahead=None, sync: bool = False, until=None, recover=None,
+             more=None) -> list:
         """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile, or
         until ``until()`` holds (a stop on a signal); returns the refs not done. ``recover(ref, exc)``: the ref
-        that replaces a failed one (a restarted service loop; None: none does), or it raises."""
+        that replaces a failed one (a restarted service loop; None: none does), or it raises. ``more()``: refs to wait
+        on too from now on (service loops started meanwhile: rollout instances added on request)."""
         import ray
 
         while refs and not (until is not None and until()):
             if ahead is not None:
                 self.feed_until(ahead())
             self.top_up()
+            if more is not None:
+                refs = refs + more()
             done, refs = ray.wait(refs, timeout=0.2)
             results = []
             for ref in done:

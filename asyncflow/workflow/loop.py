@@ -132,7 +132,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
             supervisor = Supervisor(cfg, pipe, reporter)
             # Prompts go in one step ahead of what rollout may generate under the staleness bound.
             wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
-                                     ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
+                                     more=supervisor.poll, ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
             running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
             if running:
                 _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))

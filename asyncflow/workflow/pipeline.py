@@ -38,6 +38,8 @@ class Pipeline:
     or ``weight_sync.transport: relay``), alive for the whole run."""
     weight_routes: list = dataclasses.field(default_factory=list)
     """Each (trainer rank, rollout instance) pair's weight transport and why (``bridge.routes.describe``)."""
+    workers: object = None
+    """The run's ``WorkerGroups`` (starts rollout instances added while the run goes on)."""
     owns_ray: bool = True
     """Ray was started for this run: ``close()`` shuts it down. A Ray the process was already connected to (a
     notebook's, a test session's) stays up, with nothing of the run left in it."""
@@ -233,7 +235,8 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     workers = WorkerGroups(cfg, model_dir, tq, board, where, relay, seq_len, budgets, answers, resume_dir, start_step)
     groups = build_groups(workers, reference, critic)
     pipeline = Pipeline(cfg, tq, tq.client(), board, groups, where.pg, seq_len, consumer_tasks(groups),
-                        sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes, owns_ray)
+                        sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes, workers,
+                        owns_ray)
     try:
         _wait_until_up(pipeline, workers, startup)
     except BaseException:

@@ -3,8 +3,8 @@
     worker dies ─► Ray restarts its actor (``max_restarts``; same bundle, same arguments: a rollout engine starts
          │         from the initial weights and applies the newest version at its next step)
          ▼
-    driver: the service's ``run`` fails ─► wait until the actor answers ─► give its rows back ─► ``run`` again
-            from the first step it had not reported (``Supervisor.recover``)
+    driver: the service's ``run`` fails ─► give its rows back (``Supervisor.recover``) ─► once the actor answers,
+            ``run`` again from the first step it had not reported (``Supervisor.poll``); the driver goes on meanwhile
 
 Exactly once: a restartable service reads its rows without acking them and acks a batch only after it has put
 what it made of it (``TaskService.stream`` with ``redo``), so a worker that dies leaves its unfinished rows in
@@ -20,11 +20,27 @@ board as they happen), and any service in ``sync`` and ``stream`` modes. A death
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, WritePendingError
 from asyncflow.workflow.errors import WorkerDiedError
+
+SCALE_FILE = "scale.json"
+"""A request to the running driver, in its output directory: ``{"rollout": N}`` (``request_scale``)."""
+
+
+def request_scale(output_dir: str | Path, rollout: int) -> Path:
+    """Ask the run writing to ``output_dir`` for ``rollout`` rollout instances; the driver applies it within a
+    second (``Supervisor.scale``: it prints what it did, and records it in ``restarts.jsonl``). Returns the file."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        raise FileNotFoundError(f"{out} is not a run's output directory (observability.output_dir)")
+    tmp = out / f".{SCALE_FILE}.tmp"
+    tmp.write_text(json.dumps({"rollout": int(rollout)}))
+    return tmp.replace(out / SCALE_FILE)
 
 
 def restartable(cfg: AsyncFlowConfig) -> set[str]:
@@ -89,8 +105,11 @@ class Supervisor:
         self.limit = cfg.workflow.max_service_restarts
         self.runs: dict = {}  # Ray object ref of a service loop -> (group name, index, actor handle)
         self.restarts: dict[str, int] = {}
+        self.removed: set[tuple[str, int]] = set()  # workers stopped on request
+        self.starting: dict = {}  # ping ref of a worker Ray is starting again -> (its name, its restart record)
+        self.request = Path(cfg.observability.output_dir) / SCALE_FILE
         self.events: list[dict] = []
-        """One record per restart (``summary.json``'s ``service_restarts``)."""
+        """One record per restart (``summary.json``'s ``service_restarts``, and a line of ``restarts.jsonl``)."""
 
     def start(self, first: int, last: int) -> list:
         """Start every service's loop over steps ``first .. last-1``; returns their refs (``Feeder.wait``)."""
@@ -101,42 +120,136 @@ class Supervisor:
         return list(self.runs)
 
     def recover(self, ref, exc: BaseException):
-        """The ref of the restarted loop of the service whose loop ``ref`` failed with ``exc``; raises ``exc`` (or a
-        ``WorkerDiedError`` past ``workflow.max_service_restarts``) when the failure is not one it restarts. None
-        when a rollout instance past the bound is left out and the others go on."""
+        """After the loop ``ref`` of a service failed with ``exc``: give its rows back and have Ray start it again
+        (its loop runs again once it answers, ``poll``); returns None. Raises ``exc`` (or a ``WorkerDiedError``
+        past ``workflow.max_service_restarts``) when the failure is not one it restarts; past the bound a rollout
+        instance is left out instead while others run."""
         import ray
 
         name, i, handle = self.runs.pop(ref, (None, None, None))
+        if (name, i) in self.removed:  # stopped on request (``scale``): its rows go to the others
+            self._record({"service": name, "worker": i, "restart": None, "error": "removed", "detected_at": time.time(),
+                          "recovered_at": time.time(), "released_rows": self._release(name), "resumed_at_step": None})
+            return None
         if name not in self.groups or not isinstance(exc, ray.exceptions.RayActorError):
             raise exc
+        self._died(name, i, handle, exc)
+        return None
+
+    def _died(self, name: str, i: int, handle, exc: BaseException) -> None:
+        """Worker ``i`` of ``name`` died (``exc``): count it, then leave it out, stop the run, or start it again."""
         detected = time.time()
         what = f"{name} instance {i}" if name == "rollout" else f"{name} worker {i}"
         count = self.restarts.get(name, 0) + 1
         self.restarts[name] = count
         if count > self.limit:
             if name == "rollout" and self._running("rollout"):
-                return self._drop(handle, i, what, count, detected)
+                self._drop(handle, i, what, count, detected)
+                return
             raise WorkerDiedError(f"{what} died; {name} workers died {count} times, more than "
                                   f"workflow.max_service_restarts={self.limit}") from exc
-        self._wait_up(handle, what, exc)
+        # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
+        # its next incarnation) take them while Ray starts it again; its loop runs again once it answers (``poll``).
         released = self._release(name)
         self.reporter.collect()  # the reports it posted before it died say where it got to
         start = max(self.reporter.reported.get((name, i), -1) + 1, self.reporter.trained_steps)
-        new = handle.run.remote(start, self.last)
-        self.runs[new] = (name, i, handle)
-        event = {"service": name, "worker": i, "restart": count, "error": f"{type(exc).__name__}",
-                 "detected_at": detected, "recovered_at": time.time(), "released_rows": released,
-                 "resumed_at_step": start}
+        event = {"service": name, "worker": i, "restart": count, "error": type(exc).__name__, "detected_at": detected,
+                 "recovered_at": None, "released_rows": released, "resumed_at_step": start}
+        self.starting[handle.ping.remote()] = (name, i, handle, what, event)
+        print(f"{what} died; starting it again ({count} of at most {self.limit}), {released} of its rows handed out "
+              f"again, going on from step {start}", flush=True)
+
+    def poll(self) -> list:
+        """Called while the driver waits: start the loops of the restarted workers that answer again, and apply a
+        request to scale rollout (``scale``); returns the loops it started."""
+        import ray
+
+        started = []
+        if self.starting:
+            up, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
+            for ref in up:
+                name, i, handle, what, event = self.starting.pop(ref)
+                try:
+                    ray.get(ref)
+                except ray.exceptions.ActorUnavailableError:  # Ray is still starting it: ask again
+                    if time.time() - event["detected_at"] > self.cfg.workflow.step_timeout_s:
+                        raise WorkerDiedError(f"{what} died and did not start again within "
+                                              "workflow.step_timeout_s") from None
+                    self.starting[handle.ping.remote()] = (name, i, handle, what, event)
+                    continue
+                except ray.exceptions.RayActorError as err:  # it died again before it answered
+                    self._died(name, i, handle, err)
+                    continue
+                event["recovered_at"] = time.time()
+                ref = handle.run.remote(event["resumed_at_step"], self.last)
+                self.runs[ref] = (name, i, handle)
+                started.append(ref)
+                self._record(event)
+                self.reporter.collect([{"step": self.reporter.trained_steps, "service": "supervisor", "worker": 0,
+                                        "metrics": {"supervisor/restarts": 1.0}, "spans": []}])
+                print(f"{what} is up again ({event['recovered_at'] - event['detected_at']:.1f} s after its death)",
+                      flush=True)
+        return started + self.scale()
+
+    def scale(self) -> list:
+        """Apply a request to change the number of rollout instances (``request_scale``), if one came; returns the
+        loops of the instances it started. Added instances start at the first step not trained yet and take rows
+        as the others do; removed ones (the newest first) are stopped and their rows generated by the others."""
+        import ray
+
+        if not self.request.exists():
+            return []
+        try:
+            wanted = int(json.loads(self.request.read_text())["rollout"])
+        except (ValueError, KeyError, TypeError):  # half written: read it at the next poll
+            return []
+        self.request.unlink(missing_ok=True)
+        running = sorted(i for name, i, _ in self.runs.values() if name == "rollout")
+        refused = self._refuse_scale(wanted, len(running))
+        if refused:
+            print(f"scale: {refused}", flush=True)
+            return []
+        added = []
+        rollout = self.pipe.groups["rollout"]
+        for _ in range(wanted - len(running)):
+            i = len(rollout)
+            handle = self.pipe.workers.rollout_instance(i)
+            rollout.append(handle)
+            ref = handle.run.remote(self.reporter.trained_steps, self.last)
+            self.runs[ref] = ("rollout", i, handle)
+            added.append(ref)
+            self._record({"service": "rollout", "worker": i, "restart": None, "error": "added",
+                          "detected_at": time.time(), "recovered_at": None, "released_rows": 0,
+                          "resumed_at_step": self.reporter.trained_steps})
+        for i in running[wanted:]:
+            self.removed.add(("rollout", i))
+            ray.kill(rollout[i])
+        print(f"scale: rollout instances {len(running)} -> {wanted}", flush=True)
+        return added
+
+    def _refuse_scale(self, wanted: int, running: int) -> str | None:
+        """Why a request for ``wanted`` rollout instances cannot be met (None: it can)."""
+        if wanted < 1:
+            return f"rollout={wanted} refused: a run needs at least 1 rollout instance"
+        if "rollout" not in self.groups:
+            return ("rollout instances are added or removed only in async mode with chunked rollout and "
+                    "workflow.max_service_restarts > 0")
+        if wanted > running and self.cfg.ray.accelerator is not None:
+            return "adding rollout instances needs free devices in the run's placement group, which has none"
+        return None
+
+    def _record(self, event: dict) -> None:
+        """Keep ``event`` for the summary and append it to ``restarts.jsonl`` in the output directory at once (a
+        run that fails later keeps the record)."""
         self.events.append(event)
-        self.reporter.collect([{"step": self.reporter.trained_steps, "service": "supervisor", "worker": 0,
-                                "metrics": {"supervisor/restarts": 1.0}, "spans": []}])
-        print(f"{what} died; restarted ({count} of at most {self.limit}), {released} of its rows handed out again, "
-              f"going on from step {start}", flush=True)
-        return new
+        out = Path(self.cfg.observability.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "restarts.jsonl", "a") as f:
+            f.write(json.dumps(event) + "\n")
 
     def _running(self, name: str) -> int:
-        """How many workers of group ``name`` have a loop running."""
-        return sum(1 for group, _, _ in self.runs.values() if group == name)
+        """How many workers of group ``name`` have a loop running or are being started again."""
+        return sum(1 for group, *_ in [*self.runs.values(), *self.starting.values()] if group == name)
 
     def _drop(self, handle, i: int, what: str, count: int, detected: float) -> None:
         """Past the bound, a rollout instance is not started again while others run: the run goes on with them,
@@ -148,28 +261,11 @@ class Supervisor:
         except Exception:  # already gone for good
             pass
         released = self._release("rollout")
-        self.events.append({"service": "rollout", "worker": i, "restart": None, "error": "dropped",
-                            "detected_at": detected, "recovered_at": time.time(), "released_rows": released,
-                            "resumed_at_step": None})
+        self._record({"service": "rollout", "worker": i, "restart": None, "error": "dropped",
+                      "detected_at": detected, "recovered_at": time.time(), "released_rows": released,
+                      "resumed_at_step": None})
         print(f"{what} died; rollout workers died {count} times, more than workflow.max_service_restarts="
               f"{self.limit}: the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
-
-    def _wait_up(self, handle, what: str, exc: BaseException) -> None:
-        """Return once Ray has started the actor again in its bundle (it answers a ping)."""
-        import ray
-
-        deadline = time.monotonic() + self.cfg.workflow.step_timeout_s
-        while True:
-            try:
-                ray.get(handle.ping.remote(), timeout=max(deadline - time.monotonic(), 1.0))
-                return
-            except ray.exceptions.ActorUnavailableError:  # still restarting
-                if time.monotonic() > deadline:
-                    raise WorkerDiedError(f"{what} died and did not start again within "
-                                          "workflow.step_timeout_s") from exc
-                time.sleep(0.2)
-            except Exception as err:  # out of Ray's restarts, or it cannot start again: the run cannot go on
-                raise WorkerDiedError(f"{what} died and could not be started again: {err}") from exc
 
     def _release(self, task: str) -> int:
         """Give every row ``task`` holds in flight back to it (in every partition); returns how many."""

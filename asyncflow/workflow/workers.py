@@ -67,19 +67,21 @@ class WorkerGroups:
         """``workflow.rollout_instances`` generation engines; the first one also evaluates the validation set."""
         from asyncflow.workflow.evaluation import evaluation_spec
 
+        evaluation = evaluation_spec(self.cfg, self.model_dir)
+        return [self.rollout_instance(i, evaluation if i == 0 else None)
+                for i in range(self.cfg.workflow.rollout_instances)]
+
+    def rollout_instance(self, i: int, evaluation=None):
+        """Rollout instance ``i`` (also one added while the run goes on: ``Supervisor.scale``)."""
         cfg, wf = self.cfg, self.cfg.workflow
-        evaluation = evaluation_spec(cfg, self.model_dir)
-        handles = []
-        for i in range(wf.rollout_instances):
-            opts, cpus = self.where.rollout(i)
-            handles.append(self._place(
-                services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
-                max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
-                budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
-                agent=cfg.agent, visible_devices=self.where.rollout_devices(i),
-                stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers,
-                evaluation=evaluation if i == 0 else None, **self.common))
-        return handles
+        opts, cpus = self.where.rollout(i)
+        return self._place(
+            services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
+            max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
+            budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
+            agent=cfg.agent, visible_devices=self.where.rollout_devices(i),
+            stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers,
+            evaluation=evaluation, **self.common)
 
     def reward(self) -> list:
         """The reward function's task: ``reward.workers`` actors taking chunks of the same steps."""

@@ -41,14 +41,16 @@ class Killer(threading.Thread):
             if self.stop:
                 return
             pid = self._pid()
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                self.killed.append(pid)
-            time.sleep(0.5)  # the next kill hits the restarted process, not a dying one
+            while not self.stop and (pid is None or pid in self.killed):  # a worker being started again
+                time.sleep(0.05)
+                pid = self._pid()
+            if self.stop:
+                return
+            os.kill(pid, signal.SIGKILL)
+            self.killed.append(pid)
 
     def _logged(self) -> int:
-        metrics = self.out / "metrics.jsonl"
-        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+        return _logged(self.out)
 
     def _pid(self) -> int | None:
         """The pid of the worker's process, as Ray's actor table has it (the public state API needs the dashboard,
@@ -89,7 +91,8 @@ def test_killed_rollout_instances_are_replaced_then_left_out_and_the_run_goes_on
                                       "workflow.rollout_instances=2", "workflow.max_service_restarts=1")
     assert len(killer.killed) == 2, "the run ended before the kills"
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
-    events = summary["service_restarts"]
+    # The restart is recorded when the worker is up again, which may come after the other instance was left out.
+    events = sorted(summary["service_restarts"], key=lambda e: e["error"] == "dropped")
     assert [(e["service"], e["restart"]) for e in events] == [("rollout", 1), ("rollout", None)], events
     assert events[1]["error"] == "dropped"
 
@@ -99,3 +102,41 @@ def test_deaths_past_the_bound_stop_the_run_naming_the_service(tmp_path, tiny_mo
         _run_with_kills(tmp_path, tiny_model_dir, "bound", "reward", [1, 3], "workflow.max_service_restarts=1")
     assert str(failed.value) == ("reward worker 0 died; reward workers died 2 times, more than "
                                  "workflow.max_service_restarts=1"), str(failed.value)
+
+
+def _logged(out) -> int:
+    """Steps the run writing to ``out`` has logged."""
+    metrics = out / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def _alive(name: str) -> int:
+    import ray
+
+    return sum(1 for a in ray._private.state.actors().values() if a["ActorClassName"] == name and a["State"] == "ALIVE")
+
+
+def test_rollout_instances_are_added_and_removed_on_request_while_the_run_goes_on(tmp_path, tiny_model_dir,
+                                                                                   shared_ray):
+    from asyncflow.workflow.supervisor import request_scale
+
+    out, seen = tmp_path / "scale", []
+
+    def scale() -> None:  # 1 -> 2 once step 0 is logged, 2 -> 1 once step 3 is
+        for logged, wanted in ((1, 2), (4, 1)):
+            while _logged(out) < logged:
+                time.sleep(0.05)
+            request_scale(out, wanted)
+            deadline = time.monotonic() + 60
+            while _alive("RolloutService") != wanted and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen.append(_alive("RolloutService"))
+
+    thread = threading.Thread(target=scale, daemon=True)
+    thread.start()
+    summary = run_fake(tmp_path, tiny_model_dir, "scale", *RUN)
+    thread.join(10)
+    assert seen == [2, 1], seen
+    check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
+    events = [(e["service"], e["worker"], e["error"]) for e in summary["service_restarts"]]
+    assert events == [("rollout", 1, "added"), ("rollout", 1, "removed")], events

@@ -1,0 +1,327 @@
+"""Chaos benchmark: one training run with faults injected at random times, and the throughput with one of two
+rollout instances dead next to the healthy run's.
+
+    python bench/chaos.py [--faults 10] [--steps 300] [--seed 0] [--out DIR] [--rate-steps 16]
+
+The workflow runs on the fake engines (``asyncflow.engines.fake``: the models are a table; Ray, its actor
+processes, the TransferQueue's server processes, the version board, the driver and its run checkpoints are real),
+as ``asyncflow train`` subprocesses on this one host: GRPO on the add-one task, async, max_staleness 1, two rollout
+instances, a checkpoint every step. Rollout is the slow side on purpose (``ASYNCFLOW_FAKE_TOKEN_S``: a fixed time
+per engine step, a sleep), so that the throughput comparison measures the rollout instances.
+
+Faults, in turn, each at a random time once the run has logged a step since the previous one:
+
+- ``rollout``: SIGKILL of one rollout instance's process (picked at random). The supervisor restarts it.
+- ``reward``: SIGKILL of the reward worker's process. The supervisor restarts it.
+- ``storage``: SIGKILL of one TransferQueue storage unit. The rows on it are lost: when a step still needs one of
+  them the run stops and is resumed from its newest checkpoint (``--resume``); otherwise it goes on without the
+  unit (``survived``).
+- ``driver``: SIGTERM of the driver. It checkpoints at the next step boundary and exits 75; it is resumed.
+
+Per fault: ``detected s`` (restarts: the driver saw the death; storage: the driver reported the unit gone; run
+stops: the driver exited), ``recovered s``
+(restarts: the worker answered again and its rows were handed out again; run stops: the resumed run logged a step
+past the last one logged before it stopped), ``steps redone`` (steps logged before the stop that the resumed run
+trained again: it resumes at its newest checkpoint), and samples ``lost / twice / corrupted`` among the steps in
+flight at the fault (the step after the last one logged and the ``max_staleness + 2`` after it: the steps whose rows
+can be held anywhere): from the final summary's record of the groups each step trained (the whole run's, resumed
+segments included). Lost: a sample of those steps never trained; twice: trained more than once; corrupted: trained
+in another step than its own or in a group of the wrong size. The staleness bound is checked over the last segment's
+steps.
+
+The throughput rows are two runs of ``--rate-steps`` steps without checkpoints: both instances healthy, and one
+whose rollout instance is killed twice at its first step with ``workflow.max_service_restarts=1`` (restarted once,
+then left out: the run ends on the other instance). Rates are samples/s over the steps logged after the
+instance was left out, and over the same steps of the healthy run. Fake rollout instances sleep instead of
+computing, so the two share this machine's cores without slowing each other: real engines on a host of two cores
+would not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS, GROUP, K = 8, 4, 1
+FAKE = ["trainer.engine=asyncflow.engines.fake.FakeTrainEngine",
+        "critic.engine=asyncflow.engines.fake.FakeCriticEngine",
+        "rollout.engine=asyncflow.engines.fake.FakeRolloutEngine", "trainer.lr=0.05", "observability.tensorboard=false"]
+BASE = [*FAKE, f"workflow.prompts_per_step={PROMPTS}", f"workflow.samples_per_prompt={GROUP}",
+        f"workflow.max_staleness={K}", "workflow.rollout_chunk=4", "workflow.score_chunk=8",
+        "trainer.micro_batch_size=8", "algorithm.kl_coef=0", "workflow.rollout_instances=2"]
+ENV = {"ASYNCFLOW_FAKE_TOKEN_S": "0.02"}
+KINDS = ["rollout", "reward", "rollout", "storage", "reward", "rollout", "driver", "reward", "rollout", "reward"]
+
+
+class Run:
+    """``asyncflow train`` segments of one run (the first, then ``--resume`` after each stop)."""
+
+    def __init__(self, out: Path, model: Path, steps: int, extra: list[str]):
+        self.out, self.steps = out, steps
+        self.args = [str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), f"model.path={model}",
+                     f"observability.output_dir={out}", f"workflow.steps={steps}", *BASE, *extra]
+        self.proc: subprocess.Popen | None = None
+        self.segments = 0
+
+    def start(self, resume: bool = False) -> None:
+        env = dict(os.environ, **ENV)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        log = open(self.out.parent / f"{self.out.name}.segment{self.segments}.log", "w")
+        self.segments += 1
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", *self.args,
+                                      *(["--resume"] if resume else [])], cwd=self.out.parent, stdout=log,
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def log_text(self) -> str:
+        """What the current segment printed so far."""
+        log = self.out.parent / f"{self.out.name}.segment{self.segments - 1}.log"
+        return log.read_text(errors="replace") if log.exists() else ""
+
+    def resumed_from(self) -> int | None:
+        """The step the current segment resumed at (from its log line), None before it says."""
+        match = re.search(r"resume: continuing from .* \(step (\d+),", self.log_text())
+        return int(match.group(1)) if match else None
+
+    def logged(self) -> list[dict]:
+        """The metrics records of the steps logged so far (a resumed run trims them to its checkpoint)."""
+        path = self.out / "metrics.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+    def last_step(self) -> int:
+        steps = [r["step"] for r in self.logged()]
+        return max(steps) if steps else -1
+
+    def restarts(self) -> list[dict]:
+        path = self.out / "restarts.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def workers(self, what: str) -> list[psutil.Process]:
+        """The run's live processes of a kind: ``RolloutService`` / ``RewardService`` actors, or storage units."""
+        procs = []
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                cmd = " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            if what == "storage" and "asyncflow.transfer_queue._server" in cmd:
+                procs.append(child)
+            elif cmd.startswith(f"ray::{what}"):
+                procs.append(child)
+        if what == "storage":  # the first server started is the controller
+            procs = sorted(procs, key=lambda p: p.pid)[1:]
+        return procs
+
+
+def wait_for(predicate, timeout_s: float, poll_s: float = 0.05):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    return None
+
+
+def inject(run: Run, kind: str, rng: random.Random) -> dict:
+    """Inject one fault of ``kind`` now; return its record once the run has recovered from it."""
+    at = run.last_step()
+    seen = len(run.restarts())
+    t0 = time.time()
+    if kind == "driver":
+        os.kill(run.proc.pid, signal.SIGTERM)
+    else:
+        name = {"rollout": "RolloutService", "reward": "RewardService", "storage": "storage"}[kind]
+        procs = wait_for(lambda: run.workers(name), 30)
+        if not procs:
+            return {"kind": kind, "at_step": at, "error": "no such process"}
+        os.kill(rng.choice(procs).pid, signal.SIGKILL)
+    record = {"kind": kind, "at_step": at, "steps_redone": 0}
+    if kind in ("rollout", "reward"):
+        event = wait_for(lambda: run.restarts()[seen:] or (run.proc.poll() is not None), 300)
+        if isinstance(event, list):
+            record.update(detected_s=event[0]["detected_at"] - t0, recovered_s=event[0]["recovered_at"] - t0,
+                          how="restarted")
+            return record
+    if kind == "storage":
+        # The rows on the unit are lost. The run stops when a step still needed them, else it goes on without the
+        # unit: detected when the driver reports the unit gone, recovered once the steps in flight are trained.
+        seen_log = run.log_text().count("closed its connections")
+        gone = wait_for(lambda: run.log_text().count("closed its connections") > seen_log
+                        or run.proc.poll() is not None, 300)
+        record["detected_s"] = time.time() - t0 if gone else None
+        if wait_for(lambda: run.last_step() >= at + K + 3 or run.proc.poll() is not None, 600) and \
+                run.proc.poll() is None:
+            record.update(recovered_s=time.time() - t0, how="survived")
+            return record
+    # The run stops (always for driver faults): resume it from its newest checkpoint.
+    run.proc.wait(timeout=600)
+    record.update(detected_s=time.time() - t0, exit_code=run.proc.returncode, how="resumed")
+    last = run.last_step()  # logged before it stopped
+    run.start(resume=True)
+    resumed_from = wait_for(run.resumed_from, 600)
+    wait_for(lambda: run.last_step() > last, 600)
+    record.update(recovered_s=time.time() - t0, steps_redone=max(last + 1 - (resumed_from or 0), 0),
+                  resumed_from=resumed_from)
+    return record
+
+
+def account(summary: dict, faults: list[dict], steps: int) -> dict:
+    """Per fault and in total: samples lost, trained twice and corrupted (see the module's docstring)."""
+    trained = summary["trained_groups"]
+    count: Counter = Counter()
+    wrong: Counter = Counter()  # step -> samples in the wrong step or in a group of the wrong size
+    for step, groups in trained.items():
+        per_group = Counter(groups)
+        for gid, n in per_group.items():
+            count[gid] += n
+            if gid // PROMPTS != int(step) or n % GROUP:
+                wrong[int(step)] += n
+
+    def window(first: int, last: int) -> dict:
+        gids = [g for s in range(first, last + 1) for g in range(s * PROMPTS, (s + 1) * PROMPTS)]
+        return {"lost": sum(max(GROUP - count[g], 0) for g in gids),
+                "twice": sum(max(count[g] - GROUP, 0) for g in gids),
+                "corrupted": sum(wrong[s] for s in range(first, last + 1))}
+
+    for fault in faults:
+        start = fault["at_step"] + 1
+        fault.update(window(start, min(start + K + 2, steps - 1)))
+    return window(0, steps - 1)
+
+
+def chaos(args, model: Path) -> tuple[list[dict], dict, dict]:
+    rng = random.Random(args.seed)
+    run = Run(args.out / "chaos", model, args.steps, ["checkpoint.interval=1", "checkpoint.keep_last=2",
+                                                        "workflow.max_service_restarts=100"])
+    run.start()
+    faults = []
+    kinds = [KINDS[i % len(KINDS)] for i in range(args.faults)]
+    for kind in kinds:
+        # At a random time once the run has logged a step since the last fault (its pipeline is up again).
+        base = run.last_step()
+        if not wait_for(lambda base=base: run.last_step() > base or run.proc.poll() is not None, 600) or \
+                run.proc.poll() is not None:
+            break
+        time.sleep(rng.uniform(0.5, 3.0))
+        if run.proc.poll() is not None:
+            break
+        faults.append(inject(run, kind, rng))
+        print(json.dumps(faults[-1]), flush=True)
+    code = run.proc.wait(timeout=3600)
+    summary = json.loads((run.out / "summary.json").read_text()) if code == 0 else {}
+    totals = account(summary, faults, args.steps) if summary else {"error": f"the last segment exited {code}"}
+    if summary:
+        totals["staleness_ok"] = max(summary["lags_max_per_step"]) <= K
+        totals["steps"] = len(summary["trained_groups"])
+    return faults, totals, summary
+
+
+def rates(logged: list[dict]) -> tuple[float, list[int]]:
+    if len(logged) < 2:
+        return float("nan"), []
+    rows = sum(r.get("actor/rows", 0.0) for r in logged[1:])
+    return rows / (logged[-1]["time/elapsed_s"] - logged[0]["time/elapsed_s"]), [r["step"] for r in logged]
+
+
+def throughput(args, model: Path) -> dict:
+    """Healthy vs one of two rollout instances dead, side by side."""
+    healthy = Run(args.out / "healthy", model, args.rate_steps, [])
+    healthy.start()
+    healthy.proc.wait(timeout=1800)
+    degraded = Run(args.out / "degraded", model, args.rate_steps, ["workflow.max_service_restarts=1"])
+    degraded.start()
+    rng = random.Random(args.seed)
+    for _ in range(2):  # restarted once, then left out
+        seen = len(degraded.restarts())
+        procs = wait_for(lambda: degraded.last_step() >= 0 and degraded.workers("RolloutService"), 600)
+        if not procs:
+            break
+        os.kill(rng.choice(procs).pid, signal.SIGKILL)
+        wait_for(lambda seen=seen: len(degraded.restarts()) > seen or degraded.proc.poll() is not None, 300)
+    degraded.proc.wait(timeout=1800)
+    events = degraded.restarts()
+    dropped = [e for e in events if e["error"] == "dropped"]
+    if healthy.proc.returncode or degraded.proc.returncode or not dropped:
+        return {"error": f"healthy exit {healthy.proc.returncode}, degraded exit {degraded.proc.returncode}, "
+                         f"restarts {events}"}
+    logged = degraded.logged()
+    start_wall = dropped[0]["recovered_at"] - _run_start(degraded)
+    after = [r for r in logged if r["time/elapsed_s"] >= start_wall]
+    one, steps = rates(after)
+    same = [r for r in healthy.logged() if r["step"] in steps]
+    two, _ = rates(same)
+    return {"healthy_samples_per_s": two, "one_dead_samples_per_s": one, "ratio": one / two if two else None,
+            "steps": [steps[0], steps[-1]] if steps else []}
+
+
+def _run_start(run: Run) -> float:
+    """The wall-clock time the run's ``time/elapsed_s`` counts from (its summary's end minus its wall time)."""
+    summary = json.loads((run.out / "summary.json").read_text())
+    return (run.out / "summary.json").stat().st_mtime - summary["wall_s"]
+
+
+def table(faults: list[dict], totals: dict, rates_: dict) -> str:
+    lines = ["| # | fault | at step | how | detected s | recovered s | lost / twice / corrupted | steps redone |",
+             "|---|---|---|---|---|---|---|---|"]
+    for i, f in enumerate(faults):
+        lines.append(f"| {i + 1} | SIGKILL {f['kind']}" if f["kind"] != "driver" else f"| {i + 1} | SIGTERM driver")
+        lines[-1] += (f" | {f['at_step']} | {f.get('how', f.get('error'))} | {_num(f.get('detected_s'))}"
+                      f" | {_num(f.get('recovered_s'))} | {f.get('lost')} / {f.get('twice')} / "
+                      f"{f.get('corrupted')} | {f.get('steps_redone')} |")
+    lines.append(f"\nwhole run: {json.dumps(totals)}")
+    if "error" in rates_:
+        lines.append(f"throughput: {rates_['error']}")
+    else:
+        lines.append("\n| rollout instances | samples/s (fake engines) |\n|---|---|\n"
+                     f"| 2 healthy | {rates_['healthy_samples_per_s']:.1f} |\n"
+                     f"| 1 of 2 dead | {rates_['one_dead_samples_per_s']:.1f} |\n"
+                     f"| ratio | {rates_['ratio']:.2f} (steps {rates_['steps']}) |")
+    return "\n".join(lines)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--faults", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rate-steps", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("outputs/chaos"))
+    args = parser.parse_args()
+    args.out = args.out.resolve()
+    args.out.mkdir(parents=True, exist_ok=True)
+    from asyncflow.tiny_model import make_tiny_model
+
+    model = args.out / "model"
+    if not (model / "config.json").exists():
+        make_tiny_model(model)
+    faults, totals, _ = chaos(args, model)
+    rates_ = throughput(args, model)
+    report = table(faults, totals, rates_)
+    (args.out / "chaos.md").write_text(report + "\n")
+    (args.out / "chaos.json").write_text(json.dumps({"faults": faults, "totals": totals, "throughput": rates_},
+                                                    indent=1))
+    print(report)
+    ok = totals.get("lost") == 0 and totals.get("twice") == 0 and totals.get("corrupted") == 0
+    sys.exit(0 if ok and len(faults) >= args.faults else 1)
+
+
+if __name__ == "__main__":
+    main()
