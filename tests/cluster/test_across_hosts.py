@@ -55,7 +55,8 @@ from asyncflow.workflow.network import resolve_connected
 
 ray.init(address=sys.argv[1], log_to_driver=False)
 cfg = load_config(None, ["transfer_queue.deployment=ray", "transfer_queue.num_storage_units=3",
-                         "transfer_queue.ray_placement_strategy=SPREAD"])
+                         "transfer_queue.ray_placement_strategy=SPREAD",
+                         "transfer_queue.heartbeat_timeout_s=3"])  # the check below waits two timeouts
 net = resolve_connected(cfg)
 tq = transfer_queue.start(net.tq)
 client = tq.client()
