@@ -17,7 +17,7 @@ import time
 import pytest
 
 from asyncflow.workflow.errors import WorkerDiedError
-from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, records, run_fake
+from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, ray_leftovers, records, run_fake
 
 pytestmark = pytest.mark.loop
 
@@ -95,6 +95,8 @@ def test_killed_rollout_instances_are_replaced_then_left_out_and_the_run_goes_on
     events = sorted(summary["service_restarts"], key=lambda e: e["error"] == "dropped")
     assert [(e["service"], e["restart"]) for e in events] == [("rollout", 1), ("rollout", None)], events
     assert events[1]["error"] == "dropped"
+    actors, groups, servers = ray_leftovers()  # the instance left out is stopped with the rest
+    assert not (actors or groups or servers), (actors, groups, servers)
 
 
 def test_deaths_past_the_bound_stop_the_run_naming_the_service(tmp_path, tiny_model_dir, shared_ray):
@@ -140,3 +142,5 @@ def test_rollout_instances_are_added_and_removed_on_request_while_the_run_goes_o
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
     events = [(e["service"], e["worker"], e["error"]) for e in summary["service_restarts"]]
     assert events == [("rollout", 1, "added"), ("rollout", 1, "removed")], events
+    actors, groups, servers = ray_leftovers()
+    assert not (actors or groups or servers), (actors, groups, servers)
