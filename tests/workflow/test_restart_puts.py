@@ -2,6 +2,8 @@
 in flight until the supervisor releases them, and a ``RedoClient`` put skips the rows a dead predecessor already
 wrote (fields are write-once: the first write stands) and writes the others."""
 
+import time
+
 import pytest
 import torch
 
@@ -38,6 +40,9 @@ def test_a_dead_workers_rows_are_made_again_and_written_once(tq):
         assert sorted(again.indexes) == sorted(held.indexes)
         second.put("p", {"y": torch.tensor([20.0, 21.0, 22.0, 23.0])}, indexes=[0, 1, 2, 3])  # row i: 20 + i
         second.ack(again.meta)
+        deadline = time.monotonic() + 30  # an ack is one-way: the controller takes it in its own time
+        while _task(first, "reward")["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert _task(first, "reward")["in_flight"] == 0 and _task(first, "reward")["read"] == 4
         out = first.get("p", "check", ["y"], 4)
         expected = {i: 20.0 + i for i in range(4)} | {held.indexes[0]: 10.0, held.indexes[1]: 11.0}
