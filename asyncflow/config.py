@@ -385,6 +385,12 @@ class WorkflowConfig:
     path, the reward task, the advantage task without dynamic sampling) are started again after their process
     dies; their unfinished rows are made again, once. One more death stops the run naming the service (a
     rollout instance is left out instead while others run). 0: any death stops the run (docs/fault_tolerance.md)."""
+    max_restarts: int = 2
+    """How many times the whole run is started again from its newest complete checkpoint after a trainer rank
+    (actor or critic) dies: every worker is stopped and the run goes on as ``--resume`` would (model, optimizer,
+    data position, trained-prompt record). Only with checkpoints on (``checkpoint.dir``, ``checkpoint.interval`` or
+    ``checkpoint.every_minutes`` set); one more death stops the run naming the rank. 0: a trainer death stops the
+    run (docs/fault_tolerance.md)."""
     eval_every: int = 0
     """Evaluate on the validation set (``data.val_path``) each time rollout admits the weights of the next multiple
     of this many trained steps (0: off); the ``eval/*`` metrics go with that step's metrics
@@ -429,6 +435,10 @@ class CheckpointConfig:
     """Where checkpoints go (None: ``<observability.output_dir>/checkpoints``); one ``step_NNNNNN`` folder each."""
     interval: int = 0
     """Save after every this many trained steps and after the last one (0: never)."""
+    every_minutes: float = 0.0
+    """Also save at the first step boundary this many minutes after the previous checkpoint (0: off), so that a
+    trainer restart (``workflow.max_restarts``) loses at most about this much work. Every trainer rank and the
+    driver take the same boundary (the version board decides)."""
     keep_last: int = 2
     """Complete checkpoints kept; older ones are deleted after a new one is committed (0 keeps all)."""
     signal_grace_s: float = 120.0

@@ -29,7 +29,12 @@ class VersionBoard:
     (``asyncflow.bridge.relay``); ``"local"`` when everything runs on one host.
     """
 
-    def __init__(self):
+    def __init__(self, checkpoints: tuple[int, int, float] = (0, 0, 0.0)):
+        """``checkpoints``: ``(checkpoint.interval, workflow.steps, checkpoint.every_minutes)`` of the run, for
+        ``checkpoint_due``."""
+        from asyncflow.workflow.resume import CheckpointSchedule
+
+        self._checkpoints = CheckpointSchedule(*checkpoints)  # its clock starts here, with the run
         self._domains: dict[str, dict] = {}  # domain -> {"version", "segments", "parts"}
         self._plan: dict | None = None  # the SyncPlan as plain data, and the exporting ranks
         self._cond: asyncio.Condition | None = None
@@ -145,6 +150,11 @@ class VersionBoard:
             return self._stop
         self._begun = max(self._begun, step)
         return None
+
+    async def checkpoint_due(self, trained: int) -> bool:
+        """Whether the boundary after ``trained`` steps gets a checkpoint (``CheckpointSchedule.due``): the first
+        caller decides, every trainer rank and the driver get the same answer."""
+        return self._checkpoints.due(trained)
 
     async def trainer_stopped(self) -> None:
         """A trainer rank stopped at the boundary (its checkpoint part, if any, is written)."""

@@ -38,22 +38,63 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
 
     Called from the main thread, it handles SIGTERM and SIGINT (``workflow.signals``): the run stops at the next
     step boundary with a checkpoint there, writes ``summary.json``, tears everything down and raises
-    ``RunStopped``."""
+    ``RunStopped``.
+
+    When a trainer rank dies and checkpoints are on, the run is torn down and started again from its newest
+    complete checkpoint, as ``--resume`` does, up to ``workflow.max_restarts`` times (``trainer_restarts`` in the
+    summary)."""
+    from asyncflow.workflow.errors import TrainerDiedError
     from asyncflow.workflow.signals import RunStopped, StopSignals
 
     signals = StopSignals(cfg.checkpoint.signal_grace_s)
+    restarts: list[dict] = []  # the trainer restarts so far (``workflow.max_restarts``)
     with signals.installed():
-        try:
-            return _train(cfg, resume, signals)
-        except KeyboardInterrupt as exc:  # before the loop began: nothing trained, the resume point stays
-            if not signals.stopping_now(exc):
-                raise
-            signals.tearing_down()
-            raise RunStopped(_resumed_at(cfg, resume), signals.signal_name, _resume_point(cfg),
-                             reason=signals.stop_reason) from None
+        while True:
+            try:
+                return _train(cfg, resume, signals, restarts)
+            except KeyboardInterrupt as exc:  # before the loop began: nothing trained, the resume point stays
+                if not signals.stopping_now(exc):
+                    raise
+                signals.tearing_down()
+                raise RunStopped(_resumed_at(cfg, resume), signals.signal_name, _resume_point(cfg),
+                                 reason=signals.stop_reason) from None
+            except TrainerDiedError as exc:  # everything of the run is gone: start again from its checkpoint
+                _restart(cfg, exc, restarts, signals)
+                resume = True
 
 
-def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
+def _restart(cfg: AsyncFlowConfig, died, restarts: list[dict], signals) -> None:
+    """A trainer rank died (``died``, a ``TrainerDiedError``) and the run was torn down: record a restart from the
+    newest complete checkpoint, or raise ``died`` when checkpoints are off or ``workflow.max_restarts`` is spent
+    (``RunStopped`` when a signal came meanwhile)."""
+    import json
+    import time
+
+    from asyncflow.workflow.errors import TrainerDiedError
+    from asyncflow.workflow.signals import RunStopped
+
+    limit, point = cfg.workflow.max_restarts, _resume_point(cfg)
+    if signals.late_signal is not None:  # asked to stop while the dead run was torn down: stop, resumable
+        raise RunStopped(point or 0, signals.late_signal, point, reason=f"{died}; not restarted") from died
+    if point is None or limit <= 0:
+        raise died
+    if len(restarts) >= limit:
+        raise TrainerDiedError(f"{died}; the run was restarted from its checkpoint {len(restarts)} times already "
+                               f"(workflow.max_restarts={limit})", died.group, died.rank, died.step) from died
+    step = point if died.step is None else died.step
+    event = {"group": died.group, "rank": died.rank, "died_at_step": step, "restart": len(restarts) + 1,
+             "checkpoint_step": point, "steps_redone": max(step - point, 0), "detected_at": time.time()}
+    restarts.append(event)
+    out = Path(cfg.observability.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "restarts.jsonl", "a") as f:  # beside the service restarts (``workflow.supervisor``)
+        f.write(json.dumps({"service": died.group, "worker": died.rank, **event}) + "\n")
+    print(f"trainer rank {died.rank} ({died.group}) died at step {step}; restart {event['restart']}/{limit} from "
+          f"the checkpoint at step {point}", flush=True)
+    signals.rearm()
+
+
+def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) -> dict:
     from concurrent.futures import ThreadPoolExecutor
 
     import ray
@@ -61,10 +102,11 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
     from asyncflow.config import replace_section
     from asyncflow.observability.progress import StartupLog
     from asyncflow.tiny_model import ensure_model
+    from asyncflow.workflow.errors import TrainerDiedError
     from asyncflow.workflow.feeder import Feeder, StreamFeeder
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
-    from asyncflow.workflow.resume import RunCheckpoints, trim_metrics
+    from asyncflow.workflow.resume import RunCheckpoints, ask_due, trim_metrics
     from asyncflow.workflow.signals import RunStopped
     from asyncflow.workflow.supervisor import Supervisor
 
@@ -92,6 +134,8 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
                               answers=hasattr(source, "next_batch"), resume_dir=resume_dir, start_step=start,
                               owns_ray=started, startup=startup)
         signals.install()  # a Ray started by start_pipeline replaced it again
+        checkpoint = {"interval": ckpt.interval, "steps": wf.steps, "every_minutes": cfg.checkpoint.every_minutes}
+        ckpt.due = functools.partial(ask_due, checkpoint, pipe.board)  # the trainers' rule (the board's clock)
     except BaseException:
         if started:
             ray.shutdown()
@@ -106,6 +150,8 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
             ckpt.step_done(step, reporter.trained_groups)
 
         reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"), on_step=step_done)
+        if restarts:
+            reporter.extra_summary["trainer_restarts"] = restarts
         feeder = (StreamFeeder(cfg, pipe, source, ckpt, start, meta) if wf.mode == "stream"
                   else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
         if wf.mode == "sync":
@@ -148,6 +194,8 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals) -> dict:
                 reporter.finish(stopped=stop.record())
             raise stop from None
         explained = pipe.explain(exc)
+        if isinstance(explained, TrainerDiedError):
+            explained.step = reporter.trained_steps if reporter else start
         if explained is not exc:
             raise explained from exc
         raise
@@ -197,11 +245,11 @@ def _stop(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, trained: int, sta
 
 def _resume_point(cfg: AsyncFlowConfig) -> int | None:
     """Where ``--resume`` continues: the newest complete checkpoint's step (0 if none); None when checkpoints
-    are off (``checkpoint.dir`` unset and ``checkpoint.interval`` 0)."""
+    are off (``checkpoint.dir`` unset, ``checkpoint.interval`` and ``checkpoint.every_minutes`` 0)."""
     from asyncflow.workflow.checkpoints import CheckpointManager
-    from asyncflow.workflow.resume import checkpoint_root
+    from asyncflow.workflow.resume import checkpoint_root, checkpoints_on
 
-    if cfg.checkpoint.interval <= 0 and cfg.checkpoint.dir is None:
+    if not checkpoints_on(cfg) and cfg.checkpoint.dir is None:
         return None
     root = checkpoint_root(cfg)
     found = CheckpointManager(root, 0).latest() if root.is_dir() else None

@@ -10,9 +10,10 @@ import dataclasses
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
+from asyncflow.transfer_queue.shm import remove_stale
 from asyncflow.workflow import network, train_services
 from asyncflow.workflow.board import VersionBoard
-from asyncflow.workflow.errors import WorkerDiedError
+from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
 from asyncflow.workflow.node_check import check_nodes
 from asyncflow.workflow.partitions import STREAM_PARTITION, partition_name
 
@@ -125,7 +126,10 @@ class Pipeline:
                         state = {}
                     if state.get("applying") is not None:
                         doing = f" while applying weight version {state['applying']}"
-                return WorkerDiedError(f"{what} died{doing} (its process exited; see its log in Ray's session folder)")
+                message = f"{what} died{doing} (its process exited; see its log in Ray's session folder)"
+                if name in ("actor", "critic"):
+                    return TrainerDiedError(message, name, i)
+                return WorkerDiedError(message)
         return exc
 
     def record_layout(self) -> dict:
@@ -167,6 +171,8 @@ class Pipeline:
                 ray.kill(handle)
             except Exception:  # already dead: nothing to stop
                 pass
+        # A worker that died (SIGKILL, OOM) could not remove its weight staging segment on this host: its pid is gone.
+        remove_stale()
         try:
             remove_placement_group(self.placement_group)
         except Exception:  # removed by an earlier close, or Ray is gone: nothing is reserved
@@ -230,7 +236,8 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     startup.phase("TransferQueue up")
     where = Placement(cfg, critic, reference)
     relay_store, relay, routes = _weight_relay(cfg, where, net.store_host)
-    board = ray.remote(VersionBoard).options(num_cpus=0).remote()
+    board = ray.remote(VersionBoard).options(num_cpus=0).remote(
+        (cfg.checkpoint.interval, cfg.workflow.steps, cfg.checkpoint.every_minutes))
     seq_len = max_prompt_len + cfg.rollout.max_new_tokens
     workers = WorkerGroups(cfg, model_dir, tq, board, where, relay, seq_len, budgets, answers, resume_dir, start_step)
     groups = build_groups(workers, reference, critic)

@@ -26,6 +26,51 @@ def checkpoint_due(trained: int, interval: int, steps: int) -> bool:
     return interval > 0 and trained > 0 and (trained % interval == 0 or trained == steps)
 
 
+def checkpoints_on(cfg: AsyncFlowConfig) -> bool:
+    """Whether the run writes periodic checkpoints (``checkpoint.interval`` or ``checkpoint.every_minutes``)."""
+    return cfg.checkpoint.interval > 0 or cfg.checkpoint.every_minutes > 0
+
+
+class CheckpointSchedule:
+    """Which step boundaries get a checkpoint: every ``interval`` steps, the last one, and the first boundary
+    reached ``every_minutes`` or more after the previous checkpoint (``clock``: seconds, monotonic).
+
+    A clock is not the same on every process, so with ``every_minutes`` one instance, the version board's, answers
+    for every trainer rank and the driver; it remembers each answer, so all of them checkpoint the same steps.
+    """
+
+    def __init__(self, interval: int, steps: int, every_minutes: float = 0.0, clock=None):
+        import time
+
+        self.interval, self.steps, self.every_s = interval, steps, max(every_minutes, 0.0) * 60.0
+        self.clock = clock or time.monotonic
+        self.last = self.clock()  # the previous checkpoint, or the start of this run
+        self.decided: dict[int, bool] = {}
+
+    def due(self, trained: int) -> bool:
+        """Whether the boundary after ``trained`` steps gets a checkpoint (decided by the first caller)."""
+        if trained not in self.decided:
+            now = self.clock()
+            due = checkpoint_due(trained, self.interval, self.steps) or (
+                self.every_s > 0 and trained > 0 and now - self.last >= self.every_s)
+            if due:
+                self.last = now
+            self.decided[trained] = due
+        return self.decided[trained]
+
+
+def ask_due(checkpoint: dict | None, board, trained: int) -> bool:
+    """A checkpoint at the boundary after ``trained`` steps? ``checkpoint``: the trainers' dict (root, interval,
+    steps, every_minutes). A step count decides alone; the time rule asks the version board (``board``)."""
+    if not checkpoint:
+        return False
+    if checkpoint.get("every_minutes", 0) <= 0:
+        return checkpoint_due(trained, checkpoint["interval"], checkpoint["steps"])
+    import ray
+
+    return ray.get(board.checkpoint_due.remote(trained))
+
+
 def staging_path(root: str | Path, trained: int) -> Path:
     """Where components write the checkpoint after ``trained`` steps (``CheckpointManager.staging``'s name)."""
     return Path(root) / f"step_{trained:06d}.tmp"
@@ -63,6 +108,9 @@ class RunCheckpoints:
 
         self.cfg, self.source = cfg, source
         self.interval, self.steps = cfg.checkpoint.interval, cfg.workflow.steps
+        self.due = lambda trained: checkpoint_due(trained, self.interval, self.steps)
+        """Whether the boundary after ``trained`` steps gets a checkpoint; the loop sets ``ask_due`` with the run's
+        board once it exists."""
         self.root = checkpoint_root(cfg)
         self.manager = CheckpointManager(self.root, cfg.checkpoint.keep_last)
         self.cursors: dict[int, tuple[dict, int]] = {}  # step -> (cursor before its first prompts, draw index)
@@ -73,10 +121,12 @@ class RunCheckpoints:
         self.extra = None
         # A stop on a signal writes a checkpoint wherever checkpoints have a place: ``checkpoint.dir`` set, or
         # periodic ones on (``workflow.signals``); the data cursors are then kept for every step.
-        self.enabled = self.interval > 0 or (cfg.checkpoint.dir is not None and hasattr(source, "state_dict"))
-        if self.interval > 0 and not hasattr(source, "state_dict"):
+        periodic = checkpoints_on(cfg)
+        self.enabled = periodic or (cfg.checkpoint.dir is not None and hasattr(source, "state_dict"))
+        if periodic and not hasattr(source, "state_dict"):
             raise TypeError(f"prompt source {type(source).__name__} has no state_dict(): checkpoints need the "
-                            "data cursor (add state_dict/load_state_dict, or set checkpoint.interval=0)")
+                            "data cursor (add state_dict/load_state_dict, or set checkpoint.interval=0 and "
+                            "checkpoint.every_minutes=0)")
 
     def resume(self) -> tuple[int, Path | None, dict]:
         """Load the newest complete checkpoint's data cursor; returns ``(first step, folder, meta)``."""
@@ -109,7 +159,7 @@ class RunCheckpoints:
     def step_done(self, step: int, trained_groups: dict[int, list[int]]) -> Path | None:
         """Step ``step`` is complete (all its reports are in): commit its checkpoint when one is due."""
         trained = step + 1
-        if not checkpoint_due(trained, self.interval, self.steps):
+        if not self.due(trained):
             return None
         return self._commit(trained, trained_groups)
 
@@ -119,7 +169,7 @@ class RunCheckpoints:
         checkpoints are off or the run trained nothing since it started (the checkpoint it resumed from stays)."""
         if not self.enabled:
             return None
-        if checkpoint_due(trained, self.interval, self.steps) or not staging_path(self.root, trained).is_dir():
+        if self.due(trained) or not staging_path(self.root, trained).is_dir():
             found = self.manager.latest()
             return found[0] if found is not None and found[1].get("step") == trained else None
         return self._commit(trained, trained_groups)

@@ -78,6 +78,8 @@ class StopSignals:
         self.signal_name: str | None = None
         self.stop_reason: str | None = None
         """Why the run stops at once (set just before ``StopNow`` is raised)."""
+        self.late_signal: str | None = None
+        """A signal that came while a run was being torn down (noted, not acted on)."""
         self._tearing_down = False
         self._armed = False  # the grace timer runs
         self._previous: dict[int, object] = {}
@@ -123,8 +125,14 @@ class StopSignals:
         self._tearing_down = True
         self.boundary_reached()
 
+    def rearm(self) -> None:
+        """The run starts again after its teardown (a trainer restart, ``workflow.max_restarts``): signals stop it
+        again."""
+        self._tearing_down = False
+
     def _on_signal(self, signum, frame) -> None:
         if self._tearing_down:
+            self.late_signal = self.late_signal or signal.Signals(signum).name
             return
         if self.signal_name is not None:
             self.stop_reason = f"a second {signal.Signals(signum).name}: no checkpoint at the stop"

@@ -108,10 +108,10 @@ class TrainerService(TaskService):
     def stop_save(self, trained: int) -> bool:
         """The run stops once ``trained`` steps are done: write this group's part of the checkpoint there, unless
         the periodic one of that step was written already (collective over the group)."""
-        from asyncflow.workflow.resume import checkpoint_due, staging_path
+        from asyncflow.workflow.resume import ask_due, staging_path
 
         cp = self.checkpoint
-        if cp is None or checkpoint_due(trained, cp["interval"], cp["steps"]):
+        if cp is None or ask_due(cp, self.board, trained):
             return False
         with self.timeline.span(self.name, "save_checkpoint", self.worker, step=trained):
             self.engine.save(str(staging_path(cp["root"], trained) / self.name))
@@ -120,10 +120,10 @@ class TrainerService(TaskService):
     def maybe_save(self, step: int, checkpoint: dict | None) -> bool:
         """After the update of ``step``: write this group's part of the run checkpoint when one is due
         (collective over the group; the driver commits the folder once every group has reported)."""
-        from asyncflow.workflow.resume import checkpoint_due, staging_path
+        from asyncflow.workflow.resume import ask_due, staging_path
 
         trained = step + 1
-        if not checkpoint or not checkpoint_due(trained, checkpoint["interval"], checkpoint["steps"]):
+        if not ask_due(checkpoint, self.board, trained):
             return False
         with self.timeline.span(self.name, "save_checkpoint", self.worker, step=trained):
             self.engine.save(str(staging_path(checkpoint["root"], trained) / self.name))

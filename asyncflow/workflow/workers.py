@@ -40,7 +40,7 @@ class WorkerGroups:
         # Workers the driver restarts when their process dies (``asyncflow.workflow.supervisor``).
         self.restart = restartable(cfg)
         self.persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,
-                                        "steps": wf.steps},
+                                        "steps": wf.steps, "every_minutes": cfg.checkpoint.every_minutes},
                             resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
 
     def _place(self, cls, opts: dict, **kwargs):

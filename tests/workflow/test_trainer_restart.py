@@ -1,0 +1,127 @@
+"""A trainer rank that dies restarts the run from its newest checkpoint (``workflow.max_restarts``), on the fake
+engines: the actor rank is a real Ray actor process and the test SIGKILLs it (``os.kill`` of its pid) mid-run.
+
+Checked: the run finishes all its steps, every prompt of every step is trained once in its own step across the
+restart (``check_staleness_and_exactly_once``), the restart is printed, recorded in the summary and in
+``restarts.jsonl`` with the steps redone since the checkpoint, and nothing of the dead attempt is left in Ray. With
+``workflow.max_restarts=0``, or without checkpoints, a trainer death stops the run with the one-line error as before.
+The time rule of checkpoints (``checkpoint.every_minutes``) is checked on its decision function with a fake clock.
+"""
+
+import json
+
+import pytest
+
+from asyncflow.config import load_config
+from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
+from asyncflow.workflow.resume import CheckpointSchedule
+from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers, run_fake
+from tests.workflow.test_restart import Killer
+
+STEPS, PROMPTS, GROUP = 6, 8, 4
+RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0",
+       "checkpoint.interval=2"]
+DIED = "actor rank 0 died (its process exited; see its log in Ray's session folder)"
+
+
+class ActorKiller(Killer):
+    """``Killer`` of the actor rank's process."""
+
+    def _pid(self) -> int | None:
+        import ray
+
+        pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
+                      if a["ActorClassName"] == "ActorService" and a["State"] == "ALIVE")
+        return pids[0] if pids else None
+
+
+def _run_killing_the_actor(tmp_path, model_dir, name: str, *extra: str):
+    killer = ActorKiller(tmp_path / name, "actor", [3])
+    killer.start()
+    try:
+        return run_fake(tmp_path, model_dir, name, *RUN, *extra), killer
+    finally:
+        killer.stop = True
+        killer.join(10)
+
+
+@pytest.mark.loop
+def test_a_killed_actor_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny_model_dir, shared_ray, capsys):
+    summary, killer = _run_killing_the_actor(tmp_path, tiny_model_dir, "restart", "workflow.max_restarts=1")
+    assert len(killer.killed) == 1, "the run ended before the kill"
+    [event] = summary["trainer_restarts"]
+    died, point = event["died_at_step"], event["checkpoint_step"]
+    # The summary is the last attempt's, as after ``--resume``: its steps start at the checkpoint, and its record of
+    # trained prompts (restored from the checkpoint) covers every step.
+    assert (summary["first_step"], summary["steps"]) == (point, STEPS - point), summary
+    check_staleness_and_exactly_once({**summary, "steps": STEPS}, 1, STEPS, PROMPTS, GROUP)
+    # Killed once 3 steps were logged; checkpoints every 2 steps are committed as steps complete.
+    assert died >= 3 and point == died - died % 2, event
+    assert (event["group"], event["rank"], event["restart"]) == ("actor", 0, 1), event
+    assert event["steps_redone"] == died - point
+    out = capsys.readouterr().out
+    assert (f"trainer rank 0 (actor) died at step {died}; restart 1/1 from the checkpoint at step {point}\n"
+            in out), out[-3000:]
+    assert f"resume: continuing from {tmp_path / 'restart' / 'checkpoints'}/step_{point:06d}" in out
+    lines = [json.loads(line) for line in (summary["_out"] / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["service"], r["restart"], r["steps_redone"]) for r in lines] == [("actor", 1, died - point)], lines
+    # The metrics of the steps redone are written once, by the attempt that finished them.
+    logged = [json.loads(line)["step"] for line in (summary["_out"] / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(STEPS)), logged
+    actors, groups, servers = ray_leftovers()
+    assert not (actors or groups or servers), (actors, groups, servers)
+
+
+@pytest.mark.loop
+def test_without_restarts_a_killed_actor_rank_stops_the_run(tmp_path, tiny_model_dir, shared_ray):
+    with pytest.raises(WorkerDiedError) as failed:
+        _run_killing_the_actor(tmp_path, tiny_model_dir, "norestart", "workflow.max_restarts=0")
+    assert str(failed.value) == DIED, str(failed.value)
+    assert not (tmp_path / "norestart" / "restarts.jsonl").exists()
+
+
+def _cfg(tmp_path, *extra: str):
+    return load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [f"observability.output_dir={tmp_path}", *extra])
+
+
+def test_without_checkpoints_a_trainer_death_is_not_restarted(tmp_path):
+    from asyncflow.workflow.loop import _restart
+    from asyncflow.workflow.signals import StopSignals
+
+    died = TrainerDiedError(DIED, "actor", 0, 3)
+    with pytest.raises(TrainerDiedError) as failed:
+        _restart(_cfg(tmp_path, "workflow.max_restarts=2"), died, [], StopSignals(0))
+    assert failed.value is died
+    restarts = [{"restart": 1}]  # spent: the error says so
+    with pytest.raises(TrainerDiedError) as failed:
+        _restart(_cfg(tmp_path, "workflow.max_restarts=1", "checkpoint.interval=2"), died, restarts, StopSignals(0))
+    assert str(failed.value) == (f"{DIED}; the run was restarted from its checkpoint 1 times already "
+                                 "(workflow.max_restarts=1)")
+
+
+class Clock:
+    """A clock the test moves by hand (seconds)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_every_minutes_checkpoints_the_first_boundary_after_the_time_and_every_caller_agrees():
+    clock = Clock()
+    schedule = CheckpointSchedule(interval=5, steps=12, every_minutes=2.0, clock=clock)
+    answers = []
+    # (seconds, steps trained): the run starts at 0 s; boundaries reached at these times
+    for clock.now, trained in ((100, 1), (125, 2), (200, 3), (245, 4), (251, 4), (260, 5), (300, 6), (381, 7),
+                               (390, 12)):
+        answers.append(schedule.due(trained))
+    # 2: the first boundary 2 min after the start; 4: 2 min after 2's (asked again 6 s later by another caller:
+    # the same answer); 5: the interval, which restarts the time; 7: 2 min after 5's; 12: the last step.
+    assert answers == [False, True, False, True, True, True, False, True, True]
+    clock.now = 1000.0
+    assert schedule.due(1) is False and schedule.due(6) is False  # decided once, whatever the clock says later
+    off = CheckpointSchedule(interval=0, steps=4, every_minutes=0.0, clock=clock)
+    clock.now = 1e6
+    assert [off.due(t) for t in range(1, 5)] == [False] * 4
