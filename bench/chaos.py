@@ -13,6 +13,9 @@ Faults, in turn, each at a random time once the run has logged a step since the 
 
 - ``rollout``: SIGKILL of one rollout instance's process (picked at random). The supervisor restarts it.
 - ``reward``: SIGKILL of the reward worker's process. The supervisor restarts it.
+- ``trainer``: SIGKILL of the actor rank's process. The driver tears the run down and starts it again from its
+  newest checkpoint in the same process (``workflow.max_restarts``); detected when it records the restart,
+  recovered once the restarted run logged a step past the last one logged before the death.
 - ``storage``: SIGKILL of one TransferQueue storage unit. The rows on it are lost: when a step still needs one of
   them the run stops and is resumed from its newest checkpoint (``--resume``); otherwise it goes on without the
   unit (``survived``).
@@ -62,7 +65,7 @@ BASE = [*FAKE, f"workflow.prompts_per_step={PROMPTS}", f"workflow.samples_per_pr
         f"workflow.max_staleness={K}", "workflow.rollout_chunk=4", "workflow.score_chunk=8",
         "trainer.micro_batch_size=8", "algorithm.kl_coef=0", "workflow.rollout_instances=2"]
 ENV = {"ASYNCFLOW_FAKE_TOKEN_S": "0.02"}
-KINDS = ["rollout", "reward", "rollout", "storage", "reward", "rollout", "driver", "reward", "rollout", "reward"]
+KINDS = ["rollout", "reward", "trainer", "storage", "reward", "rollout", "driver", "trainer", "rollout", "reward"]
 
 
 class Run:
@@ -140,11 +143,13 @@ def inject(run: Run, kind: str, rng: random.Random) -> dict:
     """Inject one fault of ``kind`` now; return its record once the run has recovered from it."""
     at = run.last_step()
     seen = len(run.restarts())
+    started = run.log_text().count("first step done")
     t0 = time.time()
     if kind == "driver":
         os.kill(run.proc.pid, signal.SIGTERM)
     else:
-        name = {"rollout": "RolloutService", "reward": "RewardService", "storage": "storage"}[kind]
+        name = {"rollout": "RolloutService", "reward": "RewardService", "storage": "storage",
+                "trainer": "ActorService"}[kind]
         procs = wait_for(lambda: run.workers(name), 30)
         if not procs:
             return {"kind": kind, "at_step": at, "error": "no such process"}
@@ -155,6 +160,15 @@ def inject(run: Run, kind: str, rng: random.Random) -> dict:
         if isinstance(event, list):
             record.update(detected_s=event[0]["detected_at"] - t0, recovered_s=event[0]["recovered_at"] - t0,
                           how="restarted")
+            return record
+    if kind == "trainer":
+        event = wait_for(lambda: run.restarts()[seen:] or (run.proc.poll() is not None), 300)
+        if isinstance(event, list):
+            died, point = event[0]["died_at_step"], event[0]["checkpoint_step"]
+            # The restarted run trims the metrics to its checkpoint and says when its first step is done.
+            wait_for(lambda: run.log_text().count("first step done") > started and run.last_step() >= died, 600)
+            record.update(detected_s=event[0]["detected_at"] - t0, recovered_s=time.time() - t0,
+                          how="restarted from checkpoint", steps_redone=event[0]["steps_redone"], resumed_from=point)
             return record
     if kind == "storage":
         # The rows on the unit are lost. The run stops when a step still needed them, else it goes on without the
@@ -206,7 +220,8 @@ def account(summary: dict, faults: list[dict], steps: int) -> dict:
 def chaos(args, model: Path) -> tuple[list[dict], dict, dict]:
     rng = random.Random(args.seed)
     run = Run(args.out / "chaos", model, args.steps, ["checkpoint.interval=1", "checkpoint.keep_last=2",
-                                                        "workflow.max_service_restarts=100"])
+                                                        "workflow.max_service_restarts=100",
+                                                        "workflow.max_restarts=100"])
     run.start()
     faults = []
     kinds = [KINDS[i % len(KINDS)] for i in range(args.faults)]

@@ -13,9 +13,10 @@ already put (it died between its put and its ack) is skipped by the next put (``
 write-once, the first write stands). Releasing a task's in-flight rows also releases those of its live instances
 (the TransferQueue does not know which consumer holds them): they are made twice and put once.
 
-Not restarted: the trainer groups (actor, reference, critic), a rollout on the continuous stream (it acks rows as
-it admits them into its engine), the advantage task under dynamic sampling (its judgements are counted on the
-board as they happen), and any service in ``sync`` and ``stream`` modes. A death there stops the run as before.
+Not restarted: a rollout on the continuous stream (it acks rows as it admits them into its engine), the advantage
+task under dynamic sampling (its judgements are counted on the board as they happen), and any service in ``sync``
+and ``stream`` modes. A death there stops the run as before. Nor the trainer groups, here: an actor or critic death
+restarts the whole run from its newest checkpoint (``workflow.loop.train``), a reference death stops it.
 """
 
 from __future__ import annotations
