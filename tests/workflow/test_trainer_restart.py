@@ -13,6 +13,7 @@ import json
 import pytest
 
 from asyncflow.config import load_config
+from asyncflow.workflow.checkpoints import CheckpointManager
 from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
 from asyncflow.workflow.resume import CheckpointSchedule
 from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers, run_fake
@@ -74,10 +75,17 @@ def test_a_killed_actor_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny
 
 @pytest.mark.loop
 def test_without_restarts_a_killed_actor_rank_stops_the_run(tmp_path, tiny_model_dir, shared_ray):
+    # Checkpoints by time only, every 6 ms: each step boundary gets one, the trainer's part and the driver's commit
+    # at the same steps (a boundary the two saw differently would fail the commit, or leave no actor part).
     with pytest.raises(WorkerDiedError) as failed:
-        _run_killing_the_actor(tmp_path, tiny_model_dir, "norestart", "workflow.max_restarts=0")
+        _run_killing_the_actor(tmp_path, tiny_model_dir, "norestart", "workflow.max_restarts=0",
+                               "checkpoint.interval=0", "checkpoint.every_minutes=0.0001")
     assert str(failed.value) == DIED, str(failed.value)
     assert not (tmp_path / "norestart" / "restarts.jsonl").exists()
+    root = tmp_path / "norestart" / "checkpoints"
+    steps = CheckpointManager(root, 0).list()
+    assert len(steps) == 2 and steps[1] == steps[0] + 1 and steps[1] >= 3, steps  # keep_last=2
+    assert all((root / f"step_{s:06d}" / "actor").is_dir() for s in steps)
 
 
 def _cfg(tmp_path, *extra: str):
