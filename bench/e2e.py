@@ -20,7 +20,9 @@ and Megatron is excluded from the wall time):
   first groups to finish within the bound; a group that finishes too late is generated again;
 - ``heavy_sync`` / ``heavy_async`` / ``heavy_stream``: a heavy-tailed workload (``add1_heavytail``: median 8
   tokens, sigma 1.5, clipped to [4, 248]; a step's longest response is about 10-12x its mean), in sync, in
-  step-tied async (chunked) and in the sample stream, max_staleness 1;
+  step-tied async (chunked) and in the sample stream, max_staleness 1; ``heavy_continuous`` (step-tied async
+  with continuous batching) and ``heavy_stream_cont`` (the stream without partial rollout) drive vLLM's engine
+  the same way, so their ratio isolates the stream's own effect from the cost of driving the engine step by step;
 - ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
   in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
 
@@ -66,6 +68,8 @@ MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mo
     "heavy_sync": (HEAVY, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "heavy_async": (HEAVY, ["workflow.mode=async", "workflow.max_staleness=1"]),
     "heavy_stream": (HEAVY, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
+    "heavy_continuous": (HEAVY, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"]),
+    "heavy_stream_cont": (HEAVY, ["workflow.mode=stream", "workflow.max_staleness=1"]),
     "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
 }
