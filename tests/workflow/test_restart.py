@@ -57,17 +57,17 @@ class Killer(threading.Thread):
         which the tests' Ray does not start)."""
         import ray
 
-        name = {"reward": "RewardService", "rollout": "RolloutService"}[self.service]
+        name = {"reward": "RewardService", "rollout": "RolloutService", "actor": "ActorService"}[self.service]
         pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
                       if a["ActorClassName"] == name and a["State"] == "ALIVE")
         return pids[min(self.instance, len(pids) - 1)] if pids else None
 
 
-def _run_with_kills(tmp_path, model_dir, name: str, service: str, after: list[int], *extra: str):
+def _run_with_kills(tmp_path, model_dir, name: str, service: str, after: list[int], *extra: str, run=RUN):
     killer = Killer(tmp_path / name, service, after)
     killer.start()
     try:
-        return run_fake(tmp_path, model_dir, name, *RUN, *extra), killer
+        return run_fake(tmp_path, model_dir, name, *run, *extra), killer
     finally:
         killer.stop = True
         killer.join(10)

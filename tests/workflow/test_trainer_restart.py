@@ -16,8 +16,8 @@ from asyncflow.config import load_config
 from asyncflow.workflow.checkpoints import CheckpointManager
 from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
 from asyncflow.workflow.resume import CheckpointSchedule
-from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers, run_fake
-from tests.workflow.test_restart import Killer
+from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers
+from tests.workflow.test_restart import _run_with_kills
 
 STEPS, PROMPTS, GROUP = 6, 8, 4
 RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0",
@@ -25,25 +25,8 @@ RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.Slo
 DIED = "actor rank 0 died (its process exited; see its log in Ray's session folder)"
 
 
-class ActorKiller(Killer):
-    """``Killer`` of the actor rank's process."""
-
-    def _pid(self) -> int | None:
-        import ray
-
-        pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
-                      if a["ActorClassName"] == "ActorService" and a["State"] == "ALIVE")
-        return pids[0] if pids else None
-
-
 def _run_killing_the_actor(tmp_path, model_dir, name: str, *extra: str):
-    killer = ActorKiller(tmp_path / name, "actor", [3])
-    killer.start()
-    try:
-        return run_fake(tmp_path, model_dir, name, *RUN, *extra), killer
-    finally:
-        killer.stop = True
-        killer.join(10)
+    return _run_with_kills(tmp_path, model_dir, name, "actor", [3], *extra, run=RUN)
 
 
 @pytest.mark.loop
