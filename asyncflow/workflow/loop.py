@@ -108,8 +108,6 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
     from asyncflow.workflow.reporting import Reporter
     from asyncflow.workflow.resume import RunCheckpoints, ask_due, trim_metrics
     from asyncflow.workflow.signals import RunStopped
-    from asyncflow.workflow.supervisor import Supervisor
-
     wf = cfg.workflow
     startup = StartupLog()
     model_dir = ensure_model(cfg.model)
@@ -154,35 +152,8 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
             reporter.extra_summary["trainer_restarts"] = restarts
         feeder = (StreamFeeder(cfg, pipe, source, ckpt, start, meta) if wf.mode == "stream"
                   else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
-        if wf.mode == "sync":
-            for step in range(start, wf.steps):
-                if signals.requested:
-                    _stop(cfg, pipe, ckpt, reporter, signals, step, start)
-                feeder.feed_until(step + 1)
-                stages = pipe.stages
-                if feeder.sampling:  # generate, judge and top up the step until it is full
-                    gen = [(name, phase) for name, phase in stages if name in _GENERATION]
-                    feeder.wait([h.run_phase.remote(step, p) for name, p in gen for h in pipe.groups[name]],
-                                reporter.collect, sync=True)
-                    stages = [s for s in stages if s not in gen]
-                # Lock-step: each task (all its instances or ranks at once) finishes the step before the next.
-                for name, phase in stages:
-                    reports = ray.get([handle.run_phase.remote(step, phase) for handle in pipe.groups[name]])
-                    reporter.collect([r for r in reports if r is not None])
-        elif wf.mode == "stream":
-            running = [s.run.remote(start, wf.steps) for s in pipe.services]
-            wait = functools.partial(feeder.wait, collect=reporter.collect, ahead=lambda: 0)
-            if wait(running, until=lambda: signals.requested):
-                _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
-        else:  # a stateless service whose process dies is started again (``workflow.supervisor``)
-            supervisor = Supervisor(cfg, pipe, reporter)
-            # Prompts go in one step ahead of what rollout may generate under the staleness bound.
-            wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
-                                     more=supervisor.poll, ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
-            running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
-            if running:
-                _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
-            reporter.extra_summary["service_restarts"] = supervisor.events
+        run = {"sync": _run_sync, "stream": _run_stream}.get(wf.mode, _run_async)
+        run(cfg, pipe, ckpt, reporter, feeder, signals, start)
         return reporter.finish()
     except BaseException as exc:
         signals.tearing_down()
@@ -204,6 +175,50 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
         if reporter is not None:
             reporter.observer.close()  # after a failure: still flush metrics and write the timeline
         pipe.close()
+
+
+def _run_sync(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start: int) -> None:
+    """Sync mode: the driver runs the services one after another per step (the colocated baseline)."""
+    import ray
+
+    for step in range(start, cfg.workflow.steps):
+        if signals.requested:
+            _stop(cfg, pipe, ckpt, reporter, signals, step, start)
+        feeder.feed_until(step + 1)
+        stages = pipe.stages
+        if feeder.sampling:  # generate, judge and top up the step until it is full
+            gen = [(name, phase) for name, phase in stages if name in _GENERATION]
+            feeder.wait([h.run_phase.remote(step, p) for name, p in gen for h in pipe.groups[name]],
+                        reporter.collect, sync=True)
+            stages = [s for s in stages if s not in gen]
+        # Lock-step: each task (all its instances or ranks at once) finishes the step before the next.
+        for name, phase in stages:
+            reports = ray.get([handle.run_phase.remote(step, phase) for handle in pipe.groups[name]])
+            reporter.collect([r for r in reports if r is not None])
+
+
+def _run_stream(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start: int) -> None:
+    """The sample stream: every service loops on its own; the feeder keeps the prompt stream full."""
+    running = [s.run.remote(start, cfg.workflow.steps) for s in pipe.services]
+    wait = functools.partial(feeder.wait, collect=reporter.collect, ahead=lambda: 0)
+    if wait(running, until=lambda: signals.requested):
+        _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
+
+
+def _run_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start: int) -> None:
+    """Async mode: every service loops over steps on its own; a stateless service whose process dies is started
+    again (``workflow.supervisor``)."""
+    from asyncflow.workflow.supervisor import Supervisor
+
+    wf = cfg.workflow
+    supervisor = Supervisor(cfg, pipe, reporter)
+    # Prompts go in one step ahead of what rollout may generate under the staleness bound.
+    wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
+                             more=supervisor.poll, ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
+    running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
+    if running:
+        _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
+    reporter.extra_summary["service_restarts"] = supervisor.events
 
 
 def _stop_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, start: int, wait) -> None:
