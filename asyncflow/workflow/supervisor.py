@@ -106,7 +106,7 @@ class Supervisor:
         self.limit = cfg.workflow.max_service_restarts
         self.runs: dict = {}  # Ray object ref of a service loop -> (group name, index, actor handle)
         self.restarts: dict[str, int] = {}
-        self.removed: set[tuple[str, int]] = set()  # workers stopped on request
+        self.removed: dict[tuple[str, int], dict] = {}  # workers stopped on request -> their record
         self.starting: dict = {}  # ping ref of a worker Ray is starting again -> (its name, its restart record)
         self.request = Path(cfg.observability.output_dir) / SCALE_FILE
         self.events: list[dict] = []
@@ -129,8 +129,8 @@ class Supervisor:
 
         name, i, handle = self.runs.pop(ref, (None, None, None))
         if (name, i) in self.removed:  # stopped on request (``scale``): its rows go to the others
-            self._record({"service": name, "worker": i, "restart": None, "error": "removed", "detected_at": time.time(),
-                          "recovered_at": time.time(), "released_rows": self._release(name), "resumed_at_step": None})
+            event = self.removed[(name, i)]
+            event["recovered_at"], event["released_rows"] = time.time(), self._release(name)
             return None
         if name not in self.groups or not isinstance(exc, ray.exceptions.RayActorError):
             raise exc
@@ -223,7 +223,12 @@ class Supervisor:
                           "detected_at": time.time(), "recovered_at": None, "released_rows": 0,
                           "resumed_at_step": self.reporter.trained_steps})
         for i in running[wanted:]:
-            self.removed.add(("rollout", i))
+            # Recorded when asked, not when its loop is seen to end: a run may end before that. The rows it held
+            # are handed out again once its loop has ended (``recover``); the summary has their number.
+            self.removed[("rollout", i)] = {"service": "rollout", "worker": i, "restart": None, "error": "removed",
+                                            "detected_at": time.time(), "recovered_at": None, "released_rows": None,
+                                            "resumed_at_step": None}
+            self._record(self.removed[("rollout", i)])
             ray.kill(rollout[i])
         print(f"scale: rollout instances {len(running)} -> {wanted}", flush=True)
         return added

@@ -15,6 +15,36 @@ class SlowTrainer(FakeTrainEngine):
         self.faults = dataclasses.replace(self.faults, train_s=0.3)
 
 
+class Gate:
+    """A Ray actor (named ``GATE``, made by the test) that says how many train steps may run: a test opens it
+    step by step to hold a run at a point while it acts on it (``GatedTrainer``)."""
+
+    def __init__(self):
+        self.allowed = 0
+
+    def open(self, steps: int) -> None:
+        self.allowed = max(self.allowed, steps)
+
+    def get(self) -> int:
+        return self.allowed
+
+
+GATE = "test-train-gate"
+
+
+class GatedTrainer(FakeTrainEngine):
+    """The optimizer steps of the run's step ``n`` (weight version ``n``; ``algorithm.ppo_epochs`` of them) wait
+    until the named ``Gate`` allows ``n + 1`` steps."""
+
+    def train_step(self, *args, **kwargs) -> dict:
+        import ray
+
+        gate = ray.get_actor(GATE)
+        while ray.get(gate.get.remote()) <= self.version:
+            time.sleep(0.02)
+        return super().train_step(*args, **kwargs)
+
+
 class SlowTokens(FakeRolloutEngine):
     """5 ms per engine step (one token of every running sequence): a step's rollout outlasts the training tail
     of the step before, so versions arrive mid-rollout."""

@@ -120,24 +120,39 @@ def _alive(name: str) -> int:
 
 def test_rollout_instances_are_added_and_removed_on_request_while_the_run_goes_on(tmp_path, tiny_model_dir,
                                                                                    shared_ray):
-    from asyncflow.workflow.supervisor import request_scale
+    import ray
 
+    from asyncflow.workflow.supervisor import request_scale
+    from tests.fakes.slowed import GATE, Gate
+
+    # The trainer waits at a gate (``GatedTrainer``), so each request lands while the run still has steps to go,
+    # however slowly an added instance starts on a loaded machine.
+    gate = ray.remote(Gate).options(name=GATE).remote()
     out, seen = tmp_path / "scale", []
 
     def scale() -> None:  # 1 -> 2 once step 0 is logged, 2 -> 1 once step 3 is
-        for logged, wanted in ((1, 2), (4, 1)):
-            while _logged(out) < logged:
-                time.sleep(0.05)
-            request_scale(out, wanted)
-            deadline = time.monotonic() + 60
-            while _alive("RolloutService") != wanted and time.monotonic() < deadline:
-                time.sleep(0.05)
-            seen.append(_alive("RolloutService"))
+        give_up = time.monotonic() + 300  # a run that never logs: the assertions below say so
+        try:
+            for logged, wanted, then in ((1, 2, 4), (4, 1, STEPS)):
+                while _logged(out) < logged and time.monotonic() < give_up:
+                    time.sleep(0.05)
+                request_scale(out, wanted)
+                deadline = time.monotonic() + 120
+                while _alive("RolloutService") != wanted and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                seen.append(_alive("RolloutService"))
+                ray.get(gate.open.remote(then))
+        finally:
+            ray.get(gate.open.remote(STEPS))  # never leave the run held
 
+    ray.get(gate.open.remote(1))
     thread = threading.Thread(target=scale, daemon=True)
     thread.start()
-    summary = run_fake(tmp_path, tiny_model_dir, "scale", *RUN)
-    thread.join(10)
+    try:
+        summary = run_fake(tmp_path, tiny_model_dir, "scale", *RUN, "trainer.engine=tests.fakes.slowed.GatedTrainer")
+    finally:
+        thread.join(10)
+        ray.kill(gate)
     assert seen == [2, 1], seen
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
     events = [(e["service"], e["worker"], e["error"]) for e in summary["service_restarts"]]
