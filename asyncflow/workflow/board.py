@@ -203,6 +203,20 @@ class VersionBoard:
         """The step a finished group goes to, or why none (``StreamLedger.claim``)."""
         return self._stream.claim(oldest_version, reserved)
 
+    async def stream_claims(self, claims: list[tuple[int, bool]]) -> tuple[list[tuple[str, int]], int]:
+        """``stream_claim`` for each ``(oldest_version, reserved)`` of the groups an engine finished together, in
+        order, in one round trip: their ``(verdict, step)`` and the open step after them."""
+        verdicts, open_step = [], None
+        for oldest, reserved in claims:
+            verdict, step, open_step = self._stream.claim(oldest, reserved)
+            verdicts.append((verdict, step))
+        return verdicts, (self._stream.state()["open"] if open_step is None else open_step)
+
+    async def stream_poll(self, domain: str = "local") -> tuple[int, int]:
+        """What a stream rollout loop polls for, in one round trip: the newest version in ``domain`` and the
+        stream's open step."""
+        return self._domain(domain)["version"], self._stream.state()["open"]
+
     async def stream_state(self) -> dict:
         """The stream's open step, claims and stale groups (``StreamLedger.state``)."""
         return self._stream.state()

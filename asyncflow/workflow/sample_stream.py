@@ -79,8 +79,7 @@ class StreamRollout:
         now = time.monotonic()
         if now - self._polled >= self.poll_s:
             self._polled = now
-            self.newest = self._call("version", self.svc.domain)
-            self.open = self._call("stream_state")["open"]
+            self.newest, self.open = self._call("stream_poll", self.svc.domain)
 
     def _release_doomed(self) -> None:
         """Give back the reservations of groups that can no longer be trained (admitted at a version older than the
@@ -137,42 +136,60 @@ class StreamRollout:
 
     # ------------------------------------------------------------------ groups out
     def _finished(self, done) -> None:
+        finished = []
         for (gid, j), sample in done:
             group = self.groups[gid]
             group.samples[j] = sample
             if len(group.samples) == self.n:
-                self._place(gid, self.groups.pop(gid))
+                finished.append((gid, self.groups.pop(gid)))
+        if finished:
+            self._place(finished)
 
-    def _place(self, gid: int, group: _Group) -> None:
-        """Claim a step for a finished group and put it there, or put its prompt back when it went stale."""
-        samples = [group.samples[j] for j in range(self.n)]
-        verdict, step, self.open = self._call("stream_claim", min(s.weight_version for s in samples),
-                                              not group.doomed)
-        if verdict == "full":  # every step has its groups: the run is ending
-            return
-        stats = self.stats.setdefault(step, _StepStats())
-        if verdict == "stale":
-            stats.stale += 1
-            data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long)] * self.n}
-            if self.budgets:
-                data["max_new_tokens"] = torch.tensor(group.budgets, dtype=torch.long)
-            if self.answers:
-                data["ground_truth"] = [group.answer] * self.n
-            self.svc.tq.put(STREAM_PARTITION, data, group_ids=[gid] * self.n)
-            return
-        data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long)] * self.n,
-                "response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for s in samples],
-                "behaviour_logprobs": [torch.tensor(s.response_logprobs) for s in samples]}
-        if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
-            data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for s in samples]
+    def _place(self, finished: list[tuple[int, _Group]]) -> None:
+        """Claim a step for each group the engine finished together and put it there, or put its prompt back when
+        it went stale: one board round trip, and one put per partition the groups go to (the rollout loop's own
+        time is what the engine waits on)."""
+        samples = {gid: [group.samples[j] for j in range(self.n)] for gid, group in finished}
+        verdicts, self.open = self._call("stream_claims", [(min(s.weight_version for s in samples[gid]),
+                                                            not group.doomed) for gid, group in finished])
+        puts: dict[str, list] = {}  # partition -> its groups, in claim order
+        for (gid, group), (verdict, step) in zip(finished, verdicts):
+            if verdict == "full":  # every step has its groups: the run is ending
+                continue
+            stats = self.stats.setdefault(step, _StepStats())
+            if verdict == "stale":
+                stats.stale += 1
+                puts.setdefault(STREAM_PARTITION, []).append((gid, group, None))
+                continue
+            puts.setdefault(partition_name(step), []).append((gid, group, samples[gid]))
+            stats.rows += self.n
+            for s in samples[gid]:
+                stats.tokens += len(s.response_ids)
+                stats.lags += [step - v for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
+        for partition, groups in puts.items():
+            self._put(partition, groups)
+
+    def _put(self, partition: str, groups: list[tuple[int, _Group, list | None]]) -> None:
+        """Put whole groups into ``partition``: their prompts only when they went stale (``samples`` None, the
+        prompt stream), else their rows."""
+        data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long) for _, group, _ in groups
+                               for _ in range(self.n)]}
+        group_ids = [gid for gid, _, _ in groups for _ in range(self.n)]
         if self.answers:
-            data["ground_truth"] = [group.answer] * self.n
-        self.svc.tq.put(partition_name(step), data, group_ids=[gid] * self.n,
-                        versions=[s.weight_version for s in samples], lengths=[row_length(s) for s in samples])
-        stats.rows += self.n
-        for s in samples:
-            stats.tokens += len(s.response_ids)
-            stats.lags += [step - v for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
+            data["ground_truth"] = [group.answer for _, group, _ in groups for _ in range(self.n)]
+        if partition == STREAM_PARTITION:
+            if self.budgets:
+                data["max_new_tokens"] = torch.tensor([b for _, group, _ in groups for b in group.budgets],
+                                                      dtype=torch.long)
+            self.svc.tq.put(STREAM_PARTITION, data, group_ids=group_ids)
+            return
+        flat = [s for _, _, samples in groups for s in samples]
+        data["response_ids"] = [torch.tensor(s.response_ids, dtype=torch.long) for s in flat]
+        data["behaviour_logprobs"] = [torch.tensor(s.response_logprobs) for s in flat]
+        if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
+            data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for s in flat]
+        self.svc.tq.put(partition, data, group_ids=group_ids, versions=[s.weight_version for s in flat],
+                        lengths=[row_length(s) for s in flat])
 
     # ------------------------------------------------------------------ reports
     def _idle(self) -> None:
