@@ -1,4 +1,5 @@
-"""``asyncflow.train``: config from a file, Megatron-LM arguments, overrides and user hooks; a run on the fakes."""
+"""``asyncflow.train``: config from a file, Megatron-LM arguments, overrides and user hooks; a run on the fakes, whose
+summary also feeds the CLI's final line (once "mean of the last 10 steps" after 4 steps)."""
 
 import argparse
 
@@ -52,10 +53,31 @@ def test_megatron_args_it_cannot_honour_stop_before_anything_starts():
         asyncflow.build_config(str(RECIPE), megatron_args={"num_layers_per_virtual_pipeline_stage": 2})
 
 
-def test_train_runs_user_hooks_and_returns_the_summary(tmp_path, tiny_model_dir, shared_ray):
-    out = tmp_path / "run"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, tiny_model_dir, shared_ray):
+    """One ``asyncflow.train`` run on the fakes (5 small steps) with the user's prompts and reward: its summary,
+    with ``_out``. Read by the hook check and by the CLI's final-line check, which need the same run."""
+    out = tmp_path_factory.mktemp("api") / "run"
     summary = asyncflow.train(RECIPE, overrides=[f"model.path={tiny_model_dir}", f"observability.output_dir={out}",
                                                  *FAKE, *SMALL], prompts=my_prompts, reward=quarter_reward)
-    assert summary["steps"] == 5
-    assert (out / "summary.json").is_file()
-    assert summary["rewards"] == [pytest.approx(0.25)] * 5  # every step scored by the user's reward
+    return {**summary, "_out": out}
+
+
+def test_train_runs_user_hooks_and_returns_the_summary(trained):
+    assert trained["steps"] == 5
+    assert (trained["_out"] / "summary.json").is_file()
+    assert trained["rewards"] == [pytest.approx(0.25)] * 5  # every step scored by the user's reward
+
+
+def test_the_final_line_says_over_how_many_steps_the_reward_was_averaged(trained):
+    # The CLI's last line once said "mean of the last 10 steps" after 4 steps: a run shorter than 10 steps
+    # averages (and says it averages) over all of its steps.
+    from asyncflow.cli import final_line
+
+    assert trained["steps"] == 5 and trained["reward_tail_steps"] == 5
+    line = final_line(trained)
+    assert f"-> {trained['reward_last10_mean']:.3f} (mean of the last 5 steps)" in line, line
+    assert "last 10" not in line
+    long_run = dict(trained, steps=120, reward_tail_steps=10)
+    assert "(mean of the last 10 steps)" in final_line(long_run)
+    assert "(mean of the last 1 step)" in final_line(dict(trained, steps=1, reward_tail_steps=1))

@@ -1,8 +1,8 @@
 """A user's mistake is one ``asyncflow: error:`` line that names the file or key and the fix, exit code 2, and no
 traceback: a YAML syntax error (once a PyYAML traceback naming ``<unicode string>`` instead of the file), a missing
 model path, a missing dataset file, a reward or engine that does not load (once a traceback from inside an actor,
-after Ray had started). Each runs the real command line in a subprocess, so that a traceback would show. Also the
-run's final line, which once said "mean of the last 10 steps" after 4 steps."""
+after Ray had started). Each runs the real command line in a subprocess, so that a traceback would show. The run's
+final line (``final_line``) is checked on the run of ``tests/test_api.py``."""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from asyncflow.cli import final_line
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "recipes/tiny_cpu/grpo_async.yaml"
@@ -92,19 +90,6 @@ def test_a_plugin_that_cannot_load_is_refused_before_ray_starts(tmp_path, overri
                       f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert line.startswith(expected), line
     assert not model.exists() and not (tmp_path / "run").exists()
-
-
-def test_the_final_line_says_over_how_many_steps_the_reward_was_averaged(tmp_path, tiny_model_dir, shared_ray):
-    from tests.recipe_runs import SMALL, run_fake
-
-    summary = run_fake(tmp_path, tiny_model_dir, "short", *SMALL, "workflow.steps=4")
-    assert summary["steps"] == 4 and summary["reward_tail_steps"] == 4
-    line = final_line(summary)
-    assert f"-> {summary['reward_last10_mean']:.3f} (mean of the last 4 steps)" in line, line
-    assert "last 10" not in line
-    long_run = dict(summary, steps=120, reward_tail_steps=10)
-    assert "(mean of the last 10 steps)" in final_line(long_run)
-    assert "(mean of the last 1 step)" in final_line(dict(summary, steps=1, reward_tail_steps=1))
 
 
 def test_simulate_names_a_missing_cost_file_and_how_to_make_one(tmp_path):
