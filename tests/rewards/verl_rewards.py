@@ -1,4 +1,5 @@
-"""A reward written for verl, used as is by the fake runs of ``test_reward_workers`` (named by dotted path)."""
+"""A reward written for verl, used as is by the reward-worker run of ``tests/workflow/test_loop.py`` (named by dotted
+path)."""
 
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):

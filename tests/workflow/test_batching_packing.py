@@ -1,5 +1,6 @@
 """Token-budget micro-batches (``workflow.batching``): the plan, the split that evens replicas, the merge of
-TransferQueue batches; and the padding a packed step moves on long-tailed lengths."""
+TransferQueue batches; and the padding a packed step moves on long-tailed lengths. The packed run on the fake
+engines is one of ``test_loop``'s runs."""
 
 import pytest
 import torch
@@ -70,18 +71,5 @@ def test_merge_and_select_give_the_micro_batch_of_the_same_rows():
         assert torch.equal(got[key], want[key]), key
 
 
-def test_packed_run_trains_every_prompt_once_and_reports_its_padding(tmp_path, tiny_model_dir, shared_ray):
-    """The loop on the fake engines with ``micro_batch_tokens``: the actor reads its step whole and groups it by
-    length, the reference forward packs the same way; both report the tokens they moved (replica 0's)."""
-    from tests.recipe_runs import GROUP, PROMPTS, SMALL, STEPS, check_staleness_and_exactly_once, records, run_fake
-
-    # Two replicas: the TransferQueue's token_balanced sampler deals the step out, both run as many micro-batches.
-    summary = run_fake(tmp_path, tiny_model_dir, "packed", *SMALL, "trainer.micro_batch_tokens=64",
-                       "trainer.data_parallel=2", "trainer.micro_batch_size=4")
-    check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
-    steps = [r for r in records(summary) if "actor/padded_tokens_ratio" in r]
-    assert len(steps) == STEPS
-    for r in steps:
-        assert r["actor/real_tokens"] > 0 and 1.0 <= r["actor/padded_tokens_ratio"] <= 1.5
-        assert 1.0 <= r["reference/padded_tokens_ratio"] <= 1.5
-        assert r["actor/rows"] == PROMPTS * GROUP
+# The padding a packed step moves in a whole run: ``test_packed_run_trains_every_prompt_once_and_reports_its_padding``
+# of ``tests/workflow/test_loop.py`` (the loop's k=0 run is the packed one).

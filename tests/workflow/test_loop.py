@@ -4,8 +4,10 @@ actors, the TransferQueue, the version board, the services, the driver loop), so
 Checked: staleness is never exceeded and async runs ahead up to its bound, every prompt is trained exactly once
 with its whole GRPO group, every version the trainer makes reaches the rollout through the weight path (the
 fakes compute the same function on both sides, so the logprob gap is exactly 0 unless a version went missing),
-no weights pass through Ray's object store, the outputs are written, and the loop carries a learning signal
-(the fake policy learns add-one). The real engines meet the same contract on the runs of ``test_e2e``.
+no weights pass through Ray's object store, the outputs are written, token-budget micro-batches report their
+padding, two reward workers score each row once with its dataset row's information, and the loop carries a
+learning signal (the fake policy learns add-one). The real engines meet the same contract on the runs of
+``test_e2e``.
 """
 
 import json
@@ -26,6 +28,22 @@ from tests.recipe_runs import (
 LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP = 40, 32, 8
 NO_REFERENCE = ["algorithm.kl_coef=0"]
 SLOW_TRAINER = "trainer.engine=tests.fakes.slowed.SlowTrainer"  # rollout is then always ready before the trainer
+PACKED = ["trainer.micro_batch_tokens=64", "trainer.data_parallel=2", "trainer.micro_batch_size=4"]
+
+
+def _reward_workers(tmp) -> list[str]:
+    """Overrides for two reward workers scoring with a verl-shaped reward, on a dataset whose rows carry a data
+    source and extra info (the answer) for it to check."""
+    rows = []
+    for i in range(2 * PROMPTS):
+        digits = f"{(i * 379) % 10000:04d}"
+        answer = "".join(str((int(d) + 1) % 10) for d in digits)
+        rows.append({"prompt": f"{digits}>", "ground_truth": answer, "data_source": "toy",
+                     "extra_info": {"answer": answer}})
+    data = tmp / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return ["workflow.task=jsonl", f"data.path={data}", "data.apply_chat_template=false", "data.max_prompt_len=8",
+            "reward.workers=2", "algorithm.reward=tests.rewards.verl_rewards:compute_score"]
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +53,17 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
         # The demo recipe's sizes (async, k=1), long enough to learn; tensorboard on to check its output.
         "async": run_fake(tmp, tiny_model_dir, "async", f"workflow.steps={LEARN_STEPS}",
                           "observability.tensorboard=true"),
-        # Without a reference model (kl_coef=0: one process fewer), the bounds k=0 and k=2; a trainer slower than
-        # rollout makes rollout run ahead as far as k=2 allows.
-        "async_k0": run_fake(tmp, tiny_model_dir, "async_k0", "workflow.max_staleness=0", *SMALL, *NO_REFERENCE),
+        # The bound k=0, with token-budget micro-batches (``test_packed_run_...``): two replicas, among which the
+        # TransferQueue's token_balanced sampler deals the step out, and the reference forward packs the same way.
+        "async_k0": run_fake(tmp, tiny_model_dir, "async_k0", "workflow.max_staleness=0", *SMALL, *PACKED),
+        # Without a reference model (kl_coef=0: one process fewer), the bound k=2; a trainer slower than rollout
+        # makes rollout run ahead as far as k=2 allows.
         "async_k2": run_fake(tmp, tiny_model_dir, "async_k2", "workflow.max_staleness=2", *SMALL, *NO_REFERENCE,
                              SLOW_TRAINER),
-        "sync": run_fake(tmp, tiny_model_dir, "sync", "workflow.mode=sync", "workflow.max_staleness=0", *SMALL),
+        # Two reward workers share each step's rows, and a verl-shaped reward reads each dataset row's data source
+        # and extra info (``test_two_reward_workers_...``): the task is a JSONL file of add-one prompts.
+        "sync": run_fake(tmp, tiny_model_dir, "sync", "workflow.mode=sync", "workflow.max_staleness=0", *SMALL,
+                         *_reward_workers(tmp)),
     }
 
 
@@ -98,6 +121,39 @@ def test_the_loop_carries_a_learning_signal(runs):
     s = runs["async"]
     assert s["reward_first"] < 0.2
     assert s["reward_last10_mean"] > 0.5, s["rewards"]
+
+
+def test_packed_run_trains_every_prompt_once_and_reports_its_padding(runs):
+    """With ``micro_batch_tokens`` the actor reads its step whole and groups it by length, the reference forward
+    packs the same way; both report the tokens they moved (replica 0's). Exactly-once: the parametrized check."""
+    steps = [r for r in records(runs["async_k0"]) if "actor/padded_tokens_ratio" in r]
+    assert len(steps) == STEPS
+    for r in steps:
+        assert r["actor/real_tokens"] > 0 and 1.0 <= r["actor/padded_tokens_ratio"] <= 1.5
+        assert 1.0 <= r["reference/padded_tokens_ratio"] <= 1.5
+        assert r["actor/rows"] == PROMPTS * GROUP
+
+
+def test_two_reward_workers_score_each_row_once_with_its_row_info(runs):
+    run = runs["sync"]
+    assert run["steps"] == STEPS
+    # Every step's rows were scored, by one worker each (the counts add up to the step's rows, no more)...
+    metrics = records(run)
+    assert [m["reward/rows"] for m in metrics] == [PROMPTS * GROUP] * STEPS
+    assert all(m["reward/failures"] == 0 for m in metrics)
+    # ... each with its own row's data source and extra info.
+    assert all(m["reward/extra/source_seen_mean"] == 1.0 and m["reward/extra/extra_seen_mean"] == 1.0
+               for m in metrics)
+    # Both workers scored rows (the timeline's score spans, by worker).
+    trace = json.loads((run["_out"] / "timeline.json").read_text())["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
+    by_worker: dict[str, int] = {}
+    for e in trace:
+        if e["ph"] == "X" and e["cat"] == "reward" and e["name"] == "score":
+            who = names[(e["pid"], e["tid"])]
+            by_worker[who] = by_worker.get(who, 0) + e["args"]["rows"]
+    assert sorted(by_worker) == ["reward/0", "reward/1"]
+    assert all(n > 0 for n in by_worker.values()) and sum(by_worker.values()) == STEPS * PROMPTS * GROUP
 
 
 @pytest.mark.parametrize("name", ["async", "async_k0", "async_k2", "sync"])
