@@ -87,8 +87,6 @@ def _load(*overrides):
 
 @pytest.mark.parametrize("overrides, message", [
     (["workflow.eval_every=2"], "needs data.val_path"),
-    (["workflow.eval_before_train=true", "data.val_path=v.jsonl", "rollout.continuous=true"], "chunked rollout"),
-    (["workflow.eval_every=2", "data.val_path=v.jsonl", "workflow.mode=stream"], "chunked rollout"),
     (["workflow.eval_every=2", "data.val_path=v.jsonl", "workflow.eval_k=0"], "workflow.eval_k=0 must be at least 1"),
     (["workflow.eval_every=-1"], "workflow.eval_every=-1 must be at least 0"),
     (["data.val_size=0"], "data.val_size=0 must be at least 1"),
