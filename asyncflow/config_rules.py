@@ -137,8 +137,8 @@ def stream(cfg: AsyncFlowConfig) -> list[str]:
 
 
 def evaluation(cfg: AsyncFlowConfig) -> list[str]:
-    """Evaluation needs a validation set, and an engine that is idle between two steps: the chunked rollout in
-    ``async`` mode (a continuous stream keeps requests in flight across steps), any rollout in ``sync``."""
+    """Evaluation needs a validation set and single-turn generation (every mode and rollout evaluates; the
+    streaming ones drain their engine for it: ``asyncflow.workflow.evaluation``)."""
     wf, found = cfg.workflow, []
     found += [f"workflow.{key}={getattr(wf, key)} must be at least {low}"
               for key, low in (("eval_every", 0), ("eval_k", 1), ("eval_samples", 0)) if getattr(wf, key) < low]
@@ -149,12 +149,6 @@ def evaluation(cfg: AsyncFlowConfig) -> list[str]:
     what = f"workflow.eval_every={wf.eval_every}" if wf.eval_every else "workflow.eval_before_train=true"
     if not cfg.data.val_path:
         found.append(f"{what} needs data.val_path (a .jsonl / .parquet validation set)")
-    streaming = wf.mode == "stream" or (wf.mode == "async" and (cfg.rollout.continuous or cfg.rollout.partial))
-    if streaming:
-        found.append(f"{what} runs between two generations of the chunked rollout: workflow.mode={wf.mode} with "
-                     f"rollout.continuous={cfg.rollout.continuous}, rollout.partial={cfg.rollout.partial} keeps "
-                     "requests in flight across steps; use workflow.mode=async with rollout.continuous=false and "
-                     "rollout.partial=false, or workflow.mode=sync")
     if cfg.agent.loop is not None:
         found.append(f"{what} generates single-turn responses; agent.loop={cfg.agent.loop!r} runs multi-turn ones")
     return found

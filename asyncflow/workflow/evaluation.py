@@ -24,6 +24,10 @@ import numpy as np
 
 from asyncflow.observability import keys
 
+EVAL_SERVICE = "evaluation"
+"""The service name of the report that carries an evaluation of the streaming loops (``RolloutService.
+evaluate_drained``): not a rollout report, so it never stands in for one of its step's."""
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one prompt from ``n`` samples of which ``c`` are correct (Chen et al. 2021):

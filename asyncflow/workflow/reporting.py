@@ -11,6 +11,7 @@ from collections import defaultdict
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.observability import RunObserver, keys
 from asyncflow.observability.logprob_gap import gap_problems, merge_stats
+from asyncflow.workflow.evaluation import EVAL_SERVICE, write_samples
 
 ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries", "/stale_groups",
             "/failures", "/restarts")
@@ -66,9 +67,12 @@ class Reporter:
             self.observer.timeline.merge(item["spans"])
             who = (item["service"], item.get("worker", 0))
             self.reported[who] = max(self.reported.get(who, -1), item["step"])
-            if item["step"] < self.trained_steps:  # a sample-stream instance's share of a step already logged
-                continue
-            pending = self.pending[item["step"]]
+            step = item["step"]
+            if step < self.trained_steps:
+                if item["service"] != EVAL_SERVICE:  # a sample-stream instance's share of a step already logged
+                    continue
+                step = self.trained_steps  # an evaluation that ended after its step was logged: with the next one
+            pending = self.pending[step]
             counts = pending.setdefault("_reports", defaultdict(int))
             for key, value in item["metrics"].items():
                 if key in pending:  # several rollout instances report the same step
@@ -83,11 +87,9 @@ class Reporter:
             if ends:
                 pending["_end"] = max(pending.get("_end", 0.0), max(ends))
             if "trained_groups" in item:
-                self.trained_groups[item["step"]] = item["trained_groups"]
+                self.trained_groups[step] = item["trained_groups"]
             if item.get("eval_samples"):  # validation responses of an evaluation (``workflow.evaluation``)
-                from asyncflow.workflow.evaluation import write_samples
-
-                write_samples(self.cfg.observability.output_dir, item["step"], item["eval_samples"])
+                write_samples(self.cfg.observability.output_dir, step, item["eval_samples"])
         while True:
             step = self.trained_steps
             have = self.pending.get(step, {}).get("_services", set())

@@ -56,9 +56,12 @@ class ContinuousRollout:
 
     poll_weights_s = 0.05  # how often the board is asked for a newer version while generating
 
-    def __init__(self, service, partial: bool):
+    def __init__(self, service, partial: bool, evaluate: bool = False):
+        """``evaluate``: run the service's evaluations (instance 0's ``evaluator``) between steps, draining the
+        engine for each; off for ``sync`` mode's one-step runs, whose ``run_step`` evaluates before them."""
         self.svc = service
         self.partial = partial
+        self.evaluator = service.evaluator if evaluate else None
         self.agent = service.agent  # an ``asyncflow.agents.AgentLoop`` or None (single turn)
         self.calls = None  # its calls in flight (``asyncflow.agents.calls.AgentCalls``), made in ``run``
         self.meta: dict = {}  # key -> the prompt row's metadata (multi-turn trajectories in flight)
@@ -102,6 +105,19 @@ class ContinuousRollout:
                 if state.in_flight:
                     state.swaps += 1
             self._finished(done)
+
+    def _evaluation(self, step: int, post) -> bool:
+        """True while an evaluation is due for the newest staged version and the engine drains for it: no row is
+        admitted then, the rows in flight finish (with partial rollout too: an evaluation costs a drain). Once the
+        engine is empty, the newest weights allowed for ``step`` are applied and evaluated
+        (``RolloutService.evaluate_drained``); the loop then admits rows again."""
+        if self.evaluator is None or not self.evaluator.due(self._newest_version()):
+            return False
+        if self._busy():
+            return True
+        self._idle()
+        self.svc.evaluate_drained(step, post)
+        return False
 
     # ------------------------------------------------------------------ rows
     def _admit_rows(self, step: int, block: bool) -> bool:
@@ -264,7 +280,7 @@ class ContinuousRollout:
                 self._flush()
                 post(self._report(reported))
                 reported += 1
-            if admit < last:
+            if admit < last and not self._evaluation(admit, post):
                 self.steps.setdefault(admit, _StepState())
                 self._weights(admit)
                 if self.svc.engine.weight_version >= admitted_version(admit, self.svc.max_staleness):

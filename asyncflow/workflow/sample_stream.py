@@ -105,6 +105,24 @@ class StreamRollout:
                 self.stats[step].swaps += 1
             self._finished(done)
 
+    def _evaluation(self, last: int, post) -> bool:
+        """True while an evaluation is due for the newest staged version and the engine drains for it: no group is
+        admitted (the reservations held go back to the ledger, for the other instances) and the weights wait, under
+        partial rollout too (an evaluation costs a drain). Once the engine is empty the newest weights are applied
+        and evaluated (``RolloutService.evaluate_drained``), and the loop admits again. Only while a step is open:
+        weights no group will be generated with are not evaluated."""
+        evaluator = self.svc.evaluator
+        if evaluator is None or self.open >= last or not evaluator.due(self.newest):
+            return False
+        if self.held:
+            self._call("stream_release", self.held)
+            self.held = 0
+        if len(self.stream):
+            return True
+        self._idle()
+        self.svc.evaluate_drained(self.newest + self.svc.max_staleness, post, step=self.open)
+        return False
+
     # ------------------------------------------------------------------ prompts in
     def _admit(self) -> bool:
         """Admit whole groups from the prompt stream into free slots, as far as reservations allow."""
@@ -224,8 +242,10 @@ class StreamRollout:
             # Under dynamic sampling a judged group may still leave room in a full step: go on until it trained.
             if self.open >= last and (not self.svc.partial_batches or self.newest >= last):
                 break
-            self._weights()
-            admitted = self._admit()
+            draining = self._evaluation(last, post)
+            if not draining:
+                self._weights()
+            admitted = not draining and self._admit()
             if len(self.stream):
                 self._finished(self.stream.step())
             elif not admitted:

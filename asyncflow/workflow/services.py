@@ -348,7 +348,7 @@ class RolloutService(TaskService):
             return last
         if not self.continuous:
             return super().run(first, last)
-        ContinuousRollout(self, self.partial).run(first, last, self.post)
+        ContinuousRollout(self, self.partial, evaluate=True).run(first, last, self.post)
         return last
 
     def _evaluate(self, version: int) -> tuple[dict, list[dict]] | None:
@@ -357,6 +357,20 @@ class RolloutService(TaskService):
             return None
         with self.timeline.span(self.name, "evaluate", self.worker, version=version):
             return self.evaluator.run(self.engine, version)
+
+    def evaluate_drained(self, admit: int, post, step: int | None = None) -> None:
+        """The streaming loops' evaluation (``ContinuousRollout``, ``StreamRollout``), once they drained the
+        engine for it: apply the newest weights allowed for step ``admit`` (``_admit``) and, when still due,
+        evaluate them and ``post`` the result as a report of its own (``EVAL_SERVICE``) for ``step`` (default
+        ``admit``: the step the loop admits next). Its own service name keeps it from counting as the step's
+        rollout report; the driver logs it with ``step``, or with the next step it logs when ``step`` was logged
+        meanwhile (``workflow.reporting``)."""
+        from asyncflow.workflow.evaluation import EVAL_SERVICE
+
+        evaluated = self._evaluate(self._admit(admit))
+        if evaluated is not None:
+            report = {**self.report(admit if step is None else step, {}), "service": EVAL_SERVICE}
+            post(self._with_evaluation(report, evaluated))
 
     @staticmethod
     def _with_evaluation(report: dict, evaluated: tuple[dict, list[dict]] | None) -> dict:

@@ -1,0 +1,151 @@
+"""Evaluation in the streaming modes: the sample stream (``workflow.mode: stream``) and the continuous stream with
+partial rollout (``async``, ``rollout.partial``). Rollout instance 0 stops admitting, drains its engine, applies the
+newest weights and evaluates them, then admits again. One fake-engine run per mode: the evaluations sit at the
+versions the run reached (version 0 first, with ``eval_before_train``), each writes its samples file, and the
+training contract of the mode still holds (nothing of an evaluation is trained). Plus the driver's side: an
+evaluation whose step was logged before it arrived goes with the next step, and the config rules.
+"""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.recipe_runs import (
+    FAKE,
+    REPO,
+    SMALL,
+    STEPS,
+    check_staleness_and_exactly_once,
+    check_stream,
+    records,
+    run_fake,
+)
+
+PROMPTS, GROUP, K = 8, 4, 3
+VAL = ["1234", "9099", "0000", "5817", "4444"]
+SHOWN = 2
+MODES = {
+    "stream": ["workflow.mode=stream"],
+    "partial": ["workflow.mode=async", "rollout.continuous=true", "rollout.partial=true"],
+}
+
+
+def _val_file(tmp_path):
+    path = tmp_path / "val.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": "".join(str((int(d) + 1) % 10)
+                                                                                         for d in p)}) + "\n"
+                            for p in VAL))
+    return path
+
+
+@pytest.fixture(scope="module", params=sorted(MODES))
+def evaluated(request, tmp_path_factory, tiny_model_dir, shared_ray):
+    tmp = tmp_path_factory.mktemp(f"eval_{request.param}")
+    run = run_fake(tmp, tiny_model_dir, "run", *SMALL, *MODES[request.param], f"data.val_path={_val_file(tmp)}",
+                   "rollout.engine=tests.fakes.drain_checked.DrainChecked",
+                   "data.apply_chat_template=false", "workflow.eval_every=2", "workflow.eval_before_train=true",
+                   f"workflow.eval_k={K}", f"workflow.eval_samples={SHOWN}")
+    run["_mode"] = request.param
+    return run
+
+
+def test_evaluations_at_the_versions_reached(evaluated):
+    rows = records(evaluated)
+    evals = [r for r in rows if "eval/version" in r]
+    # Version 0 before the first group is admitted; version 2 (or 3, when the trainer got there first) as soon as the
+    # loop sees it: with max_staleness 1 no group of step 3 can be generated before the engine takes version 2.
+    assert [r["eval/version"] for r in evals[:2]] in ([0, 2], [0, 3]) and evals[0]["step"] == 0
+    for i, r in enumerate(evals):
+        # One evaluation per multiple of eval_every reached, at the first version past it; logged with a step the
+        # rollout had not finished when it ran (steps below the version evaluated were trained before it).
+        assert r["eval/version"] >= 2 * i and r["eval/version"] <= r["step"]
+        assert r["eval/prompts"] == len(VAL) and r["eval/pass@1"] <= r[f"eval/pass@{K}"] <= 1.0
+        assert 0.0 <= r["eval/greedy_acc"] <= 1.0 and r["eval/seconds"] > 0
+    assert all(a["eval/version"] // 2 < b["eval/version"] // 2 for a, b in zip(evals, evals[1:]))
+    assert all(not any(k.startswith("eval/") for k in r) for r in rows if r not in evals)
+
+
+def test_eval_samples_files(evaluated):
+    rows = records(evaluated)
+    evals = [r for r in rows if "eval/version" in r]
+    folder = evaluated["_out"] / "eval_samples"
+    assert sorted(p.name for p in folder.iterdir()) == [f"step_{r['step']:06d}.jsonl" for r in evals]
+    for r in evals:
+        lines = [json.loads(line) for line in (folder / f"step_{r['step']:06d}.jsonl").read_text().splitlines()]
+        assert [line["prompt"] for line in lines] == [f"<bos>{p}>" for p in VAL[:SHOWN]]
+        assert all(line["version"] == r["eval/version"] and line["step"] == r["step"] for line in lines)
+        assert all(len(line["sampled"]) == K for line in lines)
+
+
+def test_training_contract_holds_and_nothing_of_an_evaluation_is_trained(evaluated):
+    if evaluated["_mode"] == "stream":
+        check_stream(evaluated, 1, STEPS, PROMPTS, GROUP)
+    else:
+        check_staleness_and_exactly_once(evaluated, 1, STEPS, PROMPTS, GROUP)
+    # Every step trained its own groups' rows and no validation response: exactly prompts x group rows.
+    assert all(r["actor/rows"] == PROMPTS * GROUP for r in records(evaluated))
+
+
+def test_one_evaluate_span_per_evaluation(evaluated):
+    """The timeline shows each evaluation as rollout instance 0's ``evaluate`` span, with the version it evaluated
+    (the run's engine, ``tests.fakes.drain_checked``, failed the run had one started over responses in flight)."""
+    trace = json.loads((evaluated["_out"] / "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X" and e["name"] == "evaluate"]
+    assert {e["cat"] for e in spans} == {"rollout"}
+    assert [e["args"]["version"] for e in spans] == [r["eval/version"] for r in records(evaluated)
+                                                     if "eval/version" in r]
+
+
+def _reporter(tmp_path):
+    from asyncflow.config import load_config
+    from asyncflow.workflow.reporting import Reporter
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml",
+                      [*FAKE, f"observability.output_dir={tmp_path}", "workflow.steps=3"])
+    pipe = SimpleNamespace(groups={}, client=SimpleNamespace(status=lambda: {"live_rows": 0}))
+    return Reporter(cfg, pipe)
+
+
+def _report(service, step, metrics, **extra):
+    return {"step": step, "service": service, "worker": 0, "metrics": metrics, "spans": [], **extra}
+
+
+def test_a_late_evaluation_goes_with_the_next_step(tmp_path, shared_ray):
+    """The driver's side: an evaluation report whose step was logged before it arrived is logged with the next
+    step (its metrics and samples file), while a late rollout share is still left out; an evaluation report is no
+    rollout report (a step needs one of those to be logged). On the tests' Ray: the driver logs its object store."""
+    reporter = _reporter(tmp_path)
+    step0 = [_report(s, 0, {f"{s}/x": 1.0}) for s in ("actor", "advantage", "rollout")]
+    reporter.collect(step0)
+    late_eval = _report("evaluation", 0, {"eval/version": 0.0}, eval_samples=[{"version": 0, "prompt": "p"}])
+    reporter.collect([late_eval, _report("rollout", 0, {"rollout/rows": 5.0}),
+                      _report("actor", 1, {}), _report("advantage", 1, {}), _report("evaluation", 1, {})])
+    assert reporter.trained_steps == 1  # step 1 has no rollout report yet: the evaluation's does not count
+    reporter.collect([_report("rollout", 1, {"rollout/rows": 3.0})])
+    logged = {h["step"]: h for h in reporter.history}
+    assert "eval/version" not in logged[0] and logged[1]["eval/version"] == 0.0
+    assert logged[1]["rollout/rows"] == 3.0  # the late share of step 0 was not added anywhere
+    sample = json.loads((tmp_path / "eval_samples" / "step_000001.jsonl").read_text())
+    assert sample == {"step": 1, "version": 0, "prompt": "p"}
+    reporter.observer.close()
+
+
+def _load(*overrides):
+    from asyncflow.config import load_config
+
+    return load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", list(overrides))
+
+
+@pytest.mark.parametrize("mode", sorted(MODES) + ["continuous"])
+def test_config_accepts_evaluation_in_the_streaming_modes(mode):
+    extra = MODES.get(mode, ["workflow.mode=async", "rollout.continuous=true"])
+    cfg = _load("workflow.eval_every=2", "workflow.eval_before_train=true", "data.val_path=v.jsonl", *extra)
+    assert cfg.workflow.eval_every == 2
+
+
+def test_config_still_refuses_evaluation_with_an_agent_loop():
+    from asyncflow.config_loader import ConfigError
+
+    with pytest.raises(ConfigError, match="generates single-turn responses"):
+        _load("workflow.eval_every=2", "data.val_path=v.jsonl", "agent.loop=calculator")
