@@ -1,13 +1,19 @@
 """Evaluation while training: the validation set through a rollout engine at the current weights.
 
 The driver reads the validation set (``data.val_path``) once, before the workers start, and hands it to rollout
-instance 0 (``evaluation_spec``). That instance evaluates between two generations, never inside one: when the
-weight version it admits for a step reaches the next multiple of ``workflow.eval_every`` (version 0 too with
+instance 0 (``evaluation_spec``). That instance evaluates on an empty engine, never over requests in flight: when
+the weight version it is about to serve reaches the next multiple of ``workflow.eval_every`` (version 0 too with
 ``workflow.eval_before_train``), it generates one greedy response (temperature 0) and ``workflow.eval_k`` sampled
 responses (at ``rollout.temperature``) per validation prompt, scores them with the run's reward function and
 returns the metrics (``eval/*``, ``asyncflow.observability.keys``) and the first ``workflow.eval_samples``
-prompts' responses with that step's report. The driver logs the metrics with the step's and writes the samples to
+prompts' responses. The driver logs the metrics with a step's and writes the samples to
 ``<output_dir>/eval_samples/step_<n>.jsonl``.
+
+Where that fits: the chunked rollout and ``sync`` mode evaluate between two generations, with the version admitted
+for the step about to be generated, and the result goes with that step's report. The streaming loops (the
+continuous stream, ``rollout_stream``; the sample stream, ``sample_stream``) keep requests in flight across steps:
+instance 0 stops admitting, drains its engine (under partial rollout too), applies the newest weights and evaluates
+them, then admits again; the result is a report of its own (``EVAL_SERVICE``). The other instances never stop.
 
 Nothing of an evaluation enters the TransferQueue: validation responses are never trained and never counted by
 the staleness bound or the exactly-once record of trained prompts.

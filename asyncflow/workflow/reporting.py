@@ -72,6 +72,8 @@ class Reporter:
                 if item["service"] != EVAL_SERVICE:  # a sample-stream instance's share of a step already logged
                     continue
                 step = self.trained_steps  # an evaluation that ended after its step was logged: with the next one
+                if step >= self.cfg.workflow.steps:  # no step left to log it with: neither metrics nor samples
+                    continue
             pending = self.pending[step]
             counts = pending.setdefault("_reports", defaultdict(int))
             for key, value in item["metrics"].items():

@@ -128,6 +128,11 @@ def test_a_late_evaluation_goes_with_the_next_step(tmp_path, shared_ray):
     assert logged[1]["rollout/rows"] == 3.0  # the late share of step 0 was not added anywhere
     sample = json.loads((tmp_path / "eval_samples" / "step_000001.jsonl").read_text())
     assert sample == {"step": 1, "version": 0, "prompt": "p"}
+    # Past the run's last step (workflow.steps=3) there is no step to log a late evaluation with: it is dropped.
+    reporter.collect([_report(s, 2, {}) for s in ("actor", "advantage", "rollout")])
+    reporter.collect([_report("evaluation", 2, {"eval/version": 2.0}, eval_samples=[{"version": 2}])])
+    assert reporter.trained_steps == 3 and not reporter.pending
+    assert sorted(p.name for p in (tmp_path / "eval_samples").iterdir()) == ["step_000001.jsonl"]
     reporter.observer.close()
 
 
