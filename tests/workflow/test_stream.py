@@ -16,6 +16,8 @@ from tests.recipe_runs import GROUP, PROMPTS, SMALL, check_stream, records, run_
 STREAM = ["workflow.mode=stream"]
 LONG_TAIL = ["rollout.engine=tests.fakes.slowed.LongTail", "rollout.partial=true"]
 LONG_STEPS = 8
+STREAM_STEPS = 4
+STREAM_RUN = [*SMALL, "workflow.rollout_instances=2", f"workflow.steps={STREAM_STEPS}", "checkpoint.interval=2"]
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +25,8 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
     tmp = tmp_path_factory.mktemp("stream")
     return {
         # Two rollout engines: each claims steps for the groups it finishes, and both report shares of a step.
-        "stream": run_fake(tmp, tiny_model_dir, "stream", *STREAM, *SMALL, "workflow.rollout_instances=2"),
+        # Checkpoints after steps 2 and 4: ``test_resume_...`` resumes it.
+        "stream": run_fake(tmp, tiny_model_dir, "stream", *STREAM, *STREAM_RUN),
         "stream_k0": run_fake(tmp, tiny_model_dir, "stream_k0", *STREAM, *SMALL, "workflow.max_staleness=0",
                               "algorithm.kl_coef=0"),
         "long_tail": run_fake(tmp, tiny_model_dir, "long_tail", *STREAM, *SMALL, *LONG_TAIL,
@@ -32,8 +35,9 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
     }
 
 
-@pytest.mark.parametrize("name,k,steps,prompts", [("stream", 1, 5, PROMPTS), ("stream_k0", 0, 5, PROMPTS),
-                                                  ("long_tail", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32)])
+@pytest.mark.parametrize("name,k,steps,prompts", [
+    ("stream", 1, STREAM_STEPS, PROMPTS), ("stream_k0", 0, 5, PROMPTS), ("long_tail", 1, LONG_STEPS, PROMPTS),
+    ("dapo", 1, 4, 32)])
 def test_staleness_bound_and_each_prompt_trained_once(runs, name, k, steps, prompts):
     group = 8 if name == "dapo" else GROUP
     check_stream(runs[name], k, steps, prompts, group)
@@ -122,10 +126,11 @@ def test_config_refuses_what_the_stream_does_not_run():
         load_config(recipe, [*STREAM, "workflow.stream_spare=-1"])
 
 
-def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(tmp_path, tiny_model_dir, shared_ray):
-    # 4 steps with a checkpoint after steps 2 and 4, then the same run resumed to 6 steps: the resumed run starts
-    # at step 4 with the prompts fed but not trained before the checkpoint (in the stream, in the engine or in
-    # step 4's partition), then goes on from the stream's cursor. Over both runs no prompt is trained twice.
+def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(runs, tmp_path, tiny_model_dir):
+    # The 4-step stream run, with its checkpoints after steps 2 and 4, resumed to 6 steps (into an output
+    # directory of its own, from the first run's checkpoints): the resumed run starts at step 4 with the prompts fed
+    # but not trained before the checkpoint (in the stream, in an engine or in step 4's partition), then goes on
+    # from the stream's cursor. Over both runs no prompt is trained twice.
     import json
     from collections import Counter
 
@@ -133,22 +138,21 @@ def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(tmp_path, tiny
     from asyncflow.workflow.loop import train
     from tests.recipe_runs import FAKE, REPO
 
-    def cfg(steps: int):
-        return load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
-            *STREAM, *SMALL, *FAKE, f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path}",
-            f"workflow.steps={steps}", "checkpoint.interval=2", "algorithm.kl_coef=0"])
-
-    first = train(cfg(4))
-    meta = json.loads((tmp_path / "checkpoints" / "step_000004" / "meta.json").read_text())
+    first = runs["stream"]
+    checkpoints = first["_out"] / "checkpoints"
+    meta = json.loads((checkpoints / f"step_{STREAM_STEPS:06d}" / "meta.json").read_text())
     pending = [gid for gid, *_ in meta["stream_pending"]]
     assert pending and meta["stream_next_group"] > max(pending)
-    resumed = train(cfg(6), resume=True)
-    assert resumed["first_step"] == 4 and resumed["steps"] == 2
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+        *STREAM, *STREAM_RUN, *FAKE, f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path}",
+        "workflow.steps=6", f"checkpoint.dir={checkpoints}"])
+    resumed = train(cfg, resume=True)
+    assert resumed["first_step"] == STREAM_STEPS and resumed["steps"] == 2
     # The resumed run's record starts with the checkpoint's: every step, each prompt's group once and whole.
     trained = resumed["trained_groups"]
     assert sorted(map(int, trained)) == list(range(6))
     assert set(Counter(g for groups in trained.values() for g in groups).values()) == {GROUP}
-    before = {g for step in range(4) for g in first["trained_groups"][str(step)]}
-    after = {g for step in (4, 5) for g in resumed["trained_groups"][str(step)]}
+    before = {g for step in range(STREAM_STEPS) for g in first["trained_groups"][str(step)]}
+    after = {g for step in range(STREAM_STEPS, 6) for g in resumed["trained_groups"][str(step)]}
     assert not before & after
     assert set(pending) & after  # the untrained prompts of the first run came back
