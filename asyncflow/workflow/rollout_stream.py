@@ -111,7 +111,8 @@ class ContinuousRollout:
         admitted then, the rows in flight finish (with partial rollout too: an evaluation costs a drain). Once the
         engine is empty, the newest weights allowed for ``step`` are applied and evaluated
         (``RolloutService.evaluate_drained``); the loop then admits rows again."""
-        if self.evaluator is None or not self.evaluator.due(self._newest_version()):
+        # None staged yet (-1): version 0 is coming, and with eval_before_train it is evaluated before any row.
+        if self.evaluator is None or not self.evaluator.due(max(self._newest_version(), 0)):
             return False
         if self._busy():
             return True

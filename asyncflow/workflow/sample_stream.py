@@ -111,8 +111,8 @@ class StreamRollout:
         partial rollout too (an evaluation costs a drain). Once the engine is empty the newest weights are applied
         and evaluated (``RolloutService.evaluate_drained``), and the loop admits again. Only while a step is open:
         weights no group will be generated with are not evaluated."""
-        evaluator = self.svc.evaluator
-        if evaluator is None or self.open >= last or not evaluator.due(self.newest):
+        evaluator, newest = self.svc.evaluator, max(self.newest, 0)  # none staged yet: version 0 is coming
+        if evaluator is None or self.open >= last or not evaluator.due(newest):
             return False
         if self.held:
             self._call("stream_release", self.held)
@@ -120,7 +120,7 @@ class StreamRollout:
         if len(self.stream):
             return True
         self._idle()
-        self.svc.evaluate_drained(self.newest + self.svc.max_staleness, post, step=self.open)
+        self.svc.evaluate_drained(newest + self.svc.max_staleness, post, step=self.open)
         return False
 
     # ------------------------------------------------------------------ prompts in
@@ -165,11 +165,14 @@ class StreamRollout:
 
     def _place(self, finished: list[tuple[int, _Group]]) -> None:
         """Claim a step for each group the engine finished together and put it there, or put its prompt back when
-        it went stale: one board round trip, and one put per partition the groups go to (the rollout loop's own
-        time is what the engine waits on)."""
+        it went stale: one board round trip (with the reservations for the freed slots), and one put per partition
+        the groups go to (the rollout loop's own time is what the engine waits on)."""
         samples = {gid: [group.samples[j] for j in range(self.n)] for gid, group in finished}
-        verdicts, self.open = self._call("stream_claims", [(min(s.weight_version for s in samples[gid]),
-                                                            not group.doomed) for gid, group in finished])
+        # The slots they freed are reserved in the same round trip (``_admit`` asks again if that was refused).
+        claims = [(min(s.weight_version for s in samples[gid]), not group.doomed) for gid, group in finished]
+        verdicts, self.open, granted = self._call("stream_claims", claims, self.stream.free // self.n - self.held,
+                                                  self.svc.engine.weight_version)
+        self.held += granted
         puts: dict[str, list] = {}  # partition -> its groups, in claim order
         for (gid, group), (verdict, step) in zip(finished, verdicts):
             if verdict == "full":  # every step has its groups: the run is ending
