@@ -199,18 +199,18 @@ class VersionBoard:
         """Reservations given back unused."""
         self._stream.release(groups)
 
-    async def stream_claim(self, oldest_version: int, reserved: bool = True) -> tuple[str, int, int]:
-        """The step a finished group goes to, or why none (``StreamLedger.claim``)."""
-        return self._stream.claim(oldest_version, reserved)
-
-    async def stream_claims(self, claims: list[tuple[int, bool]]) -> tuple[list[tuple[str, int]], int]:
-        """``stream_claim`` for each ``(oldest_version, reserved)`` of the groups an engine finished together, in
-        order, in one round trip: their ``(verdict, step)`` and the open step after them."""
-        verdicts, open_step = [], None
+    async def stream_claims(self, claims: list[tuple[int, bool]], reserve: int = 0,
+                            version: int = -1) -> tuple[list[tuple[str, int]], int, int]:
+        """The step each group an engine finished together goes to, or why none (``StreamLedger.claim`` for each
+        ``(oldest_version, reserved)``, in order), then ``stream_reserve(reserve, version)`` for the slots they
+        freed, in one round trip: their ``(verdict, step)``, the open step after them, and the reservations
+        granted."""
+        verdicts = []
         for oldest, reserved in claims:
-            verdict, step, open_step = self._stream.claim(oldest, reserved)
+            verdict, step, _ = self._stream.claim(oldest, reserved)
             verdicts.append((verdict, step))
-        return verdicts, (self._stream.state()["open"] if open_step is None else open_step)
+        granted = self._stream.reserve(reserve, version) if reserve > 0 else 0
+        return verdicts, self._stream.state()["open"], granted
 
     async def stream_poll(self, domain: str = "local") -> tuple[int, int]:
         """What a stream rollout loop polls for, in one round trip: the newest version in ``domain`` and the
