@@ -193,6 +193,39 @@ class _Group:
 
 
 # ---------------------------------------------------------------------------------------------- training
+class _TableAdam:
+    """Adam on the one table, by torch's own Adam (``torch.optim.adam.adam``) without ``torch.optim.Optimizer``,
+    whose constructor imports ``torch._dynamo``: that import would cost a fake trainer rank's start more than torch's
+    own import. Same updates as ``torch.optim.Adam`` with these settings; ``state_dict`` is its own."""
+
+    def __init__(self, param: torch.nn.Parameter, lr: float, betas: tuple[float, float]):
+        self.param, self.lr, self.betas = param, lr, betas
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
+        self.step_count = torch.tensor(0.0)
+
+    def zero_grad(self) -> None:
+        self.param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        from torch.optim.adam import adam
+
+        if self.param.grad is None:
+            return
+        adam([self.param], [self.param.grad], [self.exp_avg], [self.exp_avg_sq], [], [self.step_count],
+             foreach=False, capturable=False, differentiable=False, fused=None, grad_scale=None, found_inf=None,
+             has_complex=False, amsgrad=False, beta1=self.betas[0], beta2=self.betas[1], lr=self.lr,
+             weight_decay=0.0, eps=1e-8, maximize=False)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count.clone(), "exp_avg": self.exp_avg.clone(), "exp_avg_sq": self.exp_avg_sq.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step_count.copy_(state["step"])
+        self.exp_avg.copy_(state["exp_avg"])
+        self.exp_avg_sq.copy_(state["exp_avg_sq"])
+
+
 class _FakeTrainable:
     """What the fake train and critic engines share: a table, its Adam optimizer, the group, checkpoints."""
 
@@ -204,8 +237,7 @@ class _FakeTrainable:
         table = torch.zeros(CONTEXT, self.vocab, width or self.vocab) if zero else \
             initial_table(self.vocab, seed, width, CONTEXT)
         self.table = torch.nn.Parameter(table, requires_grad=trainable)
-        self.optimizer = torch.optim.Adam([self.table], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2)) \
-            if trainable else None
+        self.optimizer = _TableAdam(self.table, cfg.lr, (cfg.adam_beta1, cfg.adam_beta2)) if trainable else None
         self.group = _Group(cfg, group_timeout_s)
         self.version = 0
 
