@@ -112,3 +112,25 @@ def test_faults_come_from_the_environment(tiny_model_dir, monkeypatch):
     with pytest.raises(RuntimeError, match="weight version 3"):
         rollout.apply_staged({"plan": {}, "segments": {}}, 3)
     assert rollout.weight_version == 0
+
+
+def test_the_table_optimizer_makes_torch_adams_updates_and_state():
+    """The fake trainers' Adam (torch's functional Adam, without ``torch.optim.Optimizer`` and its import of
+    ``torch._dynamo``) moves the table as ``torch.optim.Adam`` does, bit for bit, and keeps the same state."""
+    from asyncflow.engines.fake import _TableAdam
+
+    start = torch.randn(2, 5, 5, generator=torch.Generator().manual_seed(0))
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    table_adam, torch_adam = _TableAdam(ours, 0.05, (0.9, 0.98)), torch.optim.Adam([theirs], lr=0.05, betas=(0.9, 0.98))
+    for step in range(12):
+        for param, opt in ((ours, table_adam), (theirs, torch_adam)):
+            opt.zero_grad()
+            ((param ** 3).sum() + step * param.sum()).backward()
+            opt.step()
+    assert torch.equal(ours, theirs)
+    assert not torch.equal(ours, start)
+    state, reference = table_adam.state_dict(), torch_adam.state_dict()["state"][0]
+    assert all(torch.equal(state[k], reference[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+    restored = _TableAdam(torch.nn.Parameter(ours.detach().clone()), 0.05, (0.9, 0.98))
+    restored.load_state_dict(state)
+    assert all(torch.equal(restored.state_dict()[k], state[k]) for k in state)
