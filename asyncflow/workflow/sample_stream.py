@@ -68,6 +68,7 @@ class StreamRollout:
         self.newest = -1
         self._polled = self._refused = self._empty = 0.0
         self.busy_since: float | None = None
+        self.draining = False  # instance 0 empties its engine for an evaluation (``_evaluation``)
 
     def _call(self, method: str, *args):
         import ray
@@ -112,12 +113,14 @@ class StreamRollout:
         and evaluated (``RolloutService.evaluate_drained``), and the loop admits again. Only while a step is open:
         weights no group will be generated with are not evaluated."""
         evaluator, newest = self.svc.evaluator, max(self.newest, 0)  # none staged yet: version 0 is coming
+        self.draining = False
         if evaluator is None or self.open >= last or not evaluator.due(newest):
             return False
         if self.held:
             self._call("stream_release", self.held)
             self.held = 0
-        if len(self.stream):
+        self.draining = bool(len(self.stream))
+        if self.draining:
             return True
         self._idle()
         self.svc.evaluate_drained(newest + self.svc.max_staleness, post, step=self.open)
@@ -170,8 +173,8 @@ class StreamRollout:
         samples = {gid: [group.samples[j] for j in range(self.n)] for gid, group in finished}
         # The slots they freed are reserved in the same round trip (``_admit`` asks again if that was refused).
         claims = [(min(s.weight_version for s in samples[gid]), not group.doomed) for gid, group in finished]
-        verdicts, self.open, granted = self._call("stream_claims", claims, self.stream.free // self.n - self.held,
-                                                  self.svc.engine.weight_version)
+        want = 0 if self.draining else self.stream.free // self.n - self.held  # a drain reserves nothing
+        verdicts, self.open, granted = self._call("stream_claims", claims, want, self.svc.engine.weight_version)
         self.held += granted
         puts: dict[str, list] = {}  # partition -> its groups, in claim order
         for (gid, group), (verdict, step) in zip(finished, verdicts):
