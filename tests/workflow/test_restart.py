@@ -22,7 +22,11 @@ from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, ray_lefto
 pytestmark = pytest.mark.loop
 
 STEPS, PROMPTS, GROUP = 8, 8, 4
-RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0"]
+# A worker killed between a put's prepare and its commit holds those rows until the put's lease runs out; its
+# restarted successor waits for that before it puts them again (docs/fault_tolerance.md). These puts are a few
+# kilobytes: a lease of 20 s still leaves a loaded machine ample time to commit, and spares the 120 s default.
+RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0",
+       "transfer_queue.put_lease_s=20"]
 
 
 class Killer(threading.Thread):
