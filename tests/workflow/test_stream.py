@@ -73,6 +73,39 @@ def test_dapo_in_stream_mode_trains_only_groups_with_signal(runs):
     assert sum(m["sampling/judged_rows"] for m in metrics) > 4 * 256  # flat groups were dropped and replaced
 
 
+def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(runs, tmp_path, tiny_model_dir):
+    # The 4-step stream run, with its checkpoints after steps 2 and 4, resumed to 6 steps (into an output
+    # directory of its own, from the first run's checkpoints): the resumed run starts at step 4 with the prompts fed
+    # but not trained before the checkpoint (in the stream, in either engine or in step 4's partition), then goes on
+    # from the stream's cursor. Over both runs no prompt is trained twice. The resumed run has one engine and no
+    # reference model (kl_coef=0): fewer processes to start, and which prompts it trains depends on neither.
+    import json
+    from collections import Counter
+
+    from asyncflow.config import load_config
+    from asyncflow.workflow.loop import train
+    from tests.recipe_runs import FAKE, REPO
+
+    first = runs["stream"]
+    checkpoints = first["_out"] / "checkpoints"
+    meta = json.loads((checkpoints / f"step_{STREAM_STEPS:06d}" / "meta.json").read_text())
+    pending = [gid for gid, *_ in meta["stream_pending"]]
+    assert pending and meta["stream_next_group"] > max(pending)
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+        *STREAM, *STREAM_RUN, *FAKE, f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path}",
+        "workflow.steps=6", f"checkpoint.dir={checkpoints}", "workflow.rollout_instances=1", "algorithm.kl_coef=0"])
+    resumed = train(cfg, resume=True)
+    assert resumed["first_step"] == STREAM_STEPS and resumed["steps"] == 2
+    # The resumed run's record starts with the checkpoint's: every step, each prompt's group once and whole.
+    trained = resumed["trained_groups"]
+    assert sorted(map(int, trained)) == list(range(6))
+    assert set(Counter(g for groups in trained.values() for g in groups).values()) == {GROUP}
+    before = {g for step in range(STREAM_STEPS) for g in first["trained_groups"][str(step)]}
+    after = {g for step in range(STREAM_STEPS, 6) for g in resumed["trained_groups"][str(step)]}
+    assert not before & after
+    assert set(pending) & after  # the untrained prompts of the first run came back
+
+
 # ---------------------------------------------------------------------------------------------- the ledger
 
 
@@ -124,35 +157,3 @@ def test_config_refuses_what_the_stream_does_not_run():
         load_config(recipe, [*STREAM, "agent.loop=calculator"])
     with pytest.raises(ConfigError, match="workflow.stream_spare=-1.0 must be at least 0"):
         load_config(recipe, [*STREAM, "workflow.stream_spare=-1"])
-
-
-def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(runs, tmp_path, tiny_model_dir):
-    # The 4-step stream run, with its checkpoints after steps 2 and 4, resumed to 6 steps (into an output
-    # directory of its own, from the first run's checkpoints): the resumed run starts at step 4 with the prompts fed
-    # but not trained before the checkpoint (in the stream, in an engine or in step 4's partition), then goes on
-    # from the stream's cursor. Over both runs no prompt is trained twice.
-    import json
-    from collections import Counter
-
-    from asyncflow.config import load_config
-    from asyncflow.workflow.loop import train
-    from tests.recipe_runs import FAKE, REPO
-
-    first = runs["stream"]
-    checkpoints = first["_out"] / "checkpoints"
-    meta = json.loads((checkpoints / f"step_{STREAM_STEPS:06d}" / "meta.json").read_text())
-    pending = [gid for gid, *_ in meta["stream_pending"]]
-    assert pending and meta["stream_next_group"] > max(pending)
-    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
-        *STREAM, *STREAM_RUN, *FAKE, f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path}",
-        "workflow.steps=6", f"checkpoint.dir={checkpoints}"])
-    resumed = train(cfg, resume=True)
-    assert resumed["first_step"] == STREAM_STEPS and resumed["steps"] == 2
-    # The resumed run's record starts with the checkpoint's: every step, each prompt's group once and whole.
-    trained = resumed["trained_groups"]
-    assert sorted(map(int, trained)) == list(range(6))
-    assert set(Counter(g for groups in trained.values() for g in groups).values()) == {GROUP}
-    before = {g for step in range(STREAM_STEPS) for g in first["trained_groups"][str(step)]}
-    after = {g for step in range(STREAM_STEPS, 6) for g in resumed["trained_groups"][str(step)]}
-    assert not before & after
-    assert set(pending) & after  # the untrained prompts of the first run came back
