@@ -99,6 +99,15 @@ def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_as
     return {**train_here(cfg), "_out": out}
 
 
+def add_one_val_file(tmp_path, prompts: list[str]) -> Path:
+    """A validation set of add-one ``prompts`` (digit strings) with their answers, as ``data.val_path`` reads it."""
+    path = Path(tmp_path) / "val.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": "".join(str((int(d) + 1) % 10)
+                                                                                         for d in p)}) + "\n"
+                            for p in prompts))
+    return path
+
+
 def check_staleness_and_exactly_once(summary: dict, k: int, steps: int, prompts: int, group: int) -> None:
     """The loop's contract on a run's summary: no step trained a row more than ``k`` versions old, and every prompt
     of every step was trained once, in its own step, with its whole GRPO group (group ids are step x prompts + i)."""

@@ -12,7 +12,15 @@ import math
 import pytest
 
 from asyncflow.workflow.evaluation import pass_at_k
-from tests.recipe_runs import FAKE, REPO, SMALL, check_staleness_and_exactly_once, records, run_fake
+from tests.recipe_runs import (
+    FAKE,
+    REPO,
+    SMALL,
+    add_one_val_file,
+    check_staleness_and_exactly_once,
+    records,
+    run_fake,
+)
 
 STEPS, PROMPTS, GROUP, K = 5, 8, 4, 3
 VAL = ["1234", "9099", "0000", "5817", "4444", "7260"]  # add-one prompts; the file has one row more than val_size
@@ -103,14 +111,6 @@ def test_config_rules_accept_sync_continuous():
     assert cfg.workflow.eval_every == 2 and cfg.data.val_path == "v.jsonl"
 
 
-def _val_file(tmp_path):
-    path = tmp_path / "val.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": "".join(str((int(d) + 1) % 10)
-                                                                                         for d in p)}) + "\n"
-                            for p in VAL))
-    return path
-
-
 def _eval_overrides(val):
     return [*SMALL, f"data.val_path={val}", f"data.val_size={VAL_SIZE}", "data.apply_chat_template=false",
             "workflow.eval_every=2", "workflow.eval_before_train=true", f"workflow.eval_k={K}",
@@ -143,7 +143,7 @@ def _expected_before_training(tmp_path, model_dir, *overrides) -> dict:
 @pytest.fixture(scope="module", params=["sync", "async"])
 def evaluated(request, tmp_path_factory, tiny_model_dir, shared_ray):
     tmp = tmp_path_factory.mktemp(f"eval_{request.param}")
-    overrides = _eval_overrides(_val_file(tmp))
+    overrides = _eval_overrides(add_one_val_file(tmp, VAL))
     mode = [f"workflow.mode={request.param}"]
     run = run_fake(tmp, tiny_model_dir, "run", *overrides, *mode)
     run["_expected_v0"] = _expected_before_training(tmp, tiny_model_dir, *overrides, *mode)

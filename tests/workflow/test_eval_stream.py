@@ -16,6 +16,7 @@ from tests.recipe_runs import (
     REPO,
     SMALL,
     STEPS,
+    add_one_val_file,
     check_staleness_and_exactly_once,
     check_stream,
     records,
@@ -31,18 +32,11 @@ MODES = {
 }
 
 
-def _val_file(tmp_path):
-    path = tmp_path / "val.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": "".join(str((int(d) + 1) % 10)
-                                                                                         for d in p)}) + "\n"
-                            for p in VAL))
-    return path
-
-
 @pytest.fixture(scope="module", params=sorted(MODES))
 def evaluated(request, tmp_path_factory, tiny_model_dir, shared_ray):
     tmp = tmp_path_factory.mktemp(f"eval_{request.param}")
-    run = run_fake(tmp, tiny_model_dir, "run", *SMALL, *MODES[request.param], f"data.val_path={_val_file(tmp)}",
+    val = add_one_val_file(tmp, VAL)
+    run = run_fake(tmp, tiny_model_dir, "run", *SMALL, *MODES[request.param], f"data.val_path={val}",
                    "rollout.engine=tests.fakes.drain_checked.DrainChecked",
                    "data.apply_chat_template=false", "workflow.eval_every=2", "workflow.eval_before_train=true",
                    f"workflow.eval_k={K}", f"workflow.eval_samples={SHOWN}")
