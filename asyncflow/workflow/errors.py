@@ -12,13 +12,40 @@ class WorkerDiedError(RuntimeError):
     weight version it was applying."""
 
 
-class TrainerDiedError(WorkerDiedError):
-    """A trainer rank's process died (``group``: actor or critic, ``rank``); ``step``: the steps trained when the
-    driver saw it. The driver restarts the run from its newest checkpoint (``workflow.max_restarts``)."""
+class RunLostError(WorkerDiedError):
+    """Something died whose loss only a restart of the whole run repairs: the driver restarts the run from its
+    newest checkpoint (``workflow.max_restarts``). ``group`` and ``rank`` name what died; ``step``: the steps trained
+    when the driver saw it."""
 
-    def __init__(self, message: str, group: str, rank: int, step: int | None = None):
+    cause = "run"
+    """What died, in the restart's record (``cause`` in ``restarts.jsonl`` and the summary)."""
+
+    def __init__(self, message: str, group: str, rank: int | None, step: int | None = None):
         super().__init__(message)
         self.group, self.rank, self.step = group, rank, step
+
+    def who(self) -> str:
+        """What died, for the restart's line."""
+        return f"{self.group} {self.rank}"
+
+
+class TrainerDiedError(RunLostError):
+    """A trainer rank's process died (``group``: actor, critic or reference, ``rank``)."""
+
+    cause = "trainer"
+
+    def who(self) -> str:
+        return f"trainer rank {self.rank} ({self.group})"
+
+
+class StorageLostError(RunLostError):
+    """A TransferQueue storage unit died with rows the run still needed (``rank``: the unit's id, None when the
+    controller could not say): the step that needs them cannot be trained whole."""
+
+    cause = "storage"
+
+    def who(self) -> str:
+        return "a TransferQueue storage unit" if self.rank is None else f"TransferQueue storage unit {self.rank}"
 
 
 class NodePathError(RuntimeError):

@@ -40,14 +40,14 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
     step boundary with a checkpoint there, writes ``summary.json``, tears everything down and raises
     ``RunStopped``.
 
-    When a trainer rank dies and checkpoints are on, the run is torn down and started again from its newest
-    complete checkpoint, as ``--resume`` does, up to ``workflow.max_restarts`` times (``trainer_restarts`` in the
-    summary)."""
-    from asyncflow.workflow.errors import TrainerDiedError
+    When a trainer rank dies, or a TransferQueue storage unit dies with rows the run still needs, and checkpoints
+    are on, the run is torn down and started again from its newest complete checkpoint, as ``--resume`` does, up to
+    ``workflow.max_restarts`` times (``run_restarts`` in the summary, ``trainer_restarts`` for the trainer deaths)."""
+    from asyncflow.workflow.errors import RunLostError
     from asyncflow.workflow.signals import RunStopped, StopSignals
 
     signals = StopSignals(cfg.checkpoint.signal_grace_s)
-    restarts: list[dict] = []  # the trainer restarts so far (``workflow.max_restarts``)
+    restarts: list[dict] = []  # the restarts of the whole run so far (``workflow.max_restarts``)
     with signals.installed():
         while True:
             try:
@@ -58,19 +58,18 @@ def train(cfg: AsyncFlowConfig, resume: bool = False) -> dict:
                 signals.tearing_down()
                 raise RunStopped(_resumed_at(cfg, resume), signals.signal_name, _resume_point(cfg),
                                  reason=signals.stop_reason) from None
-            except TrainerDiedError as exc:  # everything of the run is gone: start again from its checkpoint
+            except RunLostError as exc:  # everything of the run is gone: start again from its checkpoint
                 _restart(cfg, exc, restarts, signals)
                 resume = True
 
 
 def _restart(cfg: AsyncFlowConfig, died, restarts: list[dict], signals) -> None:
-    """A trainer rank died (``died``, a ``TrainerDiedError``) and the run was torn down: record a restart from the
-    newest complete checkpoint, or raise ``died`` when checkpoints are off or ``workflow.max_restarts`` is spent
-    (``RunStopped`` when a signal came meanwhile)."""
+    """A trainer rank or a storage unit died (``died``, a ``RunLostError``) and the run was torn down: record a
+    restart from the newest complete checkpoint, or raise ``died`` when checkpoints are off or
+    ``workflow.max_restarts`` is spent (``RunStopped`` when a signal came meanwhile)."""
     import json
     import time
 
-    from asyncflow.workflow.errors import TrainerDiedError
     from asyncflow.workflow.signals import RunStopped
 
     limit, point = cfg.workflow.max_restarts, _resume_point(cfg)
@@ -79,18 +78,19 @@ def _restart(cfg: AsyncFlowConfig, died, restarts: list[dict], signals) -> None:
     if point is None or limit <= 0:
         raise died
     if len(restarts) >= limit:
-        raise TrainerDiedError(f"{died}; the run was restarted from its checkpoint {len(restarts)} times already "
-                               f"(workflow.max_restarts={limit})", died.group, died.rank, died.step) from died
+        raise type(died)(f"{died}; the run was restarted from its checkpoint {len(restarts)} times already "
+                         f"(workflow.max_restarts={limit})", died.group, died.rank, died.step) from died
     step = point if died.step is None else died.step
-    event = {"group": died.group, "rank": died.rank, "died_at_step": step, "restart": len(restarts) + 1,
-             "checkpoint_step": point, "steps_redone": max(step - point, 0), "detected_at": time.time()}
+    event = {"cause": died.cause, "group": died.group, "rank": died.rank, "died_at_step": step,
+             "restart": len(restarts) + 1, "checkpoint_step": point, "steps_redone": max(step - point, 0),
+             "detected_at": time.time()}
     restarts.append(event)
     out = Path(cfg.observability.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "restarts.jsonl", "a") as f:  # beside the service restarts (``workflow.supervisor``)
         f.write(json.dumps({"service": died.group, "worker": died.rank, **event}) + "\n")
-    print(f"trainer rank {died.rank} ({died.group}) died at step {step}; restart {event['restart']}/{limit} from "
-          f"the checkpoint at step {point}", flush=True)
+    print(f"{died.who()} died at step {step}; restart {event['restart']}/{limit} from the checkpoint at step "
+          f"{point}", flush=True)
     signals.rearm()
 
 
@@ -102,7 +102,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
     from asyncflow.config import replace_section
     from asyncflow.observability.progress import StartupLog
     from asyncflow.tiny_model import ensure_model
-    from asyncflow.workflow.errors import TrainerDiedError
+    from asyncflow.workflow.errors import RunLostError, StorageLostError
     from asyncflow.workflow.feeder import Feeder, StreamFeeder
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
@@ -149,7 +149,8 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
 
         reporter = Reporter(cfg, pipe, first_step=start, trained_groups=meta.get("trained_groups"), on_step=step_done)
         if restarts:
-            reporter.extra_summary["trainer_restarts"] = restarts
+            reporter.extra_summary["run_restarts"] = restarts
+            reporter.extra_summary["trainer_restarts"] = [r for r in restarts if r["cause"] == "trainer"]
         feeder = (StreamFeeder(cfg, pipe, source, ckpt, start, meta) if wf.mode == "stream"
                   else Feeder(cfg, pipe, source, ckpt, start, replay=meta.get("replay")))
         run = {"sync": _run_sync, "stream": _run_stream}.get(wf.mode, _run_async)
@@ -157,6 +158,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
         return reporter.finish()
     except BaseException as exc:
         signals.tearing_down()
+        dead_units = _dead_units(pipe, exc)  # before ``abort`` drops the partitions (and their lost rows)
         pipe.abort(f"{type(exc).__name__}: {exc}")
         if signals.stopping_now(exc):  # a second signal, or the grace time is over: no checkpoint at the stop
             stop = RunStopped(reporter.trained_steps if reporter else start, signals.signal_name,
@@ -165,7 +167,11 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
                 reporter.finish(stopped=stop.record())
             raise stop from None
         explained = pipe.explain(exc)
-        if isinstance(explained, TrainerDiedError):
+        if explained is exc and dead_units is not None:
+            which = ", ".join(map(str, dead_units)) or "?"
+            explained = StorageLostError(f"TransferQueue storage unit {which} died; rows the run still needed were "
+                                         "lost with it", "storage", (dead_units or [None])[0])
+        if isinstance(explained, RunLostError):
             explained.step = reporter.trained_steps if reporter else start
         if explained is not exc:
             raise explained from exc
@@ -256,6 +262,28 @@ def _stop(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, trained: int, sta
     stop = RunStopped(trained, signals.signal_name, _resume_point(cfg), None if path is None else str(path))
     reporter.finish(stopped=stop.record())
     raise stop
+
+
+def _dead_units(pipe, exc: BaseException) -> list[int] | None:
+    """The ids of the dead storage units when ``exc`` comes from rows lost with them: a ``StorageUnitError``
+    anywhere in its chain (a service's, raised in its Ray task), or any TransferQueue error while a unit is dead (a
+    put or get that reached the dead unit before the controller declared it). None otherwise."""
+    from asyncflow.transfer_queue import StorageUnitError, TransferQueueError
+
+    chain, seen = [], exc
+    while seen is not None and len(chain) < 8:
+        chain.append(seen)
+        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
+    if not any(isinstance(e, TransferQueueError) for e in chain):
+        return None
+    try:
+        units = pipe.client.status()["units"]
+    except Exception:  # the controller is gone too: nothing says which unit
+        units = {}
+    dead = sorted(int(uid) for uid, unit in units.items() if not unit["alive"])
+    if dead or any(isinstance(e, StorageUnitError) for e in chain):
+        return dead
+    return None
 
 
 def _resume_point(cfg: AsyncFlowConfig) -> int | None:
