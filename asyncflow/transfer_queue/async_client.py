@@ -32,6 +32,7 @@ from .client import (
     refresh_units,
     stale_units,
     write_plan,
+    writer_tag,
 )
 from .codec import copy_bytes
 from .config import TransferQueueConfig
@@ -113,7 +114,11 @@ class AsyncConnection:
 class AsyncTransferQueueClient:
     """asyncio twin of ``TransferQueueClient``; ``await connect()`` (or ``async with``) first."""
 
-    def __init__(self, address: str, config: TransferQueueConfig | None = None):
+    def __init__(self, address: str, config: TransferQueueConfig | None = None, *, writer: str | None = None):
+        """``writer``: see ``TransferQueueClient``."""
+        self._rids = RequestIds()
+        self.writer = writer_tag(writer, self._rids)
+        """The writer tag sent with every put."""
         self.config = config or TransferQueueConfig()
         self.address = address
         self._ctx = zmq.asyncio.Context()
@@ -123,7 +128,6 @@ class AsyncTransferQueueClient:
         self._units: dict[int, UnitHandle] = {}
         self.moved_bytes = {"shm": 0, "socket": 0}
         """Payload bytes this client put and got through mapped arenas (same host) and through sockets."""
-        self._rids = RequestIds()
 
     async def _call(self, header: dict, timeout_s: float | None = None) -> dict:
         header = self._rids.stamp(header)
@@ -186,12 +190,17 @@ class AsyncTransferQueueClient:
         return (await self._call({"op": "release", "partition": partition, "task": task,
                                   "indexes": _ints(indexes)}))["released"]
 
+    async def roll_back_puts(self, writer: str) -> int:
+        """See ``TransferQueueClient.roll_back_puts``."""
+        reply = await self._call({"op": "roll_back_puts", "writer": writer})
+        return reply["rolled_back"] + reply["parked"]
+
     async def put(self, partition: str, data: dict, *, indexes=None, versions=None, group_ids=None,
                   lengths=None, timeout: float | None = None) -> list[int]:
         """See ``TransferQueueClient.put``."""
         timeout = self.config.put_timeout_s if timeout is None else timeout
         encoded, count = encode_put(data, indexes, versions, group_ids, lengths)
-        header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout)
+        header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout, self.writer)
         reply = await self._call(header, timeout + _RPC_GRACE_S)
         lease_end = lease_deadline(reply)
         try:

@@ -4,7 +4,8 @@ A put is three steps: ``prepare_put`` (the controller checks the fields and says
 bytes go), the bytes go to the storage units (a memcpy into the mapped arena on the same host, a
 ``write`` message otherwise), and ``commit_put`` makes the fields visible. A get is ``get_meta`` (rows
 and locations) followed by reading the bytes and a one-way ``ack``. Any failure between prepare and
-commit aborts the put, so a failed put leaves nothing behind.
+commit aborts the put, so a failed put leaves nothing behind. A writer killed in between cannot abort:
+its puts name it (``writer``), and whoever sees it die rolls them back with ``roll_back_puts``.
 """
 
 from __future__ import annotations
@@ -62,13 +63,22 @@ def _ints(value):
 
 
 def put_header(partition: str, encoded: dict[str, EncodedField], count: int, indexes, versions,
-               group_ids, lengths, timeout: float) -> dict:
+               group_ids, lengths, timeout: float, writer: str | None = None) -> dict:
     # Dense and ragged row sizes follow from spec and lengths; only object rows need explicit sizes.
     fields = {name: [e.spec.to_wire(), e.row_nbytes.tolist() if e.spec.kind == "object" else None,
                      None if e.row_len0 is None else e.row_len0.tolist()] for name, e in encoded.items()}
     return {"op": "prepare_put", "partition": partition, "count": count, "fields": fields,
             "indexes": _ints(indexes), "versions": _ints(versions), "group_ids": _ints(group_ids),
-            "lengths": _ints(lengths), "timeout": timeout}
+            "lengths": _ints(lengths), "timeout": timeout, "writer": writer}
+
+
+def writer_tag(writer: str | None, rids: RequestIds) -> str:
+    """A client's writer tag: the one it was given, or one unique to it."""
+    if writer is None:
+        return f"client-{rids.prefix}"
+    if not isinstance(writer, str) or not writer:
+        raise BadRequestError(f"writer must be a non-empty string, got {writer!r}")
+    return writer
 
 
 def write_plan(chunks: list, encoded: dict[str, EncodedField]) -> dict[int, list[tuple[int, memoryview]]]:
@@ -209,13 +219,17 @@ class TransferQueueClient:
     """Blocking client. Thread-safe (one request at a time per client; use one client per thread
     for parallelism)."""
 
-    def __init__(self, address: str, config: TransferQueueConfig | None = None):
+    def __init__(self, address: str, config: TransferQueueConfig | None = None, *, writer: str | None = None):
+        """``writer``: the tag every put of this client carries, so that its pending puts can be rolled back
+        when its process dies (``roll_back_puts``); None: a tag unique to this client."""
+        self._rids = RequestIds()
+        self.writer = writer_tag(writer, self._rids)
+        """The writer tag sent with every put."""
         self.config = config or TransferQueueConfig()
         self.address = address
         self._ctx = zmq.Context()
         self._signer = Signer(self.config.secret)
         self._lock = threading.RLock()
-        self._rids = RequestIds()
         self._controller = Connection(self._ctx, address, self._signer, "controller",
                                       self.config.max_message_bytes)
         # Blocking gets wait on a connection of their own thread, not under the client lock, so that a
@@ -327,7 +341,7 @@ class TransferQueueClient:
         Returns the rows' indexes."""
         timeout = self.config.put_timeout_s if timeout is None else timeout
         encoded, count = encode_put(data, indexes, versions, group_ids, lengths)
-        header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout)
+        header = put_header(partition, encoded, count, indexes, versions, group_ids, lengths, timeout, self.writer)
         with self._lock:
             reply = self._call(header, timeout + _RPC_GRACE_S)
             lease_end = lease_deadline(reply)
@@ -339,6 +353,16 @@ class TransferQueueClient:
             except BaseException:
                 self._abort(reply["put"])
                 raise
+
+    def roll_back_puts(self, writer: str) -> int:
+        """Roll back every put of ``writer`` (another client's tag) that was prepared and not committed, and
+        drop its puts still waiting for capacity: call it once that writer's process is dead and before its
+        successor writes under the same tag. The rows those puts held are free at once; a late commit of one
+        of them is refused (``StalePutError``) and its late writes never reach the rows' next writer. Returns
+        how many puts it rolled back or dropped."""
+        with self._lock:
+            reply = self._call({"op": "roll_back_puts", "writer": writer})
+        return reply["rolled_back"] + reply["parked"]
 
     def _abort(self, put_id: int) -> None:
         try:

@@ -21,17 +21,17 @@ class Deployment:
     address: str
     config: TransferQueueConfig
 
-    def client(self):
-        """A synchronous client connected to this deployment."""
+    def client(self, writer: str | None = None):
+        """A synchronous client connected to this deployment (``writer``: see ``TransferQueueClient``)."""
         from .client import TransferQueueClient
 
-        return TransferQueueClient(self.address, self.config)
+        return TransferQueueClient(self.address, self.config, writer=writer)
 
-    def async_client(self):
-        """An asyncio client (call ``await client.connect()`` before use)."""
+    def async_client(self, writer: str | None = None):
+        """An asyncio client (call ``await client.connect()`` before use; ``writer``: see ``TransferQueueClient``)."""
         from .async_client import AsyncTransferQueueClient
 
-        return AsyncTransferQueueClient(self.address, self.config)
+        return AsyncTransferQueueClient(self.address, self.config, writer=writer)
 
     def shutdown(self) -> None:
         """Stop the servers this deployment started and remove its shared memory (idempotent)."""

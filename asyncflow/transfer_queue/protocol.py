@@ -88,8 +88,8 @@ def _as_buffer(frame: Any):
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-MUTATING_OPS = frozenset({"create_partition", "prepare_put", "commit_put", "abort_put", "get_meta", "renew",
-                          "ack", "release", "seal", "clear"})
+MUTATING_OPS = frozenset({"create_partition", "prepare_put", "commit_put", "abort_put", "roll_back_puts", "get_meta",
+                          "renew", "ack", "release", "seal", "clear"})
 """Controller requests that change state. Clients give each a unique request id (``rid``); a retried or
 duplicated request with an id the controller has seen gets the first answer and takes no effect twice."""
 
@@ -100,6 +100,11 @@ class RequestIds:
     def __init__(self):
         self._prefix = secrets.token_hex(8)
         self._next = itertools.count(1)
+
+    @property
+    def prefix(self) -> str:
+        """The random part shared by every request id of this client (unique per client)."""
+        return self._prefix
 
     def stamp(self, header: dict) -> dict:
         """``header`` with a fresh ``rid`` when its op changes state (unchanged otherwise)."""

@@ -3,7 +3,9 @@
 A put is prepared (fields checked against the partition's schema, rows reserved, arena ranges
 allocated on the storage units), the client writes the bytes, and the commit makes them visible. A put
 that does not fit waits in ``parked_puts`` (back-pressure) until clears free space or its timeout
-passes; one that is never committed is rolled back by the controller's timer.
+passes; one that is never committed is rolled back by the controller's timer. Every put names its
+writer (a tag its client sends); ``roll_back_puts`` rolls back all pending puts of a writer whose
+process died at once, so that its successor can put the same rows without waiting for their leases.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from .schema import FieldSpec
 from .transport import DEFERRED, Request
 from .validation import check_float, check_int, int_array
 
+MAX_WRITER_CHARS = 256
+
 _CLOSED_PUTS_KEPT = 1 << 16  # outcomes remembered for retries; a retry comes within seconds
 _SPLIT_MIN_BYTES = 1 << 20  # puts smaller than this go to one unit: splitting costs more than it saves
 
@@ -44,6 +48,8 @@ class PendingPut:
     blocks: list[int]
     meta: dict
     deadline: float
+    writer: str = ""
+    """The tag of the client that prepared it (``TransferQueueClient.writer``)."""
 
 
 class PutHandlers:
@@ -62,6 +68,7 @@ class PutHandlers:
         h = req.header
         part = self._partition(h.get("partition"))
         count = check_int(h, "count", 1)
+        writer = _writer(h, required=False)
         specs = self._check_put_fields(part, h.get("fields"), count)
         indexes = h.get("indexes")
         meta = {k: int_array(h.get(k), count, k) for k in ("versions", "group_ids", "lengths")}
@@ -116,7 +123,7 @@ class PutHandlers:
                 chunk_offsets[name] = offset
             chunks.append([unit_id, start, stop, chunk_offsets])
         deadline = time.monotonic() + self.config.put_lease_s
-        self.puts[put_id] = PendingPut(part.name, rows, indexes is None, specs, blocks, meta, deadline)
+        self.puts[put_id] = PendingPut(part.name, rows, indexes is None, specs, blocks, meta, deadline, writer)
         self._epoch_high = put_id
         # The put id is the epoch of its ranges: writes carry it, and units refuse it once it is closed.
         return {"put": put_id, "indexes": rows.tolist(), "chunks": chunks, "lease": self.config.put_lease_s,
@@ -259,6 +266,25 @@ class PutHandlers:
         self._abort(req.header.get("put"), "its writer aborted it")
         return {}
 
+    def _op_roll_back_puts(self, req: Request):
+        """Roll back every pending put of a writer declared dead, and drop its puts still waiting for capacity.
+
+        Its rows are free at once; its ranges are fenced as for a lease expiry (``by_writer=False``), so
+        that a copy of it still under way, or a late commit, never reaches the rows' next writer."""
+        writer = _writer(req.header, required=True)
+        reason = f"its writer {writer!r} was declared dead"
+        put_ids = [k for k, put in self.puts.items() if put.writer == writer]
+        for put_id in put_ids:
+            self._abort(put_id, reason, by_writer=False)
+        parked = [item for item in self.parked_puts if item[0].header.get("writer") == writer]
+        for item in parked:
+            self.parked_puts.remove(item)
+            self.server.reply_error(item[0], StalePutError(f"put to partition {item[0].header.get('partition')!r} "
+                                                           f"dropped before it was prepared: {reason}"))
+        if parked:
+            self._wake_puts()  # a put waiting behind the dropped ones may fit now
+        return {"rolled_back": len(put_ids), "parked": len(parked)}
+
     def _abort(self, put_id, reason: str, by_writer: bool = True) -> None:
         """Roll back a pending put. ``by_writer``: its own client asked, so no copy of it can still be
         running on this host; otherwise its ranges wait out the lease before they are reused."""
@@ -300,6 +326,16 @@ class PutHandlers:
         cap = f"/{self.config.max_rows}" if self.config.max_rows else ""
         rows = f"{self.live_rows}{cap} rows"
         return f"{rows}; {units}"
+
+def _writer(header: dict, required: bool) -> str:
+    """The writer tag of a request ("" when an optional one is absent)."""
+    writer = header.get("writer")
+    if writer is None and not required:
+        return ""
+    if not isinstance(writer, str) or not writer or len(writer) > MAX_WRITER_CHARS:
+        raise BadRequestError(f"writer must be a non-empty string of at most {MAX_WRITER_CHARS} characters")
+    return writer
+
 
 def _expected_nbytes(spec: FieldSpec, len0: np.ndarray) -> np.ndarray | None:
     if spec.kind == "object":
