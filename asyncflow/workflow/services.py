@@ -40,13 +40,15 @@ class TaskService:
         acked only once their outputs are put, and puts skip rows whose outputs a dead predecessor wrote."""
         from asyncflow.observability import Timeline
         from asyncflow.transfer_queue import TransferQueueClient
-        from asyncflow.workflow.supervisor import RedoClient
+        from asyncflow.workflow.supervisor import RedoClient, writer_of
 
         if cpus:  # Ray reserves CPUs but does not pin; pinning keeps side-by-side workers off each other's cores
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
         self.redo = redo
-        self.tq = (RedoClient if redo else TransferQueueClient)(tq_address, tq_cfg)
+        # Its puts carry a tag that names the worker, so that the driver can roll back a put it prepared and never
+        # committed when its process dies (``Supervisor._died``).
+        self.tq = (RedoClient if redo else TransferQueueClient)(tq_address, tq_cfg, writer=writer_of(self.name, worker))
         self.board = board
         self.worker = worker
         self.timeout_s = timeout_s

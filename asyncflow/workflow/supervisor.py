@@ -11,7 +11,9 @@ what it made of it (``TaskService.stream`` with ``redo``), so a worker that dies
 flight; the supervisor releases them and they are handed out again, first. A row whose output the dead worker had
 already put (it died between its put and its ack) is skipped by the next put (``RedoClient``: fields are
 write-once, the first write stands). Releasing a task's in-flight rows also releases those of its live instances
-(the TransferQueue does not know which consumer holds them): they are made twice and put once.
+(the TransferQueue does not know which consumer holds them): they are made twice and put once. A put the dead worker
+had prepared and not committed is rolled back at once (``roll_back_puts`` of its writer tag, ``writer_of``), so that
+its successor's put of those rows does not wait for that put's lease (``transfer_queue.put_lease_s``).
 
 Not restarted: a rollout on the continuous stream (it acks rows as it admits them into its engine), the advantage
 task under dynamic sampling (its judgements are counted on the board as they happen), and any service in ``sync``
@@ -42,6 +44,11 @@ def request_scale(output_dir: str | Path, rollout: int) -> Path:
     tmp = out / f".{SCALE_FILE}.tmp"
     tmp.write_text(json.dumps({"rollout": int(rollout)}))
     return tmp.replace(out / SCALE_FILE)
+
+
+def writer_of(name: str, worker: int) -> str:
+    """The TransferQueue writer tag of worker ``worker`` of group ``name``; a restarted worker keeps it."""
+    return f"{name}/{worker}"
 
 
 def restartable(cfg: AsyncFlowConfig) -> set[str]:
@@ -82,7 +89,8 @@ class RedoClient(TransferQueueClient):
             self._put_row(partition, one, int(index), meta, kwargs)
 
     def _put_row(self, partition: str, data: dict, index: int, meta: dict, kwargs: dict) -> None:
-        # A put of the dead worker that was prepared and never committed holds the row until it rolls back.
+        # The supervisor rolled back the dead worker's pending puts before this worker's loop started; a pending put
+        # here is a live instance's that holds the same row, and commits or rolls back within its lease.
         deadline = time.monotonic() + self.config.put_lease_s + 30.0
         while True:
             try:
@@ -130,6 +138,7 @@ class Supervisor:
         name, i, handle = self.runs.pop(ref, (None, None, None))
         if (name, i) in self.removed:  # stopped on request (``scale``): its rows go to the others
             event = self.removed[(name, i)]
+            event["rolled_back_puts"] = self._roll_back(name, i)
             event["recovered_at"], event["released_rows"] = time.time(), self._release(name)
             return None
         if name not in self.groups or not isinstance(exc, ray.exceptions.RayActorError):
@@ -151,11 +160,13 @@ class Supervisor:
                                   f"workflow.max_service_restarts={self.limit}") from exc
         # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
         # its next incarnation) take them while Ray starts it again; its loop runs again once it answers (``poll``).
+        rolled_back = self._roll_back(name, i)
         released = self._release(name)
         self.reporter.collect()  # the reports it posted before it died say where it got to
         start = max(self.reporter.reported.get((name, i), -1) + 1, self.reporter.trained_steps)
         event = {"service": name, "worker": i, "restart": count, "error": type(exc).__name__, "detected_at": detected,
-                 "recovered_at": None, "released_rows": released, "resumed_at_step": start}
+                 "recovered_at": None, "released_rows": released, "rolled_back_puts": rolled_back,
+                 "resumed_at_step": start}
         self.starting[handle.ping.remote()] = (name, i, handle, what, event)
         print(f"{what} died; starting it again ({count} of at most {self.limit}), {released} of its rows handed out "
               f"again, going on from step {start}", flush=True)
@@ -266,12 +277,18 @@ class Supervisor:
             ray.kill(handle)
         except Exception:  # already gone for good
             pass
+        rolled_back = self._roll_back("rollout", i)
         released = self._release("rollout")
         self._record({"service": "rollout", "worker": i, "restart": None, "error": "dropped",
                       "detected_at": detected, "recovered_at": time.time(), "released_rows": released,
-                      "resumed_at_step": None})
+                      "rolled_back_puts": rolled_back, "resumed_at_step": None})
         print(f"{what} died; rollout workers died {count} times, more than workflow.max_service_restarts="
               f"{self.limit}: the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
+
+    def _roll_back(self, name: str, i: int) -> int:
+        """Roll back the puts worker ``i`` of ``name`` prepared and never committed (its process is dead), so that
+        the rows they held are free for the next writer at once; returns how many."""
+        return self.pipe.client.roll_back_puts(writer_of(name, i))
 
     def _release(self, task: str) -> int:
         """Give every row ``task`` holds in flight back to it (in every partition); returns how many."""

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueConfig, start
+from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, TransferQueueConfig, start
 from asyncflow.workflow.supervisor import RedoClient
 
 
@@ -50,3 +50,31 @@ def test_a_dead_workers_rows_are_made_again_and_written_once(tq):
     finally:
         first.close()
         second.close()
+
+
+def test_a_put_the_dead_worker_prepared_is_rolled_back_and_its_successor_puts_at_once(tq):
+    """The worker dies between a put's prepare and its commit: the supervisor rolls back the puts of its writer tag
+    (``Supervisor._roll_back``), and its successor, under the same tag, puts those rows without waiting for the
+    dead put's lease (``transfer_queue.put_lease_s``, 120 s here)."""
+    from asyncflow.transfer_queue.client import encode_put, put_header
+    from asyncflow.workflow.supervisor import writer_of
+
+    driver = tq.client()
+    dead = RedoClient(tq.address, tq.config, writer=writer_of("reward", 0))
+    try:
+        driver.create_partition("p", consumers=["reward"])
+        driver.put("p", {"x": torch.arange(4.0)})
+        encoded, count = encode_put({"y": torch.zeros(4)}, [0, 1, 2, 3], None, None, None)
+        dead._call(put_header("p", encoded, count, [0, 1, 2, 3], None, None, None, 10.0, dead.writer))
+        dead.close()  # prepared, never written nor committed: it "died"
+        assert driver.status()["pending_puts"] == 1
+        assert driver.roll_back_puts(writer_of("reward", 0)) == 1
+        assert driver.status()["pending_puts"] == 0
+        with RedoClient(tq.address, tq.config, writer=writer_of("reward", 0)) as successor:
+            # A plain put: it would fail with WritePendingError had the dead put still held the rows.
+            TransferQueueClient.put(successor, "p", {"y": torch.tensor([20.0, 21.0, 22.0, 23.0])},
+                                    indexes=[0, 1, 2, 3])
+        out = driver.get("p", "check", ["y"], 4)
+        assert dict(zip(out.indexes, out["y"].tolist())) == {i: 20.0 + i for i in range(4)}
+    finally:
+        driver.close()
