@@ -71,15 +71,15 @@ KINDS = ["rollout", "reward", "trainer", "storage", "reward", "rollout", "driver
 class Run:
     """``asyncflow train`` segments of one run (the first, then ``--resume`` after each stop)."""
 
-    def __init__(self, out: Path, model: Path, steps: int, extra: list[str]):
-        self.out, self.steps = out, steps
+    def __init__(self, out: Path, model: Path, steps: int, extra: list[str], env: dict | None = None):
+        self.out, self.steps, self.env = out, steps, env
         self.args = [str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), f"model.path={model}",
                      f"observability.output_dir={out}", f"workflow.steps={steps}", *BASE, *extra]
         self.proc: subprocess.Popen | None = None
         self.segments = 0
 
     def start(self, resume: bool = False) -> None:
-        env = dict(os.environ, **ENV)
+        env = dict(self.env or os.environ, **ENV)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         log = open(self.out.parent / f"{self.out.name}.segment{self.segments}.log", "w")
         self.segments += 1
@@ -164,21 +164,20 @@ def inject(run: Run, kind: str, rng: random.Random) -> dict:
     if kind == "trainer":
         event = wait_for(lambda: run.restarts()[seen:] or (run.proc.poll() is not None), 300)
         if isinstance(event, list):
-            died, point = event[0]["died_at_step"], event[0]["checkpoint_step"]
-            # The restarted run trims the metrics to its checkpoint and says when its first step is done.
-            wait_for(lambda: run.log_text().count("first step done") > started and run.last_step() >= died, 600)
-            record.update(detected_s=event[0]["detected_at"] - t0, recovered_s=time.time() - t0,
-                          how="restarted from checkpoint", steps_redone=event[0]["steps_redone"], resumed_from=point)
-            return record
+            return restarted_from_checkpoint(run, record, event[0], started, t0)
     if kind == "storage":
-        # The rows on the unit are lost. The run stops when a step still needed them, else it goes on without the
-        # unit: detected when the driver reports the unit gone, recovered once the steps in flight are trained.
+        # The rows on the unit are lost. When a step still needed them the run restarts from its newest checkpoint
+        # (as for a trainer death), else it goes on without the unit: detected when the driver reports the unit
+        # gone, recovered once the steps in flight are trained.
         seen_log = run.log_text().count("closed its connections")
         gone = wait_for(lambda: run.log_text().count("closed its connections") > seen_log
                         or run.proc.poll() is not None, 300)
         record["detected_s"] = time.time() - t0 if gone else None
-        if wait_for(lambda: run.last_step() >= at + K + 3 or run.proc.poll() is not None, 600) and \
-                run.proc.poll() is None:
+        after = wait_for(lambda: run.restarts()[seen:] or run.last_step() >= at + K + 3 or run.proc.poll() is not None,
+                         600)
+        if isinstance(after, list):
+            return restarted_from_checkpoint(run, record, after[0], started, t0)
+        if after and run.proc.poll() is None:
             record.update(recovered_s=time.time() - t0, how="survived")
             return record
     # The run stops (always for driver faults): resume it from its newest checkpoint.
@@ -190,6 +189,17 @@ def inject(run: Run, kind: str, rng: random.Random) -> dict:
     wait_for(lambda: run.last_step() > last, 600)
     record.update(recovered_s=time.time() - t0, steps_redone=max(last + 1 - (resumed_from or 0), 0),
                   resumed_from=resumed_from)
+    return record
+
+
+def restarted_from_checkpoint(run: Run, record: dict, event: dict, started: int, t0: float) -> dict:
+    """``record`` of a fault after which the driver restarted the run from its newest checkpoint (``event``, its
+    line in ``restarts.jsonl``): recovered once the restarted run logged a step past the one it died at."""
+    died, point = event["died_at_step"], event["checkpoint_step"]
+    # The restarted run trims the metrics to its checkpoint and says when its first step is done.
+    wait_for(lambda: run.log_text().count("first step done") > started and run.last_step() >= died, 600)
+    record.update(detected_s=event["detected_at"] - t0, recovered_s=time.time() - t0, how="restarted from checkpoint",
+                  steps_redone=event["steps_redone"], resumed_from=point)
     return record
 
 
@@ -283,6 +293,138 @@ def throughput(args, model: Path) -> dict:
             "steps": [steps[0], steps[-1]] if steps else []}
 
 
+def host_fault(args, model: Path) -> tuple[dict, dict]:
+    """The ``host`` fault on the two-host cluster (``tools/two_host.py``): a run spread over both hosts (its
+    rollout instances, trainer and TransferQueue storage units placed SPREAD), and SIGKILL of every process of host
+    B (everything in its network namespace: its Ray node, its workers, its storage units) once it has logged a few
+    steps. Returns the fault's record and the run's totals; ``error`` says why it could not run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("two_host", REPO / "tools/two_host.py")
+    two_host = sys.modules["two_host"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
+    spec.loader.exec_module(two_host)
+    try:
+        two_host.check_possible()
+        cluster = two_host.up(devices=4, cpus=8, devices_b=2)  # host A alone can hold the whole run after B is gone
+    except two_host.TwoHostError as exc:
+        return {"kind": "host", "error": f"no two-host cluster here: {exc}"}, {}
+    try:
+        run = Run(args.out / "host", model, args.host_steps,
+                  ["checkpoint.interval=1", "checkpoint.keep_last=2", "workflow.max_service_restarts=100",
+                   "workflow.max_restarts=100", f"ray.address={cluster.address}", "ray.accelerator=NPU",
+                   "ray.cpus_per_device=1", "ray.placement_strategy=SPREAD", "transfer_queue.deployment=ray",
+                   "transfer_queue.num_storage_units=3", "workflow.step_timeout_s=300"], env=cluster.env())
+        run.start()
+        if not wait_for(lambda: run.last_step() >= 2 or run.proc.poll() is not None, 900) or run.proc.poll():
+            return {"kind": "host", "error": f"the run did not log 3 steps (exit {run.proc.poll()})"}, {}
+        time.sleep(random.Random(args.seed).uniform(0.5, 2.0))
+        at, seen, started = run.last_step(), len(run.restarts()), run.log_text().count("first step done")
+        on_b = on_host(json.loads((run.out / "layout.json").read_text()), cluster.addr_b)
+        t0 = time.time()
+        victims = two_host._netns_pids(cluster)
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        record = {"kind": "host", "at_step": at, "steps_redone": 0, "processes": len(victims), "on_host_b": on_b}
+        events = wait_for(lambda: run.restarts()[seen:] or run.proc.poll() is not None, 600)
+        if isinstance(events, list):
+            whole = [e for e in events if "cause" in e]  # a restart of the whole run from its checkpoint
+            if whole:
+                restarted_from_checkpoint(run, record, whole[0], started, t0)
+                record["how"] = f"restarted from checkpoint ({whole[0]['cause']})"
+            else:
+                wait_for(lambda: run.last_step() > at + 1 or run.proc.poll() is not None, 600)
+                record.update(detected_s=events[0]["detected_at"] - t0, recovered_s=time.time() - t0,
+                              how=f"{events[0]['service']} restarted")
+        code = run.proc.wait(timeout=3600)
+        record.setdefault("how", f"stopped (exit {code})")
+        if code != 0:
+            record["error"] = f"the run exited {code}: {run.log_text()[-300:]}"
+            return record, {}
+        summary = json.loads((run.out / "summary.json").read_text())
+        record["restarts"] = [e.get("cause") or e["service"] for e in run.restarts()]
+        return record, account(summary, [record], args.host_steps)
+    finally:
+        two_host.down(cluster)
+
+
+def on_host(layout: dict, ip: str) -> list[str]:
+    """What of a run's ``layout.json`` ran on the host at ``ip``: rollout instances, trainer ranks, storage units,
+    the TransferQueue controller."""
+    found = [f"{name} {i}" for name in ("actor", "rollout", "reward", "advantage", "reference")
+             for i, row in enumerate(layout.get(name, [])) if row.get("node_ip") == ip]
+    tq = layout.get("transfer_queue", {})
+    found += [f"storage unit {i}" for i, address in enumerate(tq.get("units", [])) if f"//{ip}:" in address]
+    if f"//{ip}:" in tq.get("controller", ""):
+        found.append("TransferQueue controller")
+    return found
+
+
+def rollout_cost(args, model: Path) -> dict:
+    """What one rollout instance's death costs the run, next to the time its in-flight rows take to regenerate: a
+    healthy run and a run whose rollout instance is SIGKILLed once (restarted), same seed, one after the other."""
+    healthy = Run(args.out / "cost_healthy", model, args.cost_steps, [])
+    healthy.start()
+    healthy.proc.wait(timeout=1800)
+    killed = Run(args.out / "cost_killed", model, args.cost_steps, [])
+    killed.start()
+    rng = random.Random(args.seed)
+    at, logged_at_kill = args.cost_steps // 3, None
+    if wait_for(lambda: killed.last_step() >= at or killed.proc.poll() is not None, 900) and killed.proc.poll() is None:
+        time.sleep(rng.uniform(0.1, 1.0))  # a random moment inside the step: the instance holds rows in flight
+        procs = killed.workers("RolloutService")
+        if procs:
+            logged_at_kill = killed.last_step()
+            os.kill(rng.choice(procs).pid, signal.SIGKILL)
+    killed.proc.wait(timeout=1800)
+    events = [e for e in killed.restarts() if e["service"] == "rollout"]
+    if healthy.proc.returncode or killed.proc.returncode or len(events) != 1 or events[0]["recovered_at"] is None:
+        return {"error": f"healthy exit {healthy.proc.returncode}, killed exit {killed.proc.returncode}, "
+                         f"restarts {events}"}
+    spans = generate_spans(killed.out)
+    per_row = sum(d for d, _ in spans) / max(sum(n for _, n in spans), 1)
+    healthy_s, killed_s = steps_wall(healthy.logged()), steps_wall(killed.logged())
+    released = events[0]["released_rows"]
+    extra = killed_s - healthy_s
+    return {"steps": args.cost_steps, "killed_after_step": logged_at_kill, "healthy_s": healthy_s,
+            "killed_s": killed_s, "extra_s": extra, "released_rows": released, "per_row_s": per_row,
+            "regen_s": released * per_row, "ratio": extra / (released * per_row) if released and per_row else None,
+            "restart_s": events[0]["recovered_at"] - events[0]["detected_at"]}
+
+
+def steps_wall(logged: list[dict]) -> float:
+    """Seconds from the first step logged to the last (the run's start-up left out: it varies more than a death
+    costs)."""
+    return logged[-1]["time/elapsed_s"] - logged[0]["time/elapsed_s"] if len(logged) > 1 else float("nan")
+
+
+def generate_spans(out: Path) -> list[tuple[float, int]]:
+    """(seconds, rows) of every ``generate`` span of the run's rollout instances (its ``timeline.json``)."""
+    events = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    return [(e["dur"] / 1e6, e["args"]["rows"]) for e in events
+            if e.get("name") == "generate" and e.get("ph") == "X" and e.get("args", {}).get("rows")]
+
+
+def cost_table(cost: dict) -> str:
+    if "error" in cost:
+        return f"rollout-instance death cost: {cost['error']}"
+    return ("| rollout-instance death, fake engines | value |\n|---|---|\n"
+            f"| steps 0-{cost['steps'] - 1}, healthy run | {cost['healthy_s']:.1f} s |\n"
+            f"| same steps, one of two instances SIGKILLed after step {cost['killed_after_step']} and restarted | "
+            f"{cost['killed_s']:.1f} s |\n"
+            f"| extra wall time the death cost | {cost['extra_s']:.1f} s |\n"
+            f"| instance restart (death to answering again) | {cost['restart_s']:.1f} s |\n"
+            f"| rows handed out again x generation time per row | {cost['released_rows']} x "
+            f"{cost['per_row_s']:.3f} s = {cost['regen_s']:.1f} s |\n"
+            f"| ratio (target < 2) | {_num2(cost['ratio'])} |")
+
+
+def _num2(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def _run_start(run: Run) -> float:
     """The wall-clock time the run's ``time/elapsed_s`` counts from (its summary's end minus its wall time)."""
     summary = json.loads((run.out / "summary.json").read_text())
@@ -318,6 +460,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--rate-steps", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cost-steps", type=int, default=40)
+    parser.add_argument("--host-steps", type=int, default=12)
+    parser.add_argument("--mode", choices=["all", "rollout-cost", "host"], default="all",
+                        help="rollout-cost: only the side-by-side cost of one rollout instance's death; host: only "
+                             "the loss of a whole host on the two-host cluster")
     parser.add_argument("--out", type=Path, default=Path("outputs/chaos"))
     args = parser.parse_args()
     args.out = args.out.resolve()
@@ -327,12 +474,23 @@ def main() -> None:
     model = args.out / "model"
     if not (model / "config.json").exists():
         make_tiny_model(model)
+    if args.mode == "rollout-cost":
+        cost = rollout_cost(args, model)
+        (args.out / "rollout_cost.json").write_text(json.dumps(cost, indent=1))
+        print(cost_table(cost))
+        sys.exit(1 if "error" in cost else 0)
+    if args.mode == "host":
+        record, totals = host_fault(args, model)
+        (args.out / "host.json").write_text(json.dumps({"fault": record, "totals": totals}, indent=1))
+        print(table([record], totals, {"error": "not measured in this mode"}))
+        sys.exit(0 if totals and not (totals["lost"] or totals["twice"] or totals["corrupted"]) else 1)
     faults, totals, _ = chaos(args, model)
     rates_ = throughput(args, model)
-    report = table(faults, totals, rates_)
+    cost = rollout_cost(args, model)
+    report = table(faults, totals, rates_) + "\n\n" + cost_table(cost)
     (args.out / "chaos.md").write_text(report + "\n")
-    (args.out / "chaos.json").write_text(json.dumps({"faults": faults, "totals": totals, "throughput": rates_},
-                                                    indent=1))
+    (args.out / "chaos.json").write_text(json.dumps({"faults": faults, "totals": totals, "throughput": rates_,
+                                                     "rollout_cost": cost}, indent=1))
     print(report)
     ok = totals.get("lost") == 0 and totals.get("twice") == 0 and totals.get("corrupted") == 0
     sys.exit(0 if ok and len(faults) >= args.faults else 1)

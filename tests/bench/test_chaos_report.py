@@ -1,0 +1,42 @@
+"""The chaos benchmark's (``bench/chaos.py``) reading of a run: what of a run's layout was on the host the ``host``
+fault kills, and the cost of a rollout instance's death from two runs' step times and the generate spans. The runs
+themselves (fault injection on fake engines, the two-host cluster) are the benchmark's, not part of the suite."""
+
+from __future__ import annotations
+
+import json
+
+from bench.chaos import account, cost_table, generate_spans, on_host, steps_wall
+
+A, B = "198.51.100.1", "198.51.100.2"
+
+
+def test_on_host_names_the_workers_and_storage_units_of_one_host():
+    layout = {"actor": [{"node_ip": A}], "rollout": [{"node_ip": A}, {"node_ip": B}], "reward": [{"node_ip": B}],
+              "transfer_queue": {"controller": f"tcp://{A}:5000",
+                                 "units": [f"tcp://{A}:5001", f"tcp://{B}:5002", f"tcp://{B}:5003"]}}
+    assert on_host(layout, B) == ["rollout 1", "reward 0", "storage unit 1", "storage unit 2"]
+    assert on_host(layout, A) == ["actor 0", "rollout 0", "storage unit 0", "TransferQueue controller"]
+
+
+def test_the_cost_of_a_death_is_the_extra_step_time_against_the_regeneration_time(tmp_path):
+    spans = [{"ph": "X", "name": "generate", "dur": 2e6, "args": {"rows": 4}},
+             {"ph": "X", "name": "generate", "dur": 1e6, "args": {"rows": 2}},
+             {"ph": "X", "name": "score", "dur": 9e6, "args": {"rows": 8}}]
+    (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": spans}))
+    assert generate_spans(tmp_path) == [(2.0, 4), (1.0, 2)]
+    assert steps_wall([{"time/elapsed_s": 1.5}, {"time/elapsed_s": 2.0}, {"time/elapsed_s": 9.5}]) == 8.0
+    cost = {"steps": 10, "killed_after_step": 3, "healthy_s": 8.0, "killed_s": 11.0, "extra_s": 3.0,
+            "released_rows": 12, "per_row_s": 0.5, "regen_s": 6.0, "ratio": 0.5, "restart_s": 2.5}
+    table = cost_table(cost)
+    assert "| rows handed out again x generation time per row | 12 x 0.500 s = 6.0 s |" in table
+    assert table.endswith("| ratio (target < 2) | 0.50 |")
+
+
+def test_a_restart_from_checkpoint_that_trains_every_prompt_once_counts_nothing_lost():
+    # 3 steps of 8 prompts x 4 samples (the benchmark's sizes): step 1 trained once, after the restart.
+    trained = {str(s): [g for g in range(s * 8, (s + 1) * 8) for _ in range(4)] for s in range(3)}
+    fault = {"kind": "host", "at_step": 0}
+    assert account({"trained_groups": trained}, [fault], 3) == {"lost": 0, "twice": 0, "corrupted": 0}
+    trained["2"] += [16] * 4  # a group of step 2 trained twice
+    assert account({"trained_groups": trained}, [fault], 3)["twice"] == 4
