@@ -22,11 +22,9 @@ from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, ray_lefto
 pytestmark = pytest.mark.loop
 
 STEPS, PROMPTS, GROUP = 8, 8, 4
-# A worker killed between a put's prepare and its commit holds those rows until the put's lease runs out; its
-# restarted successor waits for that before it puts them again (docs/fault_tolerance.md). These puts are a few
-# kilobytes: a lease of 20 s still leaves a loaded machine ample time to commit, and spares the 120 s default.
-RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0",
-       "transfer_queue.put_lease_s=20"]
+# The default put lease (120 s): a put a killed worker prepared and never committed is rolled back by the supervisor
+# before its successor runs (``rolled_back_puts``), not when that lease runs out.
+RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0"]
 
 
 class Killer(threading.Thread):
@@ -84,6 +82,7 @@ def test_a_killed_reward_worker_is_restarted_and_every_prompt_trained_once(tmp_p
     events = summary["service_restarts"]
     assert [(e["service"], e["worker"], e["restart"]) for e in events] == [("reward", 0, 1)], events
     assert events[0]["resumed_at_step"] >= 2
+    assert events[0]["rolled_back_puts"] in (0, 1), events  # one put at a time: killed before, during or after it
     assert sum(r.get("supervisor/restarts", 0.0) for r in records(summary)) == 1.0
 
 
@@ -99,6 +98,7 @@ def test_killed_rollout_instances_are_replaced_then_left_out_and_the_run_goes_on
     events = sorted(summary["service_restarts"], key=lambda e: e["error"] == "dropped")
     assert [(e["service"], e["restart"]) for e in events] == [("rollout", 1), ("rollout", None)], events
     assert events[1]["error"] == "dropped"
+    assert all(e["rolled_back_puts"] in (0, 1) for e in events), events
     actors, groups, servers = ray_leftovers()  # the instance left out is stopped with the rest
     assert not (actors or groups or servers), (actors, groups, servers)
 
