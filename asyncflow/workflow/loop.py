@@ -204,11 +204,17 @@ def _run_sync(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start
 
 
 def _run_stream(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start: int) -> None:
-    """The sample stream: every service loops on its own; the feeder keeps the prompt stream full."""
-    running = [s.run.remote(start, cfg.workflow.steps) for s in pipe.services]
-    wait = functools.partial(feeder.wait, collect=reporter.collect, ahead=lambda: 0)
-    if wait(running, until=lambda: signals.requested):
+    """The sample stream: every service loops on its own; the feeder keeps the prompt stream full; a rollout
+    instance or a stateless service whose process dies is started again (``workflow.supervisor``)."""
+    from asyncflow.workflow.supervisor import Supervisor
+
+    supervisor = Supervisor(cfg, pipe, reporter)
+    wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
+                             more=supervisor.poll, ahead=lambda: 0)
+    running = wait(supervisor.start(start, cfg.workflow.steps), until=lambda: signals.requested)
+    if running:
         _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
+    reporter.extra_summary["service_restarts"] = supervisor.events
 
 
 def _run_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start: int) -> None:
@@ -271,9 +277,10 @@ def _dead_units(pipe, exc: BaseException) -> list[int] | None:
     from asyncflow.transfer_queue import StorageUnitError, TransferQueueError
 
     chain, seen = [], exc
-    while seen is not None and len(chain) < 8:
+    while isinstance(seen, BaseException) and len(chain) < 8:
         chain.append(seen)
-        seen = getattr(seen, "cause", None) or seen.__cause__ or seen.__context__
+        cause = getattr(seen, "cause", None)  # a Ray task's own exception (other Ray errors keep a text there)
+        seen = cause if isinstance(cause, BaseException) else seen.__cause__ or seen.__context__
     if not any(isinstance(e, TransferQueueError) for e in chain):
         return None
     try:
