@@ -4,6 +4,9 @@ held at once (instead of after ``put_lease_s``), its successor puts them, and wh
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import pytest
 import torch
 
@@ -70,6 +73,10 @@ def test_a_dead_writers_parked_put_is_dropped_and_the_next_one_goes_in(make_tq):
             # and be held by a put nobody will commit.
             parked = raw.ctl.send({"op": "prepare_put", "partition": "p", "count": 2, "fields": {"x": [X, None, None]},
                                    "writer": DEAD, "timeout": 60.0})
+            deadline = time.monotonic() + 20  # it comes on another connection: wait until the controller parked it
+            while not client.status()["parked_puts"]:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
             assert client.roll_back_puts(DEAD) == 1
             with pytest.raises(StalePutError, match="dropped before it was prepared"):
                 raw.ctl.recv(parked, 10, "prepare_put")
@@ -96,3 +103,22 @@ def test_every_put_carries_its_clients_writer_tag(tq):
         assert a.writer != b.writer and named.writer == "rollout/1"
         with pytest.raises(BadRequestError, match="writer must be"):
             tq.client(writer="")
+
+
+def test_the_async_client_names_its_writer_and_rolls_back_a_dead_one(tq):
+    raw = Raw(tq)
+
+    async def main():
+        async with tq.async_client(writer="rollout/0") as client:
+            await client.create_partition("p")
+            rows = await client.put("p", {"x": torch.zeros(2, 16)})
+            prepare(raw, DEAD, rows)
+            assert (await client.status())["pending_puts"] == 1
+            assert await client.roll_back_puts(DEAD) == 1
+            assert await client.put("p", {"y": torch.ones(2, 16)}, indexes=rows) == rows
+            return client.writer
+
+    try:
+        assert asyncio.run(main()) == "rollout/0"
+    finally:
+        raw.close()
