@@ -1,7 +1,8 @@
 """Chaos benchmark: one training run with faults injected at random times, and the throughput with one of two
 rollout instances dead next to the healthy run's.
 
-    python bench/chaos.py [--faults 10] [--steps 300] [--seed 0] [--out DIR] [--rate-steps 16]
+    python bench/chaos.py [--faults 10] [--steps 300] [--seed 0] [--out DIR] [--rate-steps 16] [--cost-steps 40]
+                          [--host-steps 12] [--mode all|rollout-cost|host]
 
 The workflow runs on the fake engines (``asyncflow.engines.fake``: the models are a table; Ray, its actor
 processes, the TransferQueue's server processes, the version board, the driver and its run checkpoints are real),
@@ -17,9 +18,13 @@ Faults, in turn, each at a random time once the run has logged a step since the 
   newest checkpoint in the same process (``workflow.max_restarts``); detected when it records the restart,
   recovered once the restarted run logged a step past the last one logged before the death.
 - ``storage``: SIGKILL of one TransferQueue storage unit. The rows on it are lost: when a step still needs one of
-  them the run stops and is resumed from its newest checkpoint (``--resume``); otherwise it goes on without the
-  unit (``survived``).
+  them the driver restarts the run from its newest checkpoint, as for a trainer death; otherwise it goes on
+  without the unit (``survived``).
 - ``driver``: SIGTERM of the driver. It checkpoints at the next step boundary and exits 75; it is resumed.
+- ``host`` (a run of its own, where the two-host cluster of ``tools/two_host.py`` can be made: root, network
+  namespaces): SIGKILL of every process of host B (its Ray node, its workers, its TransferQueue storage units)
+  mid-run (``host_fault``). What died with it is handled as its kind is: services restarted, rows lost with a storage
+  unit restart the run from its checkpoint. Its row says what ran on host B.
 
 Per fault: ``detected s`` (restarts: the driver saw the death; storage: the driver reported the unit gone; run
 stops: the driver exited), ``recovered s``
@@ -38,6 +43,13 @@ then left out: the run ends on the other instance). Rates are samples/s over the
 instance was left out, and over the same steps of the healthy run. Fake rollout instances sleep instead of
 computing, so the two share this machine's cores without slowing each other: real engines on a host of two cores
 would not.
+
+The cost of a rollout instance's death (``--mode rollout-cost``, and in ``all``): two runs of ``--cost-steps``
+steps without checkpoints, one healthy and one whose rollout instance is SIGKILLed once (restarted) once a third of
+the steps are logged, same seed. The extra wall time is the killed run's time from the step logged at the kill to
+its last step minus the healthy run's time over the same steps; the regeneration time is the rows the driver
+handed out again times the generation time per row (the rollout instances' ``generate`` spans of the killed run:
+seconds over rows). The issue's target is a ratio below 2.
 """
 
 from __future__ import annotations
@@ -294,10 +306,12 @@ def throughput(args, model: Path) -> dict:
 
 
 def host_fault(args, model: Path) -> tuple[dict, dict]:
-    """The ``host`` fault on the two-host cluster (``tools/two_host.py``): a run spread over both hosts (its
-    rollout instances, trainer and TransferQueue storage units placed SPREAD), and SIGKILL of every process of host
-    B (everything in its network namespace: its Ray node, its workers, its storage units) once it has logged a few
-    steps. Returns the fault's record and the run's totals; ``error`` says why it could not run."""
+    """The ``host`` fault on the two-host cluster (``tools/two_host.py``): a run over both hosts, and SIGKILL of
+    every process of host B (everything in its network namespace: its Ray node, its workers, its storage units)
+    once it has logged a few steps. Host B declares no device, so the trainer and the rollout instances run on
+    host A: the fake engines' weights cannot cross hosts (their staging writer has no relay). The TransferQueue's
+    storage units are Ray actors spread over both hosts, and the services that need no device go where Ray puts
+    them. Returns the fault's record and the run's totals; ``error`` says why it could not run."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("two_host", REPO / "tools/two_host.py")
@@ -305,14 +319,14 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
     spec.loader.exec_module(two_host)
     try:
         two_host.check_possible()
-        cluster = two_host.up(devices=4, cpus=8, devices_b=2)  # host A alone can hold the whole run after B is gone
+        cluster = two_host.up(devices=4, cpus=8, devices_b=0)
     except two_host.TwoHostError as exc:
         return {"kind": "host", "error": f"no two-host cluster here: {exc}"}, {}
     try:
         run = Run(args.out / "host", model, args.host_steps,
                   ["checkpoint.interval=1", "checkpoint.keep_last=2", "workflow.max_service_restarts=100",
                    "workflow.max_restarts=100", f"ray.address={cluster.address}", "ray.accelerator=NPU",
-                   "ray.cpus_per_device=1", "ray.placement_strategy=SPREAD", "transfer_queue.deployment=ray",
+                   "ray.cpus_per_device=1", "transfer_queue.deployment=ray",
                    "transfer_queue.num_storage_units=3", "workflow.step_timeout_s=300"], env=cluster.env())
         run.start()
         if not wait_for(lambda: run.last_step() >= 2 or run.proc.poll() is not None, 900) or run.proc.poll():
@@ -385,7 +399,9 @@ def rollout_cost(args, model: Path) -> dict:
                          f"restarts {events}"}
     spans = generate_spans(killed.out)
     per_row = sum(d for d, _ in spans) / max(sum(n for _, n in spans), 1)
-    healthy_s, killed_s = steps_wall(healthy.logged()), steps_wall(killed.logged())
+    # From the step logged at the kill to the end, in both runs: the steps before it only add the load's noise.
+    healthy_s, killed_s = (steps_wall([r for r in run.logged() if r["step"] >= logged_at_kill])
+                           for run in (healthy, killed))
     released = events[0]["released_rows"]
     extra = killed_s - healthy_s
     return {"steps": args.cost_steps, "killed_after_step": logged_at_kill, "healthy_s": healthy_s,
@@ -395,8 +411,8 @@ def rollout_cost(args, model: Path) -> dict:
 
 
 def steps_wall(logged: list[dict]) -> float:
-    """Seconds from the first step logged to the last (the run's start-up left out: it varies more than a death
-    costs)."""
+    """Seconds from the first of ``logged`` steps to the last (the run's start-up left out: it varies more than a
+    death costs)."""
     return logged[-1]["time/elapsed_s"] - logged[0]["time/elapsed_s"] if len(logged) > 1 else float("nan")
 
 
@@ -411,9 +427,9 @@ def cost_table(cost: dict) -> str:
     if "error" in cost:
         return f"rollout-instance death cost: {cost['error']}"
     return ("| rollout-instance death, fake engines | value |\n|---|---|\n"
-            f"| steps 0-{cost['steps'] - 1}, healthy run | {cost['healthy_s']:.1f} s |\n"
-            f"| same steps, one of two instances SIGKILLed after step {cost['killed_after_step']} and restarted | "
-            f"{cost['killed_s']:.1f} s |\n"
+            f"| steps {cost['killed_after_step']}-{cost['steps'] - 1}, healthy run | {cost['healthy_s']:.1f} s |\n"
+            f"| same steps, one of two instances SIGKILLed once step {cost['killed_after_step']} was logged, "
+            f"restarted | {cost['killed_s']:.1f} s |\n"
             f"| extra wall time the death cost | {cost['extra_s']:.1f} s |\n"
             f"| instance restart (death to answering again) | {cost['restart_s']:.1f} s |\n"
             f"| rows handed out again x generation time per row | {cost['released_rows']} x "
@@ -436,7 +452,7 @@ def table(faults: list[dict], totals: dict, rates_: dict) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for i, f in enumerate(faults):
         lines.append(f"| {i + 1} | SIGKILL {f['kind']}" if f["kind"] != "driver" else f"| {i + 1} | SIGTERM driver")
-        lines[-1] += (f" | {f['at_step']} | {f.get('how', f.get('error'))} | {_num(f.get('detected_s'))}"
+        lines[-1] += (f" | {f.get('at_step')} | {f.get('how', f.get('error'))} | {_num(f.get('detected_s'))}"
                       f" | {_num(f.get('recovered_s'))} | {f.get('lost')} / {f.get('twice')} / "
                       f"{f.get('corrupted')} | {f.get('steps_redone')} |")
     lines.append(f"\nwhole run: {json.dumps(totals)}")
@@ -485,15 +501,18 @@ def main() -> None:
         print(table([record], totals, {"error": "not measured in this mode"}))
         sys.exit(0 if totals and not (totals["lost"] or totals["twice"] or totals["corrupted"]) else 1)
     faults, totals, _ = chaos(args, model)
+    host, host_totals = host_fault(args, model)  # a run of its own, on the two-host cluster
     rates_ = throughput(args, model)
     cost = rollout_cost(args, model)
-    report = table(faults, totals, rates_) + "\n\n" + cost_table(cost)
+    report = (table([*faults, host], totals, rates_) + f"\nhost run: {json.dumps(host_totals)}\n\n"
+              + cost_table(cost))
     (args.out / "chaos.md").write_text(report + "\n")
-    (args.out / "chaos.json").write_text(json.dumps({"faults": faults, "totals": totals, "throughput": rates_,
+    (args.out / "chaos.json").write_text(json.dumps({"faults": faults, "totals": totals, "host": host,
+                                                     "host_totals": host_totals, "throughput": rates_,
                                                      "rollout_cost": cost}, indent=1))
     print(report)
-    ok = totals.get("lost") == 0 and totals.get("twice") == 0 and totals.get("corrupted") == 0
-    sys.exit(0 if ok and len(faults) >= args.faults else 1)
+    ok = all(t.get(k, 0) == 0 for t in (totals, host_totals) for k in ("lost", "twice", "corrupted"))
+    sys.exit(0 if ok and "lost" in totals and len(faults) >= args.faults else 1)
 
 
 if __name__ == "__main__":
