@@ -317,6 +317,7 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
     spec = importlib.util.spec_from_file_location("two_host", REPO / "tools/two_host.py")
     two_host = sys.modules["two_host"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
     spec.loader.exec_module(two_host)
+    os.environ.update(ENV)  # the Ray nodes' workers take their environment from the nodes, not from the driver
     try:
         two_host.check_possible()
         cluster = two_host.up(devices=4, cpus=8, devices_b=0)
@@ -333,9 +334,9 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
             return {"kind": "host", "error": f"the run did not log 3 steps (exit {run.proc.poll()})"}, {}
         time.sleep(random.Random(args.seed).uniform(0.5, 2.0))
         at, seen, started = run.last_step(), len(run.restarts()), run.log_text().count("first step done")
-        on_b = on_host(json.loads((run.out / "layout.json").read_text()), cluster.addr_b)
-        t0 = time.time()
         victims = two_host._netns_pids(cluster)
+        on_b = process_names(victims)
+        t0 = time.time()
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -364,16 +365,20 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
         two_host.down(cluster)
 
 
-def on_host(layout: dict, ip: str) -> list[str]:
-    """What of a run's ``layout.json`` ran on the host at ``ip``: rollout instances, trainer ranks, storage units,
-    the TransferQueue controller."""
-    found = [f"{name} {i}" for name in ("actor", "rollout", "reward", "advantage", "reference")
-             for i, row in enumerate(layout.get(name, [])) if row.get("node_ip") == ip]
-    tq = layout.get("transfer_queue", {})
-    found += [f"storage unit {i}" for i, address in enumerate(tq.get("units", [])) if f"//{ip}:" in address]
-    if f"//{ip}:" in tq.get("controller", ""):
-        found.append("TransferQueue controller")
-    return found
+def process_names(pids: list[int]) -> dict[str, int]:
+    """How many of ``pids`` run each program: Ray's actors by class (``ray::RewardService``), other processes by
+    their executable's name (``raylet``, ``gcs_server``, ...)."""
+    names: Counter = Counter()
+    for pid in pids:
+        try:
+            cmd = psutil.Process(pid).cmdline()
+        except psutil.Error:
+            continue
+        if cmd and cmd[0].startswith("ray::"):
+            names[cmd[0].split(".")[0].split(":", 2)[-1] or cmd[0]] += 1
+        elif cmd:
+            names[Path(cmd[0]).name if "python" not in Path(cmd[0]).name else " ".join(cmd[1:3])] += 1
+    return dict(names)
 
 
 def rollout_cost(args, model: Path) -> dict:

@@ -1,22 +1,22 @@
-"""The chaos benchmark's (``bench/chaos.py``) reading of a run: what of a run's layout was on the host the ``host``
-fault kills, and the cost of a rollout instance's death from two runs' step times and the generate spans. The runs
+"""The chaos benchmark's (``bench/chaos.py``) reading of a run: the processes the ``host`` fault kills, named by
+program, and the cost of a rollout instance's death from two runs' step times and the generate spans. The runs
 themselves (fault injection on fake engines, the two-host cluster) are the benchmark's, not part of the suite."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 
-from bench.chaos import account, cost_table, generate_spans, on_host, steps_wall
-
-A, B = "198.51.100.1", "198.51.100.2"
+from bench.chaos import account, cost_table, generate_spans, process_names, steps_wall
 
 
-def test_on_host_names_the_workers_and_storage_units_of_one_host():
-    layout = {"actor": [{"node_ip": A}], "rollout": [{"node_ip": A}, {"node_ip": B}], "reward": [{"node_ip": B}],
-              "transfer_queue": {"controller": f"tcp://{A}:5000",
-                                 "units": [f"tcp://{A}:5001", f"tcp://{B}:5002", f"tcp://{B}:5003"]}}
-    assert on_host(layout, B) == ["rollout 1", "reward 0", "storage unit 1", "storage unit 2"]
-    assert on_host(layout, A) == ["actor 0", "rollout 0", "storage unit 0", "TransferQueue controller"]
+def test_the_processes_of_a_host_are_named_by_program():
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        assert process_names([sleeper.pid, sleeper.pid, 2**22 + 7]) == {"sleep": 2}  # the last one does not exist
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_the_cost_of_a_death_is_the_extra_step_time_against_the_regeneration_time(tmp_path):
