@@ -36,7 +36,8 @@ from asyncflow.workflow.partitions import PUT_ROWS, partition_name, row_length
 class _StepState:
     """What the stream knows about one step's rows."""
 
-    taken: bool = False  # every row of the partition was admitted
+    taken: bool = False  # every row of the partition was admitted (or, with ``redo``, handed out)
+    done: bool = False  # the TransferQueue says every row of it is generated (acked, with ``redo``)
     in_flight: int = 0
     rows: int = 0
     tokens: int = 0
@@ -76,7 +77,8 @@ class ContinuousRollout:
         self.pending: list[tuple[int, int, object, bool, float]] = []
         self.turn_rewards: dict = {}  # key -> sum of its turn rewards so far (multi-turn trajectories in flight)
         self.busy_since: float | None = None
-        self._checked = 0.0
+        self.redo = _RedoRows(service, self.poll_weights_s) if service.redo else None
+        self._checked = self._reopened = 0.0
         self._newest = -1
 
     # ------------------------------------------------------------------ weights
@@ -95,6 +97,10 @@ class ContinuousRollout:
         engine, need = self.svc.engine, admitted_version(step, self.svc.max_staleness)
         served = engine.weight_version
         if not self._busy():
+            if served < need and self._open_before(step):
+                # Not blocked on weights while an earlier step may get rows back (a peer died): that step's
+                # training, and so the version awaited here, may wait for them (``_reopen``).
+                return
             if served < need or self._newest_version() > served:
                 self._idle()
                 self.svc._admit(step)  # blocks until a version >= need is staged; applies the newest
@@ -122,29 +128,44 @@ class ContinuousRollout:
 
     # ------------------------------------------------------------------ rows
     def _admit_rows(self, step: int, block: bool) -> bool:
-        """Admit ready rows of ``step`` into free slots; True once the partition is exhausted."""
+        """Admit ready rows of ``step`` into free slots; True once the partition is exhausted (with ``redo``: once
+        every row of it is handed out, ``_RedoRows.handed_out``)."""
         if not self.stream.free:
             return False
-        kw = dict(allow_partial=True)
-        if block:
+        if self.redo is not None:
+            batch = self.redo.read(step, self.fields, self.stream.free, block=False)
+            if batch is None and self.redo.handed_out(step):
+                return True
+            if batch is None and block:
+                batch = self.redo.read(step, self.fields, self.stream.free, block=True)
+        elif block:
             batch = self.svc.tq.get(partition_name(step), self.svc.name, self.fields, self.stream.free,
-                                    timeout=self.svc.timeout_s, **kw)
+                                    timeout=self.svc.timeout_s, allow_partial=True)
         else:
-            batch = self.svc.tq.poll(partition_name(step), self.svc.name, self.fields, self.stream.free, **kw)
+            batch = self.svc.tq.poll(partition_name(step), self.svc.name, self.fields, self.stream.free,
+                                     allow_partial=True)
         if batch is None:
             return False
-        if batch.done:
-            return True
+        self._add(step, batch)
+        return batch.done
+
+    def _add(self, step: int, batch) -> None:
+        """Put ``batch``'s rows of ``step`` into the engine (``done``: the step is generated)."""
         state = self.steps[step]
+        if batch.done:
+            state.done = True
+            return
         if state.first_version < 0:
             state.first_version = self.svc.engine.weight_version
         budgets = batch["max_new_tokens"].tolist() if "max_new_tokens" in batch else [None] * len(batch)
         answers = batch["ground_truth"] if "ground_truth" in self.fields else [None] * len(batch)
-        for index, prompt, budget, answer in zip(batch.indexes, batch["prompt_ids"], budgets, answers):
-            self.stream.add((step, index), prompt.tolist(), budget, stop_token_ids=self.stop)
+        rows = range(len(batch)) if self.redo is None else self.redo.take(step, batch)
+        for i in rows:
+            key = (step, batch.indexes[i])
+            self.stream.add(key, batch["prompt_ids"][i].tolist(), budgets[i], stop_token_ids=self.stop)
             if self.agent is not None:
-                self.meta[(step, index)] = row_metadata(answer)
-        state.in_flight += len(batch)
+                self.meta[key] = row_metadata(answers[i])
+        state.in_flight += len(rows)
         if self.busy_since is None:
             self.busy_since = time.time()
         return False
@@ -233,6 +254,8 @@ class ContinuousRollout:
             self.svc.tq.put(partition_name(step), data, indexes=[i for i, *_ in rows],
                             versions=[s.weight_version for _, s, _, _ in rows],
                             lengths=[row_length(s) for _, s, _, _ in rows])
+            if self.redo is not None:  # put: these rows are done, and no longer come back if this instance dies
+                self.redo.written(step, [i for i, *_ in rows])
 
     # ------------------------------------------------------------------ timeline and reports
     def _idle(self) -> None:
@@ -243,6 +266,8 @@ class ContinuousRollout:
 
     def _report(self, step: int) -> dict:
         state = self.steps.pop(step)
+        if self.redo is not None:
+            self.redo.forget(step)
         if self.busy_since is not None:  # cut the open span so this step's report carries it
             self._idle()
             self.busy_since = time.time()
@@ -277,10 +302,12 @@ class ContinuousRollout:
         admit, reported = first, first
         while reported < last:
             # Post finished steps first: nothing below may block while a finished step goes unreported.
-            while reported < admit and self.steps[reported].taken and not self.steps[reported].in_flight:
+            while reported < admit and self.steps[reported].done and not self.steps[reported].in_flight:
                 self._flush()
                 post(self._report(reported))
                 reported += 1
+            if self.redo is not None and reported < admit:
+                self._reopen(reported, admit)
             if admit < last and not self._evaluation(admit, post):
                 self.steps.setdefault(admit, _StepState())
                 self._weights(admit)
@@ -304,3 +331,99 @@ class ContinuousRollout:
             elif self.busy_since is not None:
                 self._idle()
         self._idle()
+
+    def _open_before(self, step: int) -> bool:
+        """A step before ``step`` whose rows are handed out but not all generated yet (``redo``)."""
+        return self.redo is not None and any(not s.done for k, s in self.steps.items() if k < step)
+
+    def _reopen(self, first: int, admit: int) -> None:
+        """``redo``: take the rows handed back to steps ``first .. admit-1`` (an instance that held them died and
+        the supervisor released them) and see which of these steps are generated. The engine serves weights
+        allowed for ``admit``, so for these earlier steps too. Blocks briefly when the engine has nothing to do."""
+        step = next((k for k in range(first, admit) if not self.steps[k].done), None)
+        busy, now = self._busy(), time.monotonic()
+        if step is None or not self.stream.free or (busy and now - self._reopened < self.poll_weights_s):
+            return
+        self._reopened = now
+        batch = self.redo.read(step, self.fields, self.stream.free, block=not busy)
+        if batch is not None:
+            self._add(step, batch)
+
+
+class _RedoRows:
+    """The rows of a rollout instance the driver restarts (``redo``): read without acking, and acked once their
+    responses are put. The rows of an instance that dies stay in flight; the supervisor releases them and they
+    are generated again from their prompts, by another instance or by its restarted self (a multi-turn
+    trajectory, or a response partly generated across weight versions, starts again from its prompt)."""
+
+    wait_s = 1.0  # a blocking read's wait: the loop then looks at the other steps again
+
+    def __init__(self, service, poll_s: float):
+        self.svc, self.poll_s = service, poll_s
+        self.holds: dict = {}  # (step, row) -> the meta of its newest hand-out to this instance (named by its ack)
+        self.put: set = set()  # (step, row) this instance put, until its step is reported
+        self.checked: dict[int, float] = {}  # step -> when its partition's status was last asked
+        self.waiting_since: float | None = None  # the first of the blocking reads in a row that found nothing
+
+    def read(self, step: int, fields: list[str], n: int, block: bool):
+        """Up to ``n`` rows of ``step`` handed out to this instance, unacked (``done`` once every row of it is
+        acked); None when none is ready (after ``wait_s`` when ``block``)."""
+        from asyncflow.transfer_queue import TransferQueueTimeoutError
+
+        tq, part = self.svc.tq, partition_name(step)
+        try:
+            meta = tq.get_meta(part, self.svc.name, fields, n, allow_partial=True, block=block, timeout=self.wait_s)
+        except TransferQueueTimeoutError:  # nothing for ``step_timeout_s`` in all: the run is stuck
+            self.waiting_since = self.waiting_since or time.monotonic()
+            if time.monotonic() - self.waiting_since > self.svc.timeout_s:
+                raise
+            return None
+        if not meta.indexes and not meta.done:
+            return None
+        self.waiting_since = None
+        return tq.get_data(meta, ack=False)
+
+    def take(self, step: int, batch) -> list[int]:
+        """The positions of ``batch``'s rows to generate. A row handed out again while this instance still holds
+        it (the supervisor released every in-flight row of the task when a peer died) keeps generating under its
+        new hand-out; a row it already put is acked at once."""
+        fresh, written = [], []
+        for i, index in enumerate(batch.indexes):
+            key = (step, index)
+            if key in self.put:
+                written.append(index)
+                continue
+            if key not in self.holds:
+                fresh.append(i)
+            self.holds[key] = batch.meta
+        if written:
+            self.svc.tq.ack(batch.meta, written)
+        return fresh
+
+    def written(self, step: int, indexes: list[int]) -> None:
+        """The responses of ``indexes`` of ``step`` are put: ack each under its newest hand-out (an ack of a
+        hand-out released meanwhile is ignored; the row's new holder acks it)."""
+        by_handout: dict = {}
+        for index in indexes:
+            meta = self.holds.pop((step, index))
+            by_handout.setdefault(meta.handout, (meta, []))[1].append(index)
+            self.put.add((step, index))
+        for meta, rows in by_handout.values():
+            self.svc.tq.ack(meta, rows)
+
+    def handed_out(self, step: int) -> bool:
+        """Every row of ``step`` is fed and handed out (to this instance or another, or read): the stream admits
+        the next step meanwhile, and ``_reopen`` takes the rows that come back. Asked at most every ``poll_s``."""
+        now = time.monotonic()
+        if now - self.checked.get(step, 0.0) < self.poll_s:
+            return False
+        self.checked[step] = now
+        part = partition_name(step)
+        status = self.svc.tq.status(part)["partitions"][part]
+        task = status["tasks"].get(self.svc.name, {})
+        return status["sealed"] and task.get("in_flight", 0) + task.get("read", 0) >= status["live_rows"] > 0
+
+    def forget(self, step: int) -> None:
+        """``step`` is reported: every row of it is acked, none comes back."""
+        self.put = {key for key in self.put if key[0] != step}
+        self.checked.pop(step, None)

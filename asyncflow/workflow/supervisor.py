@@ -15,9 +15,14 @@ write-once, the first write stands). Releasing a task's in-flight rows also rele
 had prepared and not committed is rolled back at once (``roll_back_puts`` of its writer tag, ``writer_of``), so that
 its successor's put of those rows does not wait for that put's lease (``transfer_queue.put_lease_s``).
 
-Not restarted: a rollout on the continuous stream (it acks rows as it admits them into its engine), the advantage
-task under dynamic sampling (its judgements are counted on the board as they happen), and any service in ``sync``
-and ``stream`` modes. A death there stops the run as before. Nor the trainer groups, here: an actor or critic death
+Rollout instances are restarted under chunked, continuous and partial rollout and agent loops alike: on the
+continuous stream an instance acks a row once its response is put, not when it admits it into its engine, so the
+rows of one that dies (a response partly generated, a multi-turn trajectory between turns) are generated again from
+their prompts (``rollout_stream._RedoRows``).
+
+Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
+happen), and any service in ``sync`` and ``stream`` modes. A death there stops the run as before.
+Nor the trainer groups, here: an actor or critic death
 restarts the whole run from its newest checkpoint (``workflow.loop.train``), a reference death stops it.
 """
 
@@ -54,12 +59,11 @@ def writer_of(name: str, worker: int) -> str:
 def restartable(cfg: AsyncFlowConfig) -> set[str]:
     """The worker groups of ``cfg``'s run that are restarted when a worker dies (empty when
     ``workflow.max_service_restarts`` is 0)."""
-    wf, rollout = cfg.workflow, cfg.rollout
+    wf = cfg.workflow
     if wf.mode != "async" or wf.max_service_restarts <= 0:
         return set()
-    groups = {"reward"}
-    if not (rollout.continuous or rollout.partial or cfg.agent.loop):
-        groups.add("rollout")
+    # Rollout on every stream: chunked, continuous, partial, agent loops (``rollout_stream._RedoRows``).
+    groups = {"reward", "rollout"}
     if not cfg.algorithm.dynamic_sampling:
         groups.add("advantage")
     return groups
@@ -249,7 +253,7 @@ class Supervisor:
         if wanted < 1:
             return f"rollout={wanted} refused: a run needs at least 1 rollout instance"
         if "rollout" not in self.groups:
-            return ("rollout instances are added or removed only in async mode with chunked rollout and "
+            return ("rollout instances are added or removed only in async and stream modes with "
                     "workflow.max_service_restarts > 0")
         if wanted > running and self.cfg.ray.accelerator is not None:
             return "adding rollout instances needs free devices in the run's placement group, which has none"
