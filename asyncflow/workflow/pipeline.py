@@ -127,7 +127,7 @@ class Pipeline:
                     if state.get("applying") is not None:
                         doing = f" while applying weight version {state['applying']}"
                 message = f"{what} died{doing} (its process exited; see its log in Ray's session folder)"
-                if name in ("actor", "critic"):
+                if name in ("actor", "critic", "reference"):  # restarted from the run's checkpoint (loop.train)
                     return TrainerDiedError(message, name, i)
                 return WorkerDiedError(message)
         return exc

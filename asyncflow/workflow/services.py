@@ -64,8 +64,7 @@ class TaskService:
 
         kwargs.setdefault("allow_partial", self.partial_batches)
         while True:
-            batch = self.tq.get(partition_name(step), task or self.name, fields, batch_size, timeout=self.timeout_s,
-                                ack=not self.redo, **kwargs)
+            batch = self._get(partition_name(step), task or self.name, fields, batch_size, **kwargs)
             # Lost rows would otherwise end the step early: a step trained on part of its rows, or none.
             if batch.meta.lost_rows:
                 raise StorageUnitError(f"step {step}: {batch.meta.lost_rows} of its rows were lost with a "
@@ -76,6 +75,24 @@ class TaskService:
             yield batch
             if self.redo:  # the caller has put what it made of the batch: its rows are done
                 self.tq.ack(batch.meta)
+
+    def _get(self, partition: str, task: str, fields: list[str], batch_size: int, **kwargs):
+        """The next batch, waiting up to ``timeout_s``. A restartable worker waits in shorter gets
+        (``supervisor.REDO_PARK_S``): a get that a dead worker left waiting in the controller would take rows for
+        it, and the supervisor gives them back once that get has ended (``Supervisor.poll``)."""
+        from asyncflow.transfer_queue import TransferQueueTimeoutError
+        from asyncflow.workflow.supervisor import REDO_PARK_S
+
+        if not self.redo:
+            return self.tq.get(partition, task, fields, batch_size, timeout=self.timeout_s, ack=True, **kwargs)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            park = min(REDO_PARK_S, max(deadline - time.monotonic(), 0.01))
+            try:
+                return self.tq.get(partition, task, fields, batch_size, timeout=park, ack=False, **kwargs)
+            except TransferQueueTimeoutError:
+                if time.monotonic() >= deadline:  # a partition cleared meanwhile fails the next get
+                    raise
 
     def post(self, report: dict | None) -> None:
         """Hand a step's report to the board (ranks that do not report return None)."""

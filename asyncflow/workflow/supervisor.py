@@ -1,4 +1,4 @@
-"""Restarts of the stateless services (rollout instances, reward, advantage) when their process dies.
+"""Restarts of the stateless services (rollout instances, reward, advantage, the reference) when their process dies.
 
     worker dies ─► Ray restarts its actor (``max_restarts``; same bundle, same arguments: a rollout engine starts
          │         from the initial weights and applies the newest version at its next step)
@@ -22,8 +22,10 @@ their prompts (``rollout_stream._RedoRows``).
 
 Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
 happen), and any service in ``sync`` and ``stream`` modes. A death there stops the run as before.
-Nor the trainer groups, here: an actor or critic death
-restarts the whole run from its newest checkpoint (``workflow.loop.train``), a reference death stops it.
+Nor the trained groups, here: an actor or critic death restarts the whole run from its newest checkpoint
+(``workflow.loop.train``). The frozen reference is restarted here when each of its ranks is a group of its own
+(trainer world size 1: a new process joins no torch.distributed group of live peers); otherwise, and past
+``workflow.max_service_restarts``, its death restarts the run from its newest checkpoint as an actor rank's does.
 """
 
 from __future__ import annotations
@@ -34,7 +36,13 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, WritePendingError
-from asyncflow.workflow.errors import WorkerDiedError
+from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
+from asyncflow.workflow.placement import world_size
+
+REDO_PARK_S = 5.0
+"""The longest a restartable worker's get waits in the controller before it asks again (``TaskService._get``). A
+get the dead worker left waiting may take rows after they were given back: they are given back again once its
+restarted process is up and this long has passed since the death, before its loop runs again."""
 
 SCALE_FILE = "scale.json"
 """A request to the running driver, in its output directory: ``{"rollout": N}`` (``request_scale``)."""
@@ -66,6 +74,11 @@ def restartable(cfg: AsyncFlowConfig) -> set[str]:
     groups = {"reward", "rollout"}
     if not cfg.algorithm.dynamic_sampling:
         groups.add("advantage")
+    if world_size(cfg.trainer) == 1:
+        # The frozen reference is a stateless service with a model: a new process loads the same initial weights.
+        # A rank of a larger group would have to join a torch.distributed group of live peers; its death restarts
+        # the run from its checkpoint instead (``workflow.loop.train``).
+        groups.add("reference")
     return groups
 
 
@@ -153,13 +166,16 @@ class Supervisor:
     def _died(self, name: str, i: int, handle, exc: BaseException) -> None:
         """Worker ``i`` of ``name`` died (``exc``): count it, then leave it out, stop the run, or start it again."""
         detected = time.time()
-        what = f"{name} instance {i}" if name == "rollout" else f"{name} worker {i}"
+        what = {"rollout": f"rollout instance {i}", "reference": f"reference rank {i}"}.get(name, f"{name} worker {i}")
         count = self.restarts.get(name, 0) + 1
         self.restarts[name] = count
         if count > self.limit:
             if name == "rollout" and self._running("rollout"):
                 self._drop(handle, i, what, count, detected)
                 return
+            if name == "reference":  # as any reference death that is not restarted in place: from the checkpoint
+                raise TrainerDiedError(f"reference rank {i} died; reference ranks died {count} times, more than "
+                                       f"workflow.max_service_restarts={self.limit}", name, i) from exc
             raise WorkerDiedError(f"{what} died; {name} workers died {count} times, more than "
                                   f"workflow.max_service_restarts={self.limit}") from exc
         # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
@@ -196,6 +212,10 @@ class Supervisor:
                 except ray.exceptions.RayActorError as err:  # it died again before it answered
                     self._died(name, i, handle, err)
                     continue
+                if time.time() < event["detected_at"] + REDO_PARK_S:  # a get of the dead worker may still wait
+                    self.starting[handle.ping.remote()] = (name, i, handle, what, event)
+                    continue
+                event["released_rows"] += self._release(name)  # what such a get took meanwhile
                 event["recovered_at"] = time.time()
                 ref = handle.run.remote(event["resumed_at_step"], self.last)
                 self.runs[ref] = (name, i, handle)
