@@ -16,8 +16,9 @@ from asyncflow.config import load_config
 from asyncflow.workflow.checkpoints import CheckpointManager
 from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
 from asyncflow.workflow.resume import CheckpointSchedule
-from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers
-from tests.workflow.test_restart import _run_with_kills
+from asyncflow.workflow.supervisor import restartable
+from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers, run_fake
+from tests.workflow.test_restart import Killer, _run_with_kills
 
 STEPS, PROMPTS, GROUP = 6, 8, 4
 RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0",
@@ -69,6 +70,64 @@ def test_without_restarts_a_killed_actor_rank_stops_the_run(tmp_path, tiny_model
     steps = CheckpointManager(root, 0).list()
     assert len(steps) == 2 and steps[1] == steps[0] + 1 and steps[1] >= 3, steps  # keep_last=2
     assert all((root / f"step_{s:06d}" / "actor").is_dir() for s in steps)
+
+
+class ReferenceKiller(Killer):
+    """``Killer`` of the reference rank's process."""
+
+    def _pid(self) -> int | None:
+        import ray
+
+        pids = [a["Pid"] for a in ray._private.state.actors().values()
+                if a["ActorClassName"] == "ReferenceService" and a["State"] == "ALIVE"]
+        return pids[0] if pids else None
+
+
+@pytest.mark.loop
+def test_a_killed_reference_rank_is_restarted_in_place_then_past_the_bound_from_the_checkpoint(
+        tmp_path, tiny_model_dir, shared_ray, capsys):
+    # One rank (trainer world size 1): the first death is restarted in place (its rows read again), the second,
+    # past workflow.max_service_restarts=1, restarts the run from its checkpoint as an actor rank's death does.
+    # Eight steps: at the second kill (4 steps logged) the reference, at most max_staleness + 1 steps ahead of the
+    # trainer, has steps left to do, so its death is seen.
+    steps = 8
+    killer = ReferenceKiller(tmp_path / "reference", "reference", [1, 4])
+    killer.start()
+    try:
+        summary = run_fake(tmp_path, tiny_model_dir, "reference", *RUN, f"workflow.steps={steps}",
+                           "algorithm.kl_coef=0.05", "workflow.max_service_restarts=1", "workflow.max_restarts=1",
+                           "transfer_queue.put_lease_s=20")
+    finally:
+        killer.stop = True
+        killer.join(10)
+    assert len(killer.killed) == 2, "the run ended before the kills"
+    check_staleness_and_exactly_once({**summary, "steps": steps}, 1, steps, PROMPTS, GROUP)
+    [event] = summary["trainer_restarts"]
+    died, point = event["died_at_step"], event["checkpoint_step"]
+    assert (event["group"], event["rank"], event["restart"]) == ("reference", 0, 1), event
+    assert died >= 4 and point == died - died % 2 and event["steps_redone"] == died - point, event
+    assert (summary["first_step"], summary["steps"]) == (point, steps - point), summary
+    out = capsys.readouterr().out
+    assert "reference rank 0 died; starting it again (1 of at most 1)" in out, out[-3000:]
+    assert "reference rank 0 is up again" in out
+    assert (f"trainer rank 0 (reference) died at step {died}; restart 1/1 from the checkpoint at step {point}\n"
+            in out), out[-3000:]
+    lines = [json.loads(line) for line in (summary["_out"] / "restarts.jsonl").read_text().splitlines()]
+    assert [(r["service"], r["worker"], r["restart"]) for r in lines] == [("reference", 0, 1)] * 2, lines
+    assert lines[0]["resumed_at_step"] >= 1 and "steps_redone" not in lines[0], lines
+    assert lines[1]["steps_redone"] == died - point, lines
+    logged = [json.loads(line)["step"] for line in (summary["_out"] / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(steps)), logged
+    actors, groups, servers = ray_leftovers()
+    assert not (actors or groups or servers), (actors, groups, servers)
+
+
+def test_the_reference_is_restarted_in_place_only_when_each_rank_is_a_group_of_its_own(tmp_path):
+    assert "reference" in restartable(_cfg(tmp_path))
+    for layout in ("trainer.data_parallel=2", "trainer.tensor_parallel=2"):
+        assert "reference" not in restartable(_cfg(tmp_path, layout)), layout
+    assert "reference" not in restartable(_cfg(tmp_path, "workflow.max_service_restarts=0"))
+    assert "reference" not in restartable(_cfg(tmp_path, "workflow.mode=sync"))
 
 
 def _cfg(tmp_path, *extra: str):
