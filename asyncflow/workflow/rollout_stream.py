@@ -18,6 +18,14 @@ Multi-turn (``agent.loop``): a finished turn leaves the engine and its agent-loo
 is continued (its observation appended, its next turn admitted) or finished. A trajectory waiting for its call
 holds its step open, and counts as work in flight: the engine is not "empty" while a call runs, so weights
 change under it only with partial rollout, as for a sequence being generated.
+
+Restarts (``redo``: the driver restarts an instance that dies, ``asyncflow.workflow.supervisor``): rows are read
+without acking them and acked once their responses are put (``_RedoRows``), so the rows of an instance that dies
+stay in flight until the supervisor releases them, and are generated again from their prompts, a partly generated
+response or a multi-turn trajectory as a whole. A step is left for the next one once every row of it is handed
+out (not acked), so admission still runs across steps; rows handed back to a step left behind are taken again,
+and a step is reported only once the TransferQueue says every row of it is acked. Puts go through ``RedoClient``:
+a row whose response a dead instance had put is not written again.
 """
 
 from __future__ import annotations
