@@ -209,8 +209,10 @@ def restarted_from_checkpoint(run: Run, record: dict, event: dict, started: int,
     line in ``restarts.jsonl``): recovered once the restarted run logged a step past the one it died at."""
     died, point = event["died_at_step"], event["checkpoint_step"]
     # The restarted run trims the metrics to its checkpoint and says when its first step is done.
-    wait_for(lambda: run.log_text().count("first step done") > started and run.last_step() >= died, 600)
-    record.update(detected_s=event["detected_at"] - t0, recovered_s=time.time() - t0, how="restarted from checkpoint",
+    wait_for(lambda: run.log_text().count("first step done") > started and run.last_step() >= died
+             or run.proc.poll() is not None, 600)
+    recovered = time.time() - t0 if run.proc.poll() in (None, 0) else None  # None: the restarted run failed
+    record.update(detected_s=event["detected_at"] - t0, recovered_s=recovered, how="restarted from checkpoint",
                   steps_redone=event["steps_redone"], resumed_from=point)
     return record
 

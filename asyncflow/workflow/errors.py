@@ -39,12 +39,15 @@ class TrainerDiedError(RunLostError):
 
 
 class StorageLostError(RunLostError):
-    """A TransferQueue storage unit died with rows the run still needed (``rank``: the unit's id, None when the
-    controller could not say): the step that needs them cannot be trained whole."""
+    """TransferQueue rows the run still needed were lost: a storage unit died with them (``group`` "storage",
+    ``rank``: the unit's id, None when the controller could not say), or the controller did (``group``
+    "controller")."""
 
     cause = "storage"
 
     def who(self) -> str:
+        if self.group == "controller":
+            return "the TransferQueue controller"
         return "a TransferQueue storage unit" if self.rank is None else f"TransferQueue storage unit {self.rank}"
 
 

@@ -102,7 +102,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
     from asyncflow.config import replace_section
     from asyncflow.observability.progress import StartupLog
     from asyncflow.tiny_model import ensure_model
-    from asyncflow.workflow.errors import RunLostError, StorageLostError
+    from asyncflow.workflow.errors import RunLostError
     from asyncflow.workflow.feeder import Feeder, StreamFeeder
     from asyncflow.workflow.pipeline import connect_ray, start_pipeline
     from asyncflow.workflow.reporting import Reporter
@@ -158,7 +158,7 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
         return reporter.finish()
     except BaseException as exc:
         signals.tearing_down()
-        dead_units = _dead_units(pipe, exc)  # before ``abort`` drops the partitions (and their lost rows)
+        lost = _storage_lost(pipe, exc)  # before ``abort`` drops the partitions (and their lost rows)
         pipe.abort(f"{type(exc).__name__}: {exc}")
         if signals.stopping_now(exc):  # a second signal, or the grace time is over: no checkpoint at the stop
             stop = RunStopped(reporter.trained_steps if reporter else start, signals.signal_name,
@@ -167,10 +167,8 @@ def _train(cfg: AsyncFlowConfig, resume: bool, signals, restarts: list[dict]) ->
                 reporter.finish(stopped=stop.record())
             raise stop from None
         explained = pipe.explain(exc)
-        if explained is exc and dead_units is not None:
-            which = ", ".join(map(str, dead_units)) or "?"
-            explained = StorageLostError(f"TransferQueue storage unit {which} died; rows the run still needed were "
-                                         "lost with it", "storage", (dead_units or [None])[0])
+        if explained is exc and lost is not None:
+            explained = lost
         if isinstance(explained, RunLostError):
             explained.step = reporter.trained_steps if reporter else start
         if explained is not exc:
@@ -270,11 +268,13 @@ def _stop(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, trained: int, sta
     raise stop
 
 
-def _dead_units(pipe, exc: BaseException) -> list[int] | None:
-    """The ids of the dead storage units when ``exc`` comes from rows lost with them: a ``StorageUnitError``
-    anywhere in its chain (a service's, raised in its Ray task), or any TransferQueue error while a unit is dead (a
-    put or get that reached the dead unit before the controller declared it). None otherwise."""
+def _storage_lost(pipe, exc: BaseException):
+    """A ``StorageLostError`` when ``exc`` comes from TransferQueue rows the run lost: a ``StorageUnitError``
+    anywhere in its chain (a service's, raised in its Ray task), any other TransferQueue error while the controller
+    reports a dead unit (a put or get that reached the unit before the controller declared it dead), or while the
+    controller itself does not answer (it died: every row is gone with it). None otherwise."""
     from asyncflow.transfer_queue import StorageUnitError, TransferQueueError
+    from asyncflow.workflow.errors import StorageLostError
 
     chain, seen = [], exc
     while isinstance(seen, BaseException) and len(chain) < 8:
@@ -285,12 +285,15 @@ def _dead_units(pipe, exc: BaseException) -> list[int] | None:
         return None
     try:
         units = pipe.client.status()["units"]
-    except Exception:  # the controller is gone too: nothing says which unit
-        units = {}
+    except Exception:  # noqa: BLE001 - whatever the reason, the controller and the rows it knew are out of reach
+        return StorageLostError("the TransferQueue controller did not answer (it died, or its host did); the rows "
+                                "of the run went with it", "controller", None)
     dead = sorted(int(uid) for uid, unit in units.items() if not unit["alive"])
-    if dead or any(isinstance(e, StorageUnitError) for e in chain):
-        return dead
-    return None
+    if not dead and not any(isinstance(e, StorageUnitError) for e in chain):
+        return None
+    which = ", ".join(map(str, dead)) or "?"
+    return StorageLostError(f"TransferQueue storage unit {which} died; rows the run still needed were lost with it",
+                            "storage", dead[0] if dead else None)
 
 
 def _resume_point(cfg: AsyncFlowConfig) -> int | None:

@@ -10,6 +10,7 @@ the driver's own node needs no check.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
@@ -56,7 +57,12 @@ def check_nodes(cfg: AsyncFlowConfig, model_dir: Path, timeout_s: float = 120.0)
         return  # the driver's own node: it has just read these paths itself
     refs = [probe.options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
             .remote(paths) for n in nodes]
-    for found in ray.get(refs, timeout=timeout_s):
+    deadline = time.monotonic() + timeout_s
+    for ref in refs:
+        try:
+            found = ray.get(ref, timeout=max(deadline - time.monotonic(), 1.0))
+        except ray.exceptions.TaskUnschedulableError:  # the node died since it was listed (a lost host): none of
+            continue  # the run's workers can be placed there either
         for what, path in found["missing"].items():
             raise NodePathError(f"{what} {path} is not visible on node {found['node']} ({found['host']}); every "
                                 "node of the Ray cluster needs it at the same path (a shared filesystem or a copy)")
