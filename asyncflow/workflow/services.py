@@ -456,13 +456,15 @@ class RewardService(TaskService):
     name = "reward"
 
     def __init__(self, reward: str, model_dir: str, chunk: int, reward_on_error: float = 0.0,
-                 with_answers: bool = False, agent_errors: bool = False, reward_cfg=None, **kw):
+                 with_answers: bool = False, agent_errors: bool = False, reward_cfg=None,
+                 tokenizer_class: str | None = None, **kw):
+        """``tokenizer_class``: the policy tokenizer's class as the driver resolved it
+        (``asyncflow.models.tokenizer``); None loads it through ``AutoTokenizer``."""
         super().__init__(**kw)
-        from transformers import AutoTokenizer
-
+        from asyncflow.models.tokenizer import load_tokenizer
         from asyncflow.rewards import RewardScorer, make_reward_fn
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = load_tokenizer(model_dir, tokenizer_class)
         self.scorer = RewardScorer(make_reward_fn(reward, tokenizer, reward_cfg), tokenizer, reward_cfg,
                                    reward_on_error)
         self.chunk, self.reward_on_error, self.with_answers = chunk, reward_on_error, with_answers

@@ -85,11 +85,14 @@ class WorkerGroups:
 
     def reward(self) -> list:
         """The reward function's task: ``reward.workers`` actors taking chunks of the same steps."""
+        from asyncflow.models.tokenizer import resolve_tokenizer_class
         from asyncflow.rewards.registry import absolute_spec
 
         cfg = self.cfg
+        # Resolved here, where AutoTokenizer is loaded already: the workers then skip its import.
+        tokenizer_class = resolve_tokenizer_class(self.model_dir)
         return [self._place(services.RewardService, self.where.light(), reward=absolute_spec(cfg.algorithm.reward),
-                            model_dir=self.model_dir, chunk=cfg.workflow.score_chunk,
+                            model_dir=self.model_dir, tokenizer_class=tokenizer_class, chunk=cfg.workflow.score_chunk,
                             reward_on_error=cfg.algorithm.reward_on_error, with_answers=self.answers,
                             agent_errors=cfg.agent.loop is not None, reward_cfg=cfg.reward, worker=i, threads=1,
                             **self.common)
