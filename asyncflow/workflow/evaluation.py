@@ -65,6 +65,8 @@ class EvalSpec:
     reward_on_error: float
     reward_cfg: object = None
     """The run's ``reward`` section (``asyncflow.rewards.RewardConfig``): the function is called as in training."""
+    tokenizer_class: str | None = None
+    """The policy tokenizer's class, resolved by the driver (``asyncflow.models.tokenizer``)."""
 
 
 def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
@@ -78,10 +80,12 @@ def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
     from transformers import AutoTokenizer
 
     from asyncflow.data.datasets import DatasetError, PromptDataset
+    from asyncflow.models.tokenizer import tokenizer_class
     from asyncflow.rewards.registry import absolute_spec
 
     val_cfg = dataclasses.replace(data, path=data.val_path, shuffle=False)
-    dataset = PromptDataset(AutoTokenizer.from_pretrained(model_dir), val_cfg)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = PromptDataset(tokenizer, val_cfg)
     count = len(dataset) if data.val_size is None else min(data.val_size, len(dataset))
     room = cfg.rollout.max_model_len - cfg.rollout.max_new_tokens
     if dataset.max_prompt_len > room:
@@ -91,19 +95,19 @@ def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
                     answers=None if dataset.answers is None else dataset.answers[:count],
                     every=wf.eval_every, before=wf.eval_before_train, k=wf.eval_k, samples=wf.eval_samples,
                     correct_reward=wf.eval_correct_reward, reward=absolute_spec(cfg.algorithm.reward),
-                    reward_on_error=cfg.algorithm.reward_on_error, reward_cfg=cfg.reward)
+                    reward_on_error=cfg.algorithm.reward_on_error, reward_cfg=cfg.reward,
+                    tokenizer_class=tokenizer_class(tokenizer))
 
 
 class Evaluator:
     """Runs in rollout instance 0: decides when an evaluation is due and runs it on the instance's engine."""
 
     def __init__(self, spec: EvalSpec, model_dir: str):
-        from transformers import AutoTokenizer
-
+        from asyncflow.models.tokenizer import load_tokenizer
         from asyncflow.rewards import RewardScorer, make_reward_fn
 
         self.spec = spec
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir, spec.tokenizer_class)
         # The training reward's scorer: every shape it reads (token ids, verl's text signature, batched, async).
         self.scorer = RewardScorer(make_reward_fn(spec.reward, self.tokenizer, spec.reward_cfg), self.tokenizer,
                                    spec.reward_cfg, spec.reward_on_error)
