@@ -350,7 +350,7 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
             whole = [e for e in events if "cause" in e]  # a restart of the whole run from its checkpoint
             if whole:
                 restarted_from_checkpoint(run, record, whole[0], started, t0)
-                record["how"] = f"restarted from checkpoint ({whole[0]['cause']})"
+                record["how"] = f"restarted from checkpoint ({whole[0]['service']} lost)"
             else:
                 wait_for(lambda: run.last_step() > at + 1 or run.proc.poll() is not None, 600)
                 record.update(detected_s=events[0]["detected_at"] - t0, recovered_s=time.time() - t0,
