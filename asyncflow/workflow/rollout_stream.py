@@ -128,6 +128,8 @@ class ContinuousRollout:
         # None staged yet (-1): version 0 is coming, and with eval_before_train it is evaluated before any row.
         if self.evaluator is None or not self.evaluator.due(max(self._newest_version(), 0)):
             return False
+        if self._open_before(step) and self.svc.engine.weight_version < admitted_version(step, self.svc.max_staleness):
+            return False  # the weights it would wait for may need an earlier step's rows handed back (``_weights``)
         if self._busy():
             return True
         self._idle()

@@ -96,7 +96,9 @@ def test_a_killed_instance_on_the_continuous_stream_is_restarted_and_its_rows_ge
 
 def test_a_killed_instance_running_agent_loops_is_restarted(tmp_path, tiny_model_dir, shared_ray):
     # One instance: every trajectory it held (between turns too) comes back and is generated again from its prompt.
-    summary, killed = _held_run(tmp_path, tiny_model_dir, "agent", *TOOL, "workflow.max_service_restarts=1")
+    # Trajectories are longer (two turns of up to 12 tokens): more slots keep the run short, and still the bottleneck.
+    summary, killed = _held_run(tmp_path, tiny_model_dir, "agent", *TOOL, "workflow.max_service_restarts=1",
+                                "rollout.max_num_seqs=16")
     assert len(killed) == 1, "the run ended before the kill"
     _check(summary)
     assert all(r["agent/turns_mean"] >= 1 for r in records(summary))
