@@ -1,0 +1,102 @@
+"""What a restartable instance on the continuous stream relies on (``rollout_stream._RedoRows``), on a real
+TransferQueue (threads deployment): rows read without an ack keep a step from being done, a step whose rows are all
+handed out is left for the next one, rows handed back (a peer died) are taken again without generating twice the
+ones an instance still holds, and acks under the newest hand-out make the step done."""
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from asyncflow.transfer_queue import TransferQueueConfig, start
+from asyncflow.workflow.partitions import partition_name
+from asyncflow.workflow.rollout_stream import _RedoRows
+from asyncflow.workflow.supervisor import RedoClient
+
+PART = partition_name(0)
+
+
+@pytest.fixture
+def tq():
+    deployment = start(TransferQueueConfig(deployment="threads", storage_unit_capacity_bytes=16 << 20,
+                                           get_timeout_s=10.0, put_timeout_s=10.0))
+    yield deployment
+    deployment.shutdown()
+
+
+def _instance(tq) -> _RedoRows:
+    service = SimpleNamespace(tq=RedoClient(tq.address, tq.config), name="rollout", timeout_s=30.0)
+    return _RedoRows(service, poll_s=0.0)
+
+
+def _put(rows: _RedoRows, indexes: list[int]) -> None:
+    """``rows``' instance puts the responses of ``indexes`` (row i: [i]) and acks them."""
+    rows.svc.tq.put(PART, {"response_ids": [torch.tensor([i]) for i in indexes]}, indexes=indexes)
+    rows.written(0, indexes)
+
+
+def _done(rows: _RedoRows):
+    """The step's final read, once the controller has taken the one-way acks."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        batch = rows.read(0, ["prompt_ids"], 4, block=False)
+        if batch is not None:
+            return batch
+        time.sleep(0.05)
+    return None
+
+
+def test_rows_handed_back_are_taken_again_and_acked_under_their_newest_hand_out(tq):
+    a, b = _instance(tq), _instance(tq)
+    driver = tq.client()
+    try:
+        driver.create_partition(PART, consumers=["rollout"], expected_rows=4)
+        driver.put(PART, {"prompt_ids": [torch.tensor([i]) for i in range(4)]})
+        first = a.read(0, ["prompt_ids"], 3, block=False)
+        assert a.take(0, first) == [0, 1, 2]
+        assert not a.handed_out(0)  # one row is still to be handed out: the instance stays on the step
+        other = b.read(0, ["prompt_ids"], 3, block=False)
+        assert b.take(0, other) == [0]
+        assert a.handed_out(0) and b.handed_out(0)  # every row is out: the next step may be admitted
+        assert a.read(0, ["prompt_ids"], 4, block=False) is None  # not done while rows are out unacked
+
+        # B dies: the supervisor gives back every row the task holds, A's too. A takes them all again, and
+        # generates only the one it did not hold.
+        assert driver.release(PART, "rollout") == 4
+        again = a.read(0, ["prompt_ids"], 4, block=False)
+        assert sorted(again.indexes) == [0, 1, 2, 3]
+        fresh = a.take(0, again)
+        assert [again.indexes[i] for i in fresh] == other.indexes
+        _put(a, [*first.indexes, *other.indexes])  # acked under the newest hand-out
+        done = _done(a)
+        assert done is not None and done.done
+    finally:
+        for client in (a.svc.tq, b.svc.tq, driver):
+            client.close()
+
+
+def test_a_row_put_then_handed_back_is_acked_at_once_and_written_once(tq):
+    a, b = _instance(tq), _instance(tq)
+    driver = tq.client()
+    try:
+        driver.create_partition(PART, consumers=["rollout"], expected_rows=1)
+        driver.put(PART, {"prompt_ids": [torch.tensor([7])]})
+        held = a.read(0, ["prompt_ids"], 1, block=False)
+        a.take(0, held)
+        assert driver.release(PART, "rollout") == 1  # a peer died while A generated the row
+        taken = b.read(0, ["prompt_ids"], 1, block=False)
+        assert b.take(0, taken) == [0]  # B generates it too
+        _put(a, held.indexes)  # A's ack names a hand-out given back: ignored, the row stays out (with B)
+        time.sleep(0.3)
+        assert a.read(0, ["prompt_ids"], 1, block=False) is None
+        skipped = RedoClient.skipped
+        _put(b, taken.indexes)  # B's put is skipped (A's response stands), its ack ends the step
+        assert RedoClient.skipped == skipped + 1
+        done = _done(a)
+        assert done is not None and done.done
+        out = driver.get(PART, "check", ["response_ids"], 1)
+        assert out["response_ids"][0].tolist() == [held.indexes[0]]
+    finally:
+        for client in (a.svc.tq, b.svc.tq, driver):
+            client.close()
