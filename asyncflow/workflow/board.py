@@ -191,26 +191,44 @@ class VersionBoard:
 
         self._stream = StreamLedger(first, last, groups_per_step, group_size, max_staleness, spare)
 
-    async def stream_reserve(self, groups: int, version: int) -> int:
-        """How many of ``groups`` an engine serving ``version`` may admit now (``StreamLedger.reserve``)."""
-        return self._stream.reserve(groups, version)
+    async def stream_reserve(self, groups: int, version: int, holder: str | None = None) -> int:
+        """How many of ``groups`` an engine serving ``version`` may admit now (``StreamLedger.reserve``; ``holder``:
+        the rollout loop asking, ``StreamRollout.holder``)."""
+        return self._stream.reserve(groups, version, holder)
 
-    async def stream_release(self, groups: int) -> None:
+    async def stream_release(self, groups: int, holder: str | None = None) -> None:
         """Reservations given back unused."""
-        self._stream.release(groups)
+        self._stream.release(groups, holder)
 
-    async def stream_claims(self, claims: list[tuple[int, bool]], reserve: int = 0,
-                            version: int = -1) -> tuple[list[tuple[str, int]], int, int]:
+    async def stream_claims(self, claims: list[tuple], reserve: int = 0, version: int = -1,
+                            holder: str | None = None) -> tuple[list[tuple[str, int, int]], int, int]:
         """The step each group an engine finished together goes to, or why none (``StreamLedger.claim`` for each
-        ``(oldest_version, reserved)``, in order), then ``stream_reserve(reserve, version)`` for the slots they
-        freed, in one round trip: their ``(verdict, step)``, the open step after them, and the reservations
-        granted."""
+        ``(oldest_version, reserved[, group id])``, in order), then ``stream_reserve(reserve, version)`` for the
+        slots they freed, in one round trip: their ``(verdict, step, slot)`` (slot -1 without a group id), the open
+        step after them, and the reservations granted."""
         verdicts = []
-        for oldest, reserved in claims:
-            verdict, step, _ = self._stream.claim(oldest, reserved)
-            verdicts.append((verdict, step))
-        granted = self._stream.reserve(reserve, version) if reserve > 0 else 0
+        for oldest, reserved, *gid in claims:
+            gid = gid[0] if gid else None
+            verdict, step, _ = self._stream.claim(oldest, reserved, gid, holder)
+            verdicts.append((verdict, step, self._stream.bound[gid][1] if gid in self._stream.bound else -1))
+        granted = self._stream.reserve(reserve, version, holder) if reserve > 0 else 0
         return verdicts, self._stream.state()["open"], granted
+
+    async def stream_admitted(self, holder: str, rows: dict[int, list[int]]) -> None:
+        """``holder`` admitted these groups into its engine: group id -> its prompt-stream rows, read and not acked
+        (``StreamLedger.admitted``)."""
+        self._stream.admitted(holder, rows)
+
+    async def stream_done(self, holder: str, gids: list[int]) -> None:
+        """``holder`` put, re-fed or dropped these groups and acks their prompt rows next (``StreamLedger.done``)."""
+        self._stream.done(holder, gids)
+
+    async def stream_forget(self, instance: int) -> list[int]:
+        """Rollout instance ``instance`` died or was removed: what its loops held goes back (``StreamLedger.forget``);
+        returns the prompt-stream rows to hand out again (the supervisor releases them)."""
+        if self._stream is None:
+            return []
+        return self._stream.forget(str(instance))
 
     async def stream_poll(self, domain: str = "local") -> tuple[int, int]:
         """What a stream rollout loop polls for, in one round trip: the newest version in ``domain`` and the

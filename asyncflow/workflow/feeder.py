@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 
 from asyncflow.config import AsyncFlowConfig
+from asyncflow.workflow.supervisor import restartable
 
 
 class Feeder:
@@ -115,6 +116,10 @@ class StreamFeeder(Feeder):
     but not trained in steps below ``n`` (``stream_pending``: in the stream, in an engine, or in a later step's
     partition); a resumed run feeds those first, with their group ids, then goes on from the cursor. So no prompt
     is trained twice and none is skipped (a prompt dynamic sampling dropped may come back once).
+
+    When rollout instances are restarted (``supervisor.restartable``) it also makes each step's rows ahead of the
+    open step, one ``stream_slot`` field each: the ledger gives every claimed group a slot of its step, and rollout
+    writes the group into that slot's rows, once (``sample_stream``).
     """
 
     def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int, meta: dict | None = None):
@@ -140,6 +145,9 @@ class StreamFeeder(Feeder):
         spare = math.ceil(wf.stream_spare * wf.prompts_per_step)
         ray.get(pipe.board.stream_setup.remote(start, wf.steps, wf.prompts_per_step, wf.samples_per_prompt,
                                                wf.max_staleness, spare))
+        self.slots = "rollout" in restartable(cfg)
+        self.slotted = start  # the first step whose slot rows are not made yet
+        self._make_slots(start)
 
     def feed_until(self, step: int) -> None:
         """Top the stream up to its depth (``step`` is not used: the stream's prompts belong to no step)."""
@@ -149,6 +157,7 @@ class StreamFeeder(Feeder):
 
         wf = self.cfg.workflow
         state = ray.get(self.pipe.board.stream_state.remote())
+        self._make_slots(state["open"])
         while state["open"] < wf.steps and \
                 self.next_group - self.base - state["claimed"] < (wf.max_staleness + 2) * wf.prompts_per_step:
             count = wf.prompts_per_step
@@ -158,6 +167,21 @@ class StreamFeeder(Feeder):
                 budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
             self._put(list(range(self.next_group, self.next_group + count)), prompts, answers, budgets)
             self.next_group += count
+
+    def _make_slots(self, open_step: int) -> None:
+        """Make the slot rows of the steps a claim can reach before the next call: claims go to the open step, and
+        rollout runs at most ``max_staleness + 1`` steps ahead of training (a put that finds none waits for them)."""
+        import torch
+
+        from asyncflow.workflow.partitions import partition_name
+
+        wf = self.cfg.workflow
+        if not self.slots:
+            return
+        rows = wf.prompts_per_step * wf.samples_per_prompt
+        for step in range(self.slotted, min(open_step + wf.max_staleness + 3, wf.steps)):
+            self.pipe.client.put(partition_name(step), {"stream_slot": torch.arange(rows)})
+            self.slotted = step + 1
 
     def _put(self, gids: list[int], prompts: list, answers: list | None, budgets: list | None) -> None:
         """Put prompts with consecutive group ids ``gids`` into the stream and remember them until trained."""

@@ -11,11 +11,20 @@ A response never holds a step up: step s trains the first groups to finish while
 finishes after the steps its oldest token allows (s > v + k) is counted and generated again. Newer weights are
 applied when the engine is empty, or at once under partial rollout (``rollout.partial``; the swapped response's
 oldest token stays the one that bounds it).
+
+Restarts (``asyncflow.workflow.supervisor``): an instance reads its prompts without acking them, tells the ledger
+which prompt rows it holds, and acks a group's rows only once the ledger knows the group is done (put into its
+step, re-fed or dropped). When its process dies the supervisor has the board forget it (``StreamLedger.forget``):
+its reservations go back, the prompts it held return to the stream, and the slots it claimed and did not confirm
+wait for those prompts' copies. A restartable instance puts a group into its claim's slot (rows the driver made
+ahead, ``StreamFeeder``) with a ``RedoClient``, so a copy's put of a slot its dead predecessor had written is
+skipped: the first write stands.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +40,10 @@ class _Group:
     version: int
     """The engine's version when the group was admitted: no token of it is older."""
     answer: object = None
+    meta: object = None
+    """The hand-out its prompt rows came in (acked once the ledger knows the group is done)."""
+    rows: list[int] = field(default_factory=list)
+    """Its prompt rows in the prompt stream."""
     doomed: bool = False
     """Its version is too old for the open step: it will go stale, and its reservation was given back."""
     budgets: list = field(default_factory=list)
@@ -69,6 +82,10 @@ class StreamRollout:
         self._polled = self._refused = self._empty = 0.0
         self.busy_since: float | None = None
         self.draining = False  # instance 0 empties its engine for an evaluation (``_evaluation``)
+        self.holder = f"{service.worker}:{uuid.uuid4().hex[:8]}"
+        """Who holds what on the ledger: this loop of this instance (its restarted process is another holder)."""
+        self.slots = service.redo  # puts go to their claim's slot (``StreamFeeder`` makes the rows ahead)
+        self.posted: set[int] = set()  # steps whose share this loop reported
 
     def _call(self, method: str, *args):
         import ray
@@ -89,7 +106,7 @@ class StreamRollout:
         for group in doomed:
             group.doomed = True
         if doomed:
-            self._call("stream_release", len(doomed))
+            self._call("stream_release", len(doomed), self.holder)
 
     def _weights(self) -> None:
         """Serve the newest version: at once when the engine is empty, at a token boundary under partial rollout."""
@@ -117,7 +134,7 @@ class StreamRollout:
         if evaluator is None or self.open >= last or not evaluator.due(newest):
             return False
         if self.held:
-            self._call("stream_release", self.held)
+            self._call("stream_release", self.held, self.holder)
             self.held = 0
         self.draining = bool(len(self.stream))
         if self.draining:
@@ -132,25 +149,38 @@ class StreamRollout:
         free = self.stream.free // self.n
         now = time.monotonic()
         if free > self.held and now - self._refused >= self.poll_s:
-            granted = self._call("stream_reserve", free - self.held, self.svc.engine.weight_version)
+            granted = self._call("stream_reserve", free - self.held, self.svc.engine.weight_version, self.holder)
             self.held += granted
             if not granted:
                 self._refused = now
         take = min(free, self.held)
         if not take or now - self._empty < self.poll_s / 5:
             return False
-        batch = self.svc.tq.poll(STREAM_PARTITION, self.svc.name, self.fields, take * self.n, sampler="group",
-                                 sampler_args={"group_size": self.n}, allow_partial=True)
-        if batch is None or not len(batch):
+        tq = self.svc.tq
+        meta = tq.get_meta(STREAM_PARTITION, self.svc.name, self.fields, take * self.n, sampler="group",
+                           sampler_args={"group_size": self.n}, allow_partial=True, block=False)
+        if not meta.indexes:
             self._empty = now
             return False
+        batch = tq.get_data(meta, ack=False)  # acked once the ledger knows each group is done (``_done``)
         budgets = batch["max_new_tokens"].tolist() if self.budgets else [None] * len(batch)
         answers = batch["ground_truth"] if self.answers else [None] * len(batch)
-        for gid, prompt, budget, answer in zip(batch.meta.group_ids, batch["prompt_ids"], budgets, answers):
-            group = self.groups.setdefault(gid, _Group(prompt.tolist(), self.svc.engine.weight_version, answer))
+        rows: dict[int, list[int]] = {}
+        for gid, index in zip(meta.group_ids, meta.indexes):
+            rows.setdefault(gid, []).append(index)
+        copies = [gid for gid in rows if gid in self.groups]  # its prompt, handed out again, is in the engine here
+        for gid in copies:
+            tq.ack(meta, rows.pop(gid))
+        if rows:
+            self._call("stream_admitted", self.holder, rows)
+        for gid, prompt, budget, answer in zip(meta.group_ids, batch["prompt_ids"], budgets, answers):
+            if gid not in rows:
+                continue
+            group = self.groups.setdefault(gid, _Group(prompt.tolist(), self.svc.engine.weight_version, answer,
+                                                       meta, rows[gid]))
             self.stream.add((gid, len(group.budgets)), group.prompt, budget)
             group.budgets.append(budget)
-        self.held -= len(batch) // self.n
+        self.held -= len(rows)
         if self.busy_since is None:
             self.busy_since = time.time()
         return True
@@ -172,48 +202,77 @@ class StreamRollout:
         the groups go to (the rollout loop's own time is what the engine waits on)."""
         samples = {gid: [group.samples[j] for j in range(self.n)] for gid, group in finished}
         # The slots they freed are reserved in the same round trip (``_admit`` asks again if that was refused).
-        claims = [(min(s.weight_version for s in samples[gid]), not group.doomed) for gid, group in finished]
+        claims = [(min(s.weight_version for s in samples[gid]), not group.doomed, gid) for gid, group in finished]
         want = 0 if self.draining else self.stream.free // self.n - self.held  # a drain reserves nothing
-        verdicts, self.open, granted = self._call("stream_claims", claims, want, self.svc.engine.weight_version)
+        verdicts, self.open, granted = self._call("stream_claims", claims, want, self.svc.engine.weight_version,
+                                                  self.holder)
         self.held += granted
         puts: dict[str, list] = {}  # partition -> its groups, in claim order
-        for (gid, group), (verdict, step) in zip(finished, verdicts):
-            if verdict == "full":  # every step has its groups: the run is ending
+        for (gid, group), (verdict, step, slot) in zip(finished, verdicts):
+            # "full": every step has its groups (the run is ending); "dup": a copy of its prompt has its slot.
+            if verdict in ("full", "dup"):
                 continue
-            stats = self.stats.setdefault(step, _StepStats())
+            stats = self.stats.setdefault(step, _StepStats()) if step not in self.posted else _StepStats()
             if verdict == "stale":
                 stats.stale += 1
-                puts.setdefault(STREAM_PARTITION, []).append((gid, group, None))
+                puts.setdefault(STREAM_PARTITION, []).append((gid, group, None, -1))
                 continue
-            puts.setdefault(partition_name(step), []).append((gid, group, samples[gid]))
+            puts.setdefault(partition_name(step), []).append((gid, group, samples[gid], slot))
             stats.rows += self.n
             for s in samples[gid]:
                 stats.tokens += len(s.response_ids)
                 stats.lags += [step - v for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
         for partition, groups in puts.items():
             self._put(partition, groups)
+        self._done([group for _, group in finished], [gid for gid, _ in finished])
 
-    def _put(self, partition: str, groups: list[tuple[int, _Group, list | None]]) -> None:
+    def _done(self, groups: list[_Group], gids: list[int]) -> None:
+        """Tell the ledger these groups are done (put, re-fed or dropped), then ack their prompt rows: a death
+        before the ledger knows leaves them held (``StreamLedger.forget`` hands them out again)."""
+        self._call("stream_done", self.holder, gids)
+        by_handout: dict[int, tuple] = {}
+        for group in groups:
+            meta, rows = by_handout.setdefault(id(group.meta), (group.meta, []))
+            rows += group.rows
+        for meta, rows in by_handout.values():
+            self.svc.tq.ack(meta, rows)
+
+    def _put(self, partition: str, groups: list[tuple[int, _Group, list | None, int]]) -> None:
         """Put whole groups into ``partition``: their prompts only when they went stale (``samples`` None, the
-        prompt stream), else their rows."""
-        data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long) for _, group, _ in groups
+        prompt stream), else their rows (into their slots, with ``slots``)."""
+        data = {"prompt_ids": [torch.tensor(group.prompt, dtype=torch.long) for _, group, _, _ in groups
                                for _ in range(self.n)]}
-        group_ids = [gid for gid, _, _ in groups for _ in range(self.n)]
+        group_ids = [gid for gid, *_ in groups for _ in range(self.n)]
         if self.answers:
-            data["ground_truth"] = [group.answer for _, group, _ in groups for _ in range(self.n)]
+            data["ground_truth"] = [group.answer for _, group, _, _ in groups for _ in range(self.n)]
         if partition == STREAM_PARTITION:
             if self.budgets:
-                data["max_new_tokens"] = torch.tensor([b for _, group, _ in groups for b in group.budgets],
+                data["max_new_tokens"] = torch.tensor([b for _, group, _, _ in groups for b in group.budgets],
                                                       dtype=torch.long)
             self.svc.tq.put(STREAM_PARTITION, data, group_ids=group_ids)
             return
-        flat = [s for _, _, samples in groups for s in samples]
+        flat = [s for _, _, samples, _ in groups for s in samples]
         data["response_ids"] = [torch.tensor(s.response_ids, dtype=torch.long) for s in flat]
         data["behaviour_logprobs"] = [torch.tensor(s.response_logprobs) for s in flat]
         if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
             data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for s in flat]
-        self.svc.tq.put(partition, data, group_ids=group_ids, versions=[s.weight_version for s in flat],
-                        lengths=[row_length(s) for s in flat])
+        indexes = [slot * self.n + j for *_, slot in groups for j in range(self.n)] if self.slots else None
+        self._put_rows(partition, data, indexes=indexes, group_ids=group_ids,
+                       versions=[s.weight_version for s in flat], lengths=[row_length(s) for s in flat])
+
+    def _put_rows(self, partition: str, data: dict, **kwargs) -> None:
+        """``tq.put``; a slot whose rows the driver has not made yet is waited for (``StreamFeeder``)."""
+        from asyncflow.transfer_queue import BadRequestError
+
+        deadline = time.monotonic() + self.svc.timeout_s
+        while True:
+            try:
+                self.svc.tq.put(partition, data, **kwargs)
+                return
+            except BadRequestError as err:
+                if "out of range" not in str(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(self.poll_s)
 
     # ------------------------------------------------------------------ reports
     def _idle(self) -> None:
@@ -228,6 +287,7 @@ class StreamRollout:
                 self._idle()
                 self.busy_since = time.time()
             stats = self.stats.pop(step)
+            self.posted.add(step)
             lags = torch.tensor(stats.lags or [0], dtype=torch.float)
             post(self.svc.report(step, {
                 "rollout/rows": stats.rows, "rollout/tokens": stats.tokens,

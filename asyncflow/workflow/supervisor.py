@@ -20,8 +20,12 @@ continuous stream an instance acks a row once its response is put, not when it a
 rows of one that dies (a response partly generated, a multi-turn trajectory between turns) are generated again from
 their prompts (``rollout_stream._RedoRows``).
 
+In ``stream`` mode (``sample_stream``) a rollout instance holds prompts, reservations and claims on the board's
+ledger: its death has the board forget them (``_release_stream``, ``StreamLedger.forget``), its prompts return to the
+stream and the steps it claimed wait for their copies; its restarted process takes prompts like any instance.
+
 Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
-happen), and any service in ``sync`` and ``stream`` modes. A death there stops the run as before.
+happen), and any service in ``sync`` mode. A death there stops the run as before.
 Nor the trained groups, here: an actor or critic death restarts the whole run from its newest checkpoint
 (``workflow.loop.train``). The frozen reference is restarted here when each of its ranks is a group of its own
 (trainer world size 1: a new process joins no torch.distributed group of live peers); otherwise, and past
@@ -68,6 +72,11 @@ def restartable(cfg: AsyncFlowConfig) -> set[str]:
     """The worker groups of ``cfg``'s run that are restarted when a worker dies (empty when
     ``workflow.max_service_restarts`` is 0)."""
     wf = cfg.workflow
+    if wf.mode == "stream" and wf.max_service_restarts > 0:
+        # The sample stream: the board's ledger knows what each rollout instance holds (``sample_stream``). Under
+        # dynamic sampling a step takes any number of groups (no fixed slots), and the advantage task's judgements
+        # are counted as they happen.
+        return {"reward"} if cfg.algorithm.dynamic_sampling else {"reward", "rollout", "advantage"}
     if wf.mode != "async" or wf.max_service_restarts <= 0:
         return set()
     # Rollout on every stream: chunked, continuous, partial, agent loops (``rollout_stream._RedoRows``).
@@ -316,6 +325,8 @@ class Supervisor:
 
     def _release(self, task: str) -> int:
         """Give every row ``task`` holds in flight back to it (in every partition); returns how many."""
+        if task == "rollout" and self.cfg.workflow.mode == "stream":
+            return self._release_stream()
         from asyncflow.transfer_queue import BadRequestError
 
         released = 0
@@ -325,3 +336,18 @@ class Supervisor:
             except BadRequestError:  # cleared meanwhile, or not read by this task: nothing of it is held
                 continue
         return released
+
+    def _release_stream(self) -> int:
+        """The sample stream: what the rollout instances whose loops are not running (dead, left out, removed) held
+        goes back, their reservations and unconfirmed claims on the board (``StreamLedger.forget``) and their
+        prompts to the stream; returns how many prompt rows were handed out again."""
+        import ray
+
+        from asyncflow.workflow.partitions import STREAM_PARTITION
+
+        running = {i for name, i, _ in self.runs.values() if name == "rollout"}
+        rows = []
+        for i in range(len(self.pipe.groups["rollout"])):
+            if i not in running:
+                rows += ray.get(self.pipe.board.stream_forget.remote(i))
+        return self.pipe.client.release(STREAM_PARTITION, "rollout", rows) if rows else 0
