@@ -6,6 +6,11 @@ restart (``check_staleness_and_exactly_once``), the restart is printed, recorded
 ``restarts.jsonl`` with the steps redone since the checkpoint, and nothing of the dead attempt is left in Ray. With
 ``workflow.max_restarts=0``, or without checkpoints, a trainer death stops the run with the one-line error as before.
 The time rule of checkpoints (``checkpoint.every_minutes``) is checked on its decision function with a fake clock.
+
+The reference: a one-rank reference SIGKILLed twice is restarted in place (its rows read again), then, past
+``workflow.max_service_restarts``, restarts the run from its checkpoint; a dead reference actor of a group not
+restarted in place is turned into a trainer death (``Pipeline.explain``); ``restartable`` decides which layouts
+restart it in place.
 """
 
 import json
@@ -128,6 +133,32 @@ def test_the_reference_is_restarted_in_place_only_when_each_rank_is_a_group_of_i
         assert "reference" not in restartable(_cfg(tmp_path, layout)), layout
     assert "reference" not in restartable(_cfg(tmp_path, "workflow.max_service_restarts=0"))
     assert "reference" not in restartable(_cfg(tmp_path, "workflow.mode=sync"))
+
+
+class _Rank:
+    """A stand-in Ray actor for a reference rank whose process dies."""
+
+    def die(self) -> None:
+        import os
+
+        os._exit(1)
+
+
+def test_a_dead_reference_rank_is_explained_as_a_trainer_death(shared_ray):
+    # The path of a reference not restarted in place (a model-parallel group, sync and stream modes): the driver
+    # turns its actor's death into a TrainerDiedError, which restarts the run from its checkpoint.
+    import ray
+
+    from asyncflow.workflow.pipeline import Pipeline
+
+    rank = ray.remote(_Rank).options(num_cpus=0).remote()
+    with pytest.raises(ray.exceptions.RayActorError) as died:
+        ray.get(rank.die.remote(), timeout=120)
+    pipe = Pipeline(None, None, None, None, {"reference": [rank]}, None, 0, [], [])
+    explained = pipe.explain(died.value)
+    assert isinstance(explained, TrainerDiedError), explained
+    assert (explained.group, explained.rank) == ("reference", 0)
+    assert str(explained) == "reference rank 0 died (its process exited; see its log in Ray's session folder)"
 
 
 def _cfg(tmp_path, *extra: str):
