@@ -232,7 +232,11 @@ def batch_fingerprint(batch) -> torch.Tensor:
 
 
 class ReferenceService(TrainerService):
-    """Log-probabilities of the frozen reference policy (forward only)."""
+    """Log-probabilities of the frozen reference policy (forward only).
+
+    Frozen, so stateless: when the group is one rank, a rank whose process dies is started again in place and loads
+    the initial weights, which are the reference's (``supervisor.restartable``); the rows it held are read again.
+    The death of a rank of a larger group restarts the run from its checkpoint (``workflow.loop.train``)."""
 
     name = "reference"
 
