@@ -18,7 +18,7 @@ its successor's put of those rows does not wait for that put's lease (``transfer
 Rollout instances are restarted under chunked, continuous and partial rollout and agent loops alike: on the
 continuous stream an instance acks a row once its response is put, not when it admits it into its engine, so the
 rows of one that dies (a response partly generated, a multi-turn trajectory between turns) are generated again from
-their prompts (``rollout_stream._RedoRows``).
+their prompts (``redo_rows.RedoRows``).
 
 In ``stream`` mode (``sample_stream``) a rollout instance holds prompts, reservations and claims on the board's
 ledger: its death has the board forget them (``_release_stream``, ``StreamLedger.forget``), its prompts return to the
@@ -79,7 +79,7 @@ def restartable(cfg: AsyncFlowConfig) -> set[str]:
         return {"reward"} if cfg.algorithm.dynamic_sampling else {"reward", "rollout", "advantage"}
     if wf.mode != "async" or wf.max_service_restarts <= 0:
         return set()
-    # Rollout on every stream: chunked, continuous, partial, agent loops (``rollout_stream._RedoRows``).
+    # Rollout on every stream: chunked, continuous, partial, agent loops (``redo_rows.RedoRows``).
     groups = {"reward", "rollout"}
     if not cfg.algorithm.dynamic_sampling:
         groups.add("advantage")

@@ -1,4 +1,4 @@
-"""What a restartable instance on the continuous stream relies on (``rollout_stream._RedoRows``), on a real
+"""What a restartable instance on the continuous stream relies on (``redo_rows.RedoRows``), on a real
 TransferQueue (threads deployment): rows read without an ack keep a step from being done, a step whose rows are all
 handed out is left for the next one, rows handed back (a peer died) are taken again without generating twice the
 ones an instance still holds, and acks under the newest hand-out make the step done."""
@@ -11,7 +11,7 @@ import torch
 
 from asyncflow.transfer_queue import TransferQueueConfig, start
 from asyncflow.workflow.partitions import partition_name
-from asyncflow.workflow.rollout_stream import _RedoRows
+from asyncflow.workflow.redo_rows import RedoRows
 from asyncflow.workflow.supervisor import RedoClient
 
 PART = partition_name(0)
@@ -25,18 +25,18 @@ def tq():
     deployment.shutdown()
 
 
-def _instance(tq) -> _RedoRows:
+def _instance(tq) -> RedoRows:
     service = SimpleNamespace(tq=RedoClient(tq.address, tq.config), name="rollout", timeout_s=30.0)
-    return _RedoRows(service, poll_s=0.0)
+    return RedoRows(service, poll_s=0.0)
 
 
-def _put(rows: _RedoRows, indexes: list[int]) -> None:
+def _put(rows: RedoRows, indexes: list[int]) -> None:
     """``rows``' instance puts the responses of ``indexes`` (row i: [i]) and acks them."""
     rows.svc.tq.put(PART, {"response_ids": [torch.tensor([i]) for i in indexes]}, indexes=indexes)
     rows.written(0, indexes)
 
 
-def _done(rows: _RedoRows):
+def _done(rows: RedoRows):
     """The step's final read, once the controller has taken the one-way acks."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -1,5 +1,5 @@
 """Rollout instances on the continuous stream (continuous and partial rollout, agent loops) that die are started
-again, and the rows they held generated again from their prompts (``rollout_stream._RedoRows``), on the fake
+again, and the rows they held generated again from their prompts (``redo_rows.RedoRows``), on the fake
 engines: the rollout instances are real Ray actors, SIGKILLed (``os.kill`` of the worker's pid) while they generate,
 as in ``test_restart.py``. Rollout is the runs' bottleneck (``tests/fakes/slower.BusyTokens``), so an instance
 always holds rows in flight when it dies; the trainer waits at a gate (``GatedTrainer``) until the killed instance
