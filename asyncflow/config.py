@@ -387,10 +387,10 @@ class WorkflowConfig:
     rollout instance is left out instead while others run). 0: any death stops the run (docs/fault_tolerance.md)."""
     max_restarts: int = 2
     """How many times the whole run is started again from its newest complete checkpoint after a trainer rank
-    (actor or critic) dies: every worker is stopped and the run goes on as ``--resume`` would (model, optimizer,
-    data position, trained-prompt record). Only with checkpoints on (``checkpoint.dir``, ``checkpoint.interval`` or
-    ``checkpoint.every_minutes`` set); one more death stops the run naming the rank. 0: a trainer death stops the
-    run (docs/fault_tolerance.md)."""
+    (actor or critic) dies, or a TransferQueue storage unit or controller dies with rows the run still needs: every
+    worker is stopped and the run goes on as ``--resume`` would (model, optimizer, data position, trained-prompt
+    record). Only with checkpoints on (``checkpoint.dir``, ``checkpoint.interval`` or ``checkpoint.every_minutes``
+    set); one more death stops the run naming what died. 0: such a death stops the run (docs/fault_tolerance.md)."""
     eval_every: int = 0
     """Evaluate on the validation set (``data.val_path``) each time rollout admits the weights of the next multiple
     of this many trained steps (0: off); the ``eval/*`` metrics go with that step's metrics
