@@ -15,7 +15,10 @@ class RedoRows:
     are generated again from their prompts, by another instance or by its restarted self (a multi-turn
     trajectory, or a response partly generated across weight versions, starts again from its prompt)."""
 
-    wait_s = 1.0  # a blocking read's wait: the loop then looks at the other steps again
+    wait_s = 1.0
+    """A blocking read's wait (the loop then looks at the other steps again). Below ``supervisor.REDO_PARK_S``: a
+    read that a dead instance left waiting in the controller may take rows only that long after its death, and the
+    supervisor gives them back again once that time has passed."""
 
     def __init__(self, service, poll_s: float):
         self.svc, self.poll_s = service, poll_s

@@ -100,3 +100,9 @@ def test_a_row_put_then_handed_back_is_acked_at_once_and_written_once(tq):
     finally:
         for client in (a.svc.tq, b.svc.tq, driver):
             client.close()
+
+
+def test_a_dead_instances_waiting_read_ends_before_the_supervisor_gives_its_rows_back_again():
+    from asyncflow.workflow.supervisor import REDO_PARK_S
+
+    assert RedoRows.wait_s < REDO_PARK_S
