@@ -25,7 +25,8 @@ ledger: its death has the board forget them (``_release_stream``, ``StreamLedger
 stream and the steps it claimed wait for their copies; its restarted process takes prompts like any instance.
 
 Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
-happen), and any service in ``sync`` mode. A death there stops the run as before.
+happen), rollout in ``stream`` mode under dynamic sampling (a step takes any number of groups: no fixed slots), and
+any service in ``sync`` mode. A death there stops the run as before.
 Nor the trained groups, here: an actor or critic death restarts the whole run from its newest checkpoint
 (``workflow.loop.train``). The frozen reference is restarted here when each of its ranks is a group of its own
 (trainer world size 1: a new process joins no torch.distributed group of live peers); otherwise, and past
