@@ -10,6 +10,7 @@ from asyncflow.config import ConfigError
 from tests.recipe_runs import FAKE, REPO, SMALL
 
 RECIPE = REPO / "recipes/tiny_cpu/grpo_async.yaml"
+NO_REFERENCE = "algorithm.kl_coef=0"  # no reference model: one process fewer to start, and nothing here reads it
 
 
 def quarter_reward(tokenizer):
@@ -59,7 +60,8 @@ def trained(tmp_path_factory, tiny_model_dir, shared_ray):
     with ``_out``. Read by the hook check and by the CLI's final-line check, which need the same run."""
     out = tmp_path_factory.mktemp("api") / "run"
     summary = asyncflow.train(RECIPE, overrides=[f"model.path={tiny_model_dir}", f"observability.output_dir={out}",
-                                                 *FAKE, *SMALL], prompts=my_prompts, reward=quarter_reward)
+                                                 *FAKE, *SMALL, NO_REFERENCE], prompts=my_prompts,
+                             reward=quarter_reward)
     return {**summary, "_out": out}
 
 

@@ -114,7 +114,8 @@ def test_config_rules_accept_sync_continuous():
 def _eval_overrides(val):
     return [*SMALL, f"data.val_path={val}", f"data.val_size={VAL_SIZE}", "data.apply_chat_template=false",
             "workflow.eval_every=2", "workflow.eval_before_train=true", f"workflow.eval_k={K}",
-            f"workflow.eval_samples={SHOWN}"]
+            f"workflow.eval_samples={SHOWN}",
+            "algorithm.kl_coef=0"]  # no reference model: one process fewer to start, and nothing here reads it
 
 
 def _expected_before_training(tmp_path, model_dir, *overrides) -> dict:

@@ -39,7 +39,8 @@ def evaluated(request, tmp_path_factory, tiny_model_dir, shared_ray):
     run = run_fake(tmp, tiny_model_dir, "run", *SMALL, *MODES[request.param], f"data.val_path={val}",
                    "rollout.engine=tests.fakes.drain_checked.DrainChecked",
                    "data.apply_chat_template=false", "workflow.eval_every=2", "workflow.eval_before_train=true",
-                   f"workflow.eval_k={K}", f"workflow.eval_samples={SHOWN}")
+                   f"workflow.eval_k={K}", f"workflow.eval_samples={SHOWN}",
+                   "algorithm.kl_coef=0")  # no reference model: one process fewer to start, nothing here reads it
     run["_mode"] = request.param
     return run
 
