@@ -273,7 +273,10 @@ def _storage_lost(pipe, exc: BaseException):
     anywhere in its chain (a service's, raised in its Ray task), any other TransferQueue error while the controller
     reports a dead unit (a put or get that reached the unit before the controller declared it dead), or while the
     controller itself does not answer (it died: every row is gone with it). None otherwise."""
+    import time
+
     from asyncflow.transfer_queue import StorageUnitError, TransferQueueError
+    from asyncflow.transfer_queue.membership import LINK_GRACE_S
     from asyncflow.workflow.errors import StorageLostError
 
     chain, seen = [], exc
@@ -283,14 +286,21 @@ def _storage_lost(pipe, exc: BaseException):
         seen = cause if isinstance(cause, BaseException) else seen.__cause__ or seen.__context__
     if not any(isinstance(e, TransferQueueError) for e in chain):
         return None
-    try:
-        units = pipe.client.status()["units"]
-    except Exception:  # noqa: BLE001 - whatever the reason, the controller and the rows it knew are out of reach
-        return StorageLostError("the TransferQueue controller did not answer (it died, or its host did); the rows "
-                                "of the run went with it", "controller", None)
-    dead = sorted(int(uid) for uid, unit in units.items() if not unit["alive"])
-    if not dead and not any(isinstance(e, StorageUnitError) for e in chain):
-        return None
+    # A client can see a unit's closed connection before the controller declares the unit dead (its link must stay
+    # down for LINK_GRACE_S first): ask again for a few seconds before taking the failure for something else.
+    deadline = time.monotonic() + LINK_GRACE_S + 4.0
+    while True:
+        try:
+            units = pipe.client.status()["units"]
+        except Exception:  # noqa: BLE001 - whatever the reason, the controller and the rows it knew are out of reach
+            return StorageLostError("the TransferQueue controller did not answer (it died, or its host did); the "
+                                    "rows of the run went with it", "controller", None)
+        dead = sorted(int(uid) for uid, unit in units.items() if not unit["alive"])
+        if dead or any(isinstance(e, StorageUnitError) for e in chain):
+            break
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.2)
     which = ", ".join(map(str, dead)) or "?"
     return StorageLostError(f"TransferQueue storage unit {which} died; rows the run still needed were lost with it",
                             "storage", dead[0] if dead else None)
