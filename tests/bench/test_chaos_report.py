@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+
+import psutil
 
 from bench.chaos import account, cost_table, generate_spans, process_names, steps_wall
 
@@ -13,6 +16,9 @@ from bench.chaos import account, cost_table, generate_spans, process_names, step
 def test_the_processes_of_a_host_are_named_by_program():
     sleeper = subprocess.Popen(["sleep", "30"])
     try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(sleeper.pid).cmdline() != ["sleep", "30"] and time.monotonic() < deadline:
+            time.sleep(0.01)  # forked, not yet exec'd
         assert process_names([sleeper.pid, sleeper.pid, 2**22 + 7]) == {"sleep": 2}  # the last one does not exist
     finally:
         sleeper.kill()
