@@ -221,20 +221,23 @@ class ContinuousRollout:
         self._maybe_flush()
 
     def _end(self, key, sample, failed: bool) -> None:
-        """``key``'s response is complete: count it and queue it for the TransferQueue."""
+        """``key``'s response is complete: queue it for the TransferQueue (``_flush`` counts it once it is put)."""
         step, index = key
+        self.steps[step].in_flight -= 1
+        turn_reward = self.turn_rewards.pop(key, 0.0)
+        self.meta.pop(key, None)
+        self.pending.append((step, index, sample, failed, turn_reward))
+
+    def _count(self, step: int, sample, turn_reward: float) -> None:
+        """Add a response that was written to its step's report."""
         state = self.steps[step]
-        state.in_flight -= 1
         state.rows += 1
         state.turns += sample.turns
         state.tokens += len(sample.response_ids)
         versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
         mask = sample.loss_mask or [1] * len(versions)
         state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
-        turn_reward = self.turn_rewards.pop(key, 0.0)
-        self.meta.pop(key, None)
         state.turn_reward += turn_reward
-        self.pending.append((step, index, sample, failed, turn_reward))
 
     def _finished(self, done) -> None:
         for key, sample in done:
@@ -265,6 +268,12 @@ class ContinuousRollout:
             self.svc.tq.put(partition_name(step), data, indexes=[i for i, *_ in rows],
                             versions=[s.weight_version for _, s, _, _ in rows],
                             lengths=[row_length(s) for _, s, _, _ in rows])
+            # A row whose response another instance wrote first (it held the row before it died, or holds it
+            # too since a peer's death gave every row back) is not counted: the report describes what is trained.
+            skipped = set(getattr(self.svc.tq, "last_skipped", ()))
+            for index, sample, _, turn_reward in rows:
+                if index not in skipped:
+                    self._count(step, sample, turn_reward)
             if self.redo is not None:  # put: these rows are done, and no longer come back if this instance dies
                 self.redo.written(step, [i for i, *_ in rows])
 

@@ -100,8 +100,12 @@ class RedoClient(TransferQueueClient):
     """Rows whose output was already written (by this worker's predecessor, or by another instance that held the
     same rows) and were not written again."""
 
+    last_skipped: list[int] = []
+    """The rows the last ``put`` of this client skipped (their responses are not the ones trained)."""
+
     def put(self, partition: str, data: dict, *, indexes=None, versions=None, group_ids=None, lengths=None,
             **kwargs):
+        self.last_skipped = []
         try:
             return super().put(partition, data, indexes=indexes, versions=versions, group_ids=group_ids,
                                lengths=lengths, **kwargs)
@@ -125,6 +129,7 @@ class RedoClient(TransferQueueClient):
                 return
             except AlreadyWrittenError:
                 type(self).skipped += 1
+                self.last_skipped.append(index)
                 return
             except WritePendingError:
                 if time.monotonic() > deadline:
