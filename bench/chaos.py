@@ -319,12 +319,19 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
     spec = importlib.util.spec_from_file_location("two_host", REPO / "tools/two_host.py")
     two_host = sys.modules["two_host"] = importlib.util.module_from_spec(spec)  # its dataclass looks itself up
     spec.loader.exec_module(two_host)
+    saved = {key: os.environ.get(key) for key in ENV}
     os.environ.update(ENV)  # the Ray nodes' workers take their environment from the nodes, not from the driver
     try:
         two_host.check_possible()
         cluster = two_host.up(devices=4, cpus=8, devices_b=0)
     except two_host.TwoHostError as exc:
         return {"kind": "host", "error": f"no two-host cluster here: {exc}"}, {}
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     try:
         run = Run(args.out / "host", model, args.host_steps,
                   ["checkpoint.interval=1", "checkpoint.keep_last=2", "workflow.max_service_restarts=100",
