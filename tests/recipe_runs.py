@@ -27,7 +27,9 @@ FAKE = ["trainer.engine=asyncflow.engines.fake.FakeTrainEngine",
         "critic.engine=asyncflow.engines.fake.FakeCriticEngine",
         "rollout.engine=asyncflow.engines.fake.FakeRolloutEngine",
         # The fake policy is a small table: a larger step lets it learn add-one in tens of steps.
-        "trainer.lr=0.05", "critic.lr=0.05", "observability.tensorboard=false"]
+        "trainer.lr=0.05", "critic.lr=0.05", "observability.tensorboard=false",
+        # matplotlib's PNGs cost a run about as much CPU as a service's start-up; test_loop's runs still write them.
+        "observability.plots=false"]
 """Overrides that put every engine of a recipe on the fakes."""
 
 

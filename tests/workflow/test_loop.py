@@ -29,6 +29,7 @@ LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP = 40, 32, 8
 NO_REFERENCE = ["algorithm.kl_coef=0"]
 SLOW_TRAINER = "trainer.engine=tests.fakes.slowed.SlowTrainer"  # rollout is then always ready before the trainer
 PACKED = ["trainer.micro_batch_tokens=64", "trainer.data_parallel=2", "trainer.micro_batch_size=4"]
+PLOTS = "observability.plots=true"  # off in the other fake runs (recipe_runs.FAKE); test_outputs_written reads them
 
 
 def _reward_workers(tmp) -> list[str]:
@@ -52,7 +53,7 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
     return {
         # The demo recipe's sizes (async, k=1), long enough to learn; tensorboard on to check its output.
         "async": run_fake(tmp, tiny_model_dir, "async", f"workflow.steps={LEARN_STEPS}",
-                          "observability.tensorboard=true"),
+                          "observability.tensorboard=true", PLOTS),
         # The bound k=0, with token-budget micro-batches (``test_packed_run_...``): two replicas, among which the
         # TransferQueue's token_balanced sampler deals the step out, and the reference forward packs the same way.
         "async_k0": run_fake(tmp, tiny_model_dir, "async_k0", "workflow.max_staleness=0", *SMALL, *PACKED),
@@ -63,7 +64,7 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
         # Two reward workers share each step's rows, and a verl-shaped reward reads each dataset row's data source
         # and extra info (``test_two_reward_workers_...``): the task is a JSONL file of add-one prompts.
         "sync": run_fake(tmp, tiny_model_dir, "sync", "workflow.mode=sync", "workflow.max_staleness=0", *SMALL,
-                         *_reward_workers(tmp)),
+                         *_reward_workers(tmp), PLOTS),
     }
 
 
