@@ -6,12 +6,23 @@ module hands every service the config sections and the run-wide settings it need
 
 from __future__ import annotations
 
+import functools
 import uuid
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.workflow import services, train_services
 from asyncflow.workflow.supervisor import restartable
+
+
+@functools.cache
+def actor_class(cls):
+    """``ray.remote(cls)``, made once per process. Ray exports an actor class (pickles it and disassembles every
+    method) once per Ray job and per object ``ray.remote`` returned: with one object per class, a process that starts
+    several runs, restarts or added instances exports each class once."""
+    import ray
+
+    return ray.remote(cls)
 
 
 class WorkerGroups:
@@ -44,12 +55,10 @@ class WorkerGroups:
                             resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
 
     def _place(self, cls, opts: dict, **kwargs):
-        import ray
-
         if getattr(cls, "name", None) in self.restart:  # Ray starts it again in its bundle when its process dies
             opts = {**opts, "max_restarts": self.cfg.workflow.max_service_restarts}
             kwargs["redo"] = True
-        return ray.remote(cls).options(**opts).remote(**kwargs)
+        return actor_class(cls).options(**opts).remote(**kwargs)
 
     def _ranks(self, cls, group: str, mcfg, **kwargs) -> list:
         """``TP x PP x DP`` actors of ``cls`` forming one process group (its rendezvous at rank 0's node)."""
