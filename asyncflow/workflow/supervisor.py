@@ -255,7 +255,9 @@ class Supervisor:
         except (ValueError, KeyError, TypeError):  # half written: read it at the next poll
             return []
         self.request.unlink(missing_ok=True)
-        running = sorted(i for name, i, _ in self.runs.values() if name == "rollout")
+        # An instance Ray is starting again after a death counts as running: it takes rows once it answers.
+        restarting = {i: ref for ref, (name, i, *_) in self.starting.items() if name == "rollout"}
+        running = sorted({i for name, i, _ in self.runs.values() if name == "rollout"} | set(restarting))
         refused = self._refuse_scale(wanted, len(running))
         if refused:
             print(f"scale: {refused}", flush=True)
@@ -279,6 +281,9 @@ class Supervisor:
                                             "detected_at": time.time(), "recovered_at": None, "released_rows": None,
                                             "resumed_at_step": None}
             self._record(self.removed[("rollout", i)])
+            if i in restarting:  # no loop of it will end: its rows were handed out again at its death
+                self.starting.pop(restarting[i])
+                self.removed[("rollout", i)].update(recovered_at=time.time(), released_rows=0)
             ray.kill(rollout[i])
         print(f"scale: rollout instances {len(running)} -> {wanted}", flush=True)
         return added
