@@ -218,6 +218,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     ``startup``: where each start-up phase is printed (``observability.progress.StartupLog``; default: a new one).
     """
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from asyncflow import transfer_queue
     from asyncflow.algorithms.advantages import estimator_scope
@@ -236,7 +237,10 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     startup.phase("TransferQueue up")
     where = Placement(cfg, critic, reference)
     relay_store, relay, routes = _weight_relay(cfg, where, net.store_host)
-    board = ray.remote(VersionBoard).options(num_cpus=0).remote(
+    # The board lives on the driver's node: the run's coordinator goes only with the driver (a lost host that held
+    # it would stop the run, where every other death on that host is survived).
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    board = ray.remote(VersionBoard).options(num_cpus=0, scheduling_strategy=here).remote(
         (cfg.checkpoint.interval, cfg.workflow.steps, cfg.checkpoint.every_minutes))
     seq_len = max_prompt_len + cfg.rollout.max_new_tokens
     workers = WorkerGroups(cfg, model_dir, tq, board, where, relay, seq_len, budgets, answers, resume_dir, start_step)
