@@ -6,23 +6,13 @@ ones an instance still holds, and acks under the newest hand-out make the step d
 import time
 from types import SimpleNamespace
 
-import pytest
 import torch
 
-from asyncflow.transfer_queue import TransferQueueConfig, start
 from asyncflow.workflow.partitions import partition_name
 from asyncflow.workflow.redo_rows import RedoRows
 from asyncflow.workflow.supervisor import RedoClient
 
 PART = partition_name(0)
-
-
-@pytest.fixture
-def tq():
-    deployment = start(TransferQueueConfig(deployment="threads", storage_unit_capacity_bytes=16 << 20,
-                                           get_timeout_s=10.0, put_timeout_s=10.0))
-    yield deployment
-    deployment.shutdown()
 
 
 def _instance(tq) -> RedoRows:

@@ -9,6 +9,7 @@ service, or, for a rollout instance while another runs, goes on without it. The 
 (``tests/fakes/slowed.SlowTrainer``) so that the kills land mid-run.
 """
 
+import contextlib
 import os
 import signal
 import threading
@@ -122,22 +123,24 @@ def _alive(name: str) -> int:
     return sum(1 for a in ray._private.state.actors().values() if a["ActorClassName"] == name and a["State"] == "ALIVE")
 
 
-def test_rollout_instances_are_added_and_removed_on_request_while_the_run_goes_on(tmp_path, tiny_model_dir,
-                                                                                   shared_ray):
+@contextlib.contextmanager
+def scaling(out, plan):
+    """Requests to scale rollout while the run writing to ``out`` goes on, its trainer held at a gate
+    (``tests.fakes.slowed``): for each ``(logged, wanted, then)`` of ``plan``, once ``logged`` steps are logged ask
+    for ``wanted`` instances, wait until that many are alive, and let the trainer go up to step ``then``. Yields the
+    list of instance counts seen after each request (filled as the run goes on)."""
     import ray
 
     from asyncflow.workflow.supervisor import request_scale
     from tests.fakes.slowed import GATE, Gate
 
-    # The trainer waits at a gate (``GatedTrainer``), so each request lands while the run still has steps to go,
-    # however slowly an added instance starts on a loaded machine.
     gate = ray.remote(Gate).options(name=GATE).remote()
-    out, seen = tmp_path / "scale", []
+    seen: list[int] = []
 
-    def scale() -> None:  # 1 -> 2 once step 0 is logged, 2 -> 1 once step 3 is
-        give_up = time.monotonic() + 300  # a run that never logs: the assertions below say so
+    def scale() -> None:
+        give_up = time.monotonic() + 300  # a run that never logs: the caller's assertions say so
         try:
-            for logged, wanted, then in ((1, 2, 4), (4, 1, STEPS)):
+            for logged, wanted, then in plan:
                 while _logged(out) < logged and time.monotonic() < give_up:
                     time.sleep(0.05)
                 request_scale(out, wanted)
@@ -147,16 +150,24 @@ def test_rollout_instances_are_added_and_removed_on_request_while_the_run_goes_o
                 seen.append(_alive("RolloutService"))
                 ray.get(gate.open.remote(then))
         finally:
-            ray.get(gate.open.remote(STEPS))  # never leave the run held
+            ray.get(gate.open.remote(plan[-1][2]))  # never leave the run held
 
-    ray.get(gate.open.remote(1))
+    ray.get(gate.open.remote(plan[0][0]))
     thread = threading.Thread(target=scale, daemon=True)
     thread.start()
     try:
-        summary = run_fake(tmp_path, tiny_model_dir, "scale", *RUN, "trainer.engine=tests.fakes.slowed.GatedTrainer")
+        yield seen
     finally:
         thread.join(10)
         ray.kill(gate)
+
+
+def test_rollout_instances_are_added_and_removed_on_request_while_the_run_goes_on(tmp_path, tiny_model_dir,
+                                                                                   shared_ray):
+    # The trainer waits at a gate (``GatedTrainer``), so each request lands while the run still has steps to go,
+    # however slowly an added instance starts on a loaded machine. 1 -> 2 once step 0 is logged, 2 -> 1 once step 3 is.
+    with scaling(tmp_path / "scale", ((1, 2, 4), (4, 1, STEPS))) as seen:
+        summary = run_fake(tmp_path, tiny_model_dir, "scale", *RUN, "trainer.engine=tests.fakes.slowed.GatedTrainer")
     assert seen == [2, 1], seen
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
     events = [(e["service"], e["worker"], e["error"]) for e in summary["service_restarts"]]

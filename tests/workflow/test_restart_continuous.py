@@ -20,7 +20,7 @@ import time
 import pytest
 
 from tests.recipe_runs import check_staleness_and_exactly_once, records, run_fake
-from tests.workflow.test_restart import GROUP, PROMPTS, RUN, STEPS, Killer, _alive, _logged
+from tests.workflow.test_restart import GROUP, PROMPTS, RUN, STEPS, Killer, _logged, scaling
 
 pytestmark = pytest.mark.loop
 
@@ -108,37 +108,9 @@ def test_a_killed_instance_running_agent_loops_is_restarted(tmp_path, tiny_model
 
 
 def test_continuous_rollout_scales_up_and_down_while_the_run_goes_on(tmp_path, tiny_model_dir, shared_ray):
-    import ray
-
-    from asyncflow.workflow.supervisor import request_scale
-    from tests.fakes.slowed import GATE, Gate
-
-    gate = ray.remote(Gate).options(name=GATE).remote()
-    out, seen = tmp_path / "scale", []
-
-    def scale() -> None:  # 2 -> 3 once step 0 is logged, 3 -> 1 once step 3 is
-        give_up = time.monotonic() + 300
-        try:
-            for logged, wanted, then in ((1, 3, 4), (4, 1, STEPS)):
-                while _logged(out) < logged and time.monotonic() < give_up:
-                    time.sleep(0.05)
-                request_scale(out, wanted)
-                deadline = time.monotonic() + 120
-                while _alive("RolloutService") != wanted and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                seen.append(_alive("RolloutService"))
-                ray.get(gate.open.remote(then))
-        finally:
-            ray.get(gate.open.remote(STEPS))
-
-    ray.get(gate.open.remote(1))
-    thread = threading.Thread(target=scale, daemon=True)
-    thread.start()
-    try:
+    # 2 -> 3 once step 0 is logged, 3 -> 1 once step 3 is
+    with scaling(tmp_path / "scale", ((1, 3, 4), (4, 1, STEPS))) as seen:
         summary = run_fake(tmp_path, tiny_model_dir, "scale", *RUN, *BUSY, *TWO, "rollout.continuous=true")
-    finally:
-        thread.join(10)
-        ray.kill(gate)
     assert seen == [3, 1], seen
     check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
     events = sorted((e["worker"], e["error"]) for e in summary["service_restarts"])

@@ -7,16 +7,8 @@ import time
 import pytest
 import torch
 
-from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, TransferQueueConfig, start
+from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient
 from asyncflow.workflow.supervisor import RedoClient
-
-
-@pytest.fixture
-def tq():
-    deployment = start(TransferQueueConfig(deployment="threads", storage_unit_capacity_bytes=16 << 20,
-                                           get_timeout_s=10.0, put_timeout_s=10.0))
-    yield deployment
-    deployment.shutdown()
 
 
 def _task(client, task: str) -> dict:
