@@ -71,8 +71,11 @@ def test_killed_stream_rollout_instance_and_reward_worker_restart_and_every_prom
     assert [e[:3] for e in events] == [("reward", 0, "1"), ("rollout", 1, "1"), ("rollout", 1, "None"),
                                        ("rollout", 2, "None"), ("rollout", 2, "None")], events
     assert [e[3] for e in events[2:]] == ["removed", "added", "removed"], events
-    died = next(e for e in summary["service_restarts"] if e["service"] == "rollout" and e["restart"])
-    assert died["released_rows"] > 0, died  # the prompts in its engine went back to the stream
+    # The prompts in a dead or removed instance's engine went back to the stream. Whether the killed one held any
+    # at the instant of its SIGKILL depends on timing (it may be waiting at the staleness bound), so this counts
+    # the death and the two removals together.
+    gone = [e for e in summary["service_restarts"] if e["service"] == "rollout" and e["error"] != "added"]
+    assert sum(e["released_rows"] or 0 for e in gone) > 0, gone
     lines = (summary["_out"] / "restarts.jsonl").read_text().splitlines()
     assert sorted((e["service"], e["worker"], str(e["restart"]), e["error"]) for e in map(json.loads, lines)) == events
     assert sum(r.get("supervisor/restarts", 0.0) for r in records(summary)) == 2.0

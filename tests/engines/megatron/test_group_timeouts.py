@@ -34,13 +34,16 @@ from asyncflow.models.parallel import init_megatron
 init_megatron(1, 1, 0, timeout_s=5.0)
 if rank == 1:  # joins the group, then never takes part in the collective
     time.sleep(120)
-    sys.exit(0)
+    os._exit(0)
 try:
     torch.distributed.all_reduce(torch.ones(4))
 except Exception as exc:
-    print("raised", type(exc).__name__, str(exc)[:200])
-    sys.exit(0)
-print("completed")
+    print("raised", type(exc).__name__, str(exc)[:200], flush=True)
+    # Not sys.exit: tearing down a gloo group whose collective timed out can abort the interpreter at exit
+    # ("terminate called without an active exception", SIGABRT), after the result this test checks.
+    os._exit(0)
+print("completed", flush=True)
+os._exit(0)
 """
 
 
