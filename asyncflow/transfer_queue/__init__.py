@@ -41,6 +41,7 @@ _EXPORTS = {
     "BackPressureError": "errors",
     "StorageUnitError": "errors",
     "StalePutError": "errors",
+    "ReadCancelledError": "errors",
     "ServerUnavailableError": "errors",
 }
 

@@ -118,7 +118,7 @@ class AsyncTransferQueueClient:
         """``writer``: see ``TransferQueueClient``."""
         self._rids = RequestIds()
         self.writer = writer_tag(writer, self._rids)
-        """The writer tag sent with every put."""
+        """The tag sent with every put (its writer) and get (its reader)."""
         self.config = config or TransferQueueConfig()
         self.address = address
         self._ctx = zmq.asyncio.Context()
@@ -195,6 +195,10 @@ class AsyncTransferQueueClient:
         reply = await self._call({"op": "roll_back_puts", "writer": writer})
         return reply["rolled_back"] + reply["parked"]
 
+    async def cancel_reads(self, reader: str) -> int:
+        """See ``TransferQueueClient.cancel_reads``."""
+        return (await self._call({"op": "cancel_reads", "reader": reader}))["cancelled"]
+
     async def put(self, partition: str, data: dict, *, indexes=None, versions=None, group_ids=None,
                   lengths=None, timeout: float | None = None) -> list[int]:
         """See ``TransferQueueClient.put``."""
@@ -242,7 +246,7 @@ class AsyncTransferQueueClient:
         """See ``TransferQueueClient.get_meta``."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         header = get_header(partition, task, fields, batch_size, sampler, sampler_args, dp_rank, dp_size,
-                            mp_rank, mp_size, timeout if block else None, allow_partial, lease)
+                            mp_rank, mp_size, timeout if block else None, allow_partial, lease, self.writer)
         reply = await self._call(header, (timeout if block else 0) + self.config.rpc_timeout_s)
         return BatchMeta.from_reply(partition, task, reply)
 

@@ -151,13 +151,14 @@ class ReadPlan:
 
 def get_header(partition: str, task: str, fields, batch_size: int, sampler: str, sampler_args,
                dp_rank: int, dp_size: int, mp_rank: int, mp_size: int, timeout, allow_partial: bool,
-               lease: float | None = None) -> dict:
+               lease: float | None = None, reader: str | None = None) -> dict:
+    """A ``get_meta`` request; ``reader``: the client's tag, which ``cancel_reads`` names."""
     if isinstance(fields, str):
         fields = [fields]
     return {"op": "get_meta", "partition": partition, "task": task, "fields": list(fields),
             "batch_size": batch_size, "sampler": sampler, "sampler_args": sampler_args or {},
             "dp_rank": dp_rank, "dp_size": dp_size, "mp_rank": mp_rank, "mp_size": mp_size,
-            "timeout": timeout, "allow_partial": allow_partial, "lease": lease}
+            "timeout": timeout, "allow_partial": allow_partial, "lease": lease, "reader": reader}
 
 
 def ack_header(meta: BatchMeta) -> dict:
@@ -220,11 +221,12 @@ class TransferQueueClient:
     for parallelism)."""
 
     def __init__(self, address: str, config: TransferQueueConfig | None = None, *, writer: str | None = None):
-        """``writer``: the tag every put of this client carries, so that its pending puts can be rolled back
-        when its process dies (``roll_back_puts``); None: a tag unique to this client."""
+        """``writer``: the tag every put and get of this client carries, so that its pending puts can be rolled
+        back (``roll_back_puts``) and its waiting gets dropped (``cancel_reads``) when its process dies; None: a tag
+        unique to this client."""
         self._rids = RequestIds()
         self.writer = writer_tag(writer, self._rids)
-        """The writer tag sent with every put."""
+        """The tag sent with every put (its writer) and get (its reader)."""
         self.config = config or TransferQueueConfig()
         self.address = address
         self._ctx = zmq.Context()
@@ -364,6 +366,15 @@ class TransferQueueClient:
             reply = self._call({"op": "roll_back_puts", "writer": writer})
         return reply["rolled_back"] + reply["parked"]
 
+    def cancel_reads(self, reader: str) -> int:
+        """Drop every get of ``reader`` (another client's tag) waiting in the controller, and refuse the gets its
+        client sends later: call it once that reader's process is dead and before its rows are released, so that
+        rows released or put after this go to live readers, not to a get nobody reads (which would hold them until
+        ``row_lease_s``). A new client under the same tag (its successor) reads as any. Returns how many gets it
+        dropped."""
+        with self._lock:
+            return self._call({"op": "cancel_reads", "reader": reader})["cancelled"]
+
     def _abort(self, put_id: int) -> None:
         try:
             self._call({"op": "abort_put", "put": put_id})
@@ -400,7 +411,7 @@ class TransferQueueClient:
         TransferQueueTimeoutError after ``timeout``; ``block=False`` returns an empty meta at once."""
         timeout = self.config.get_timeout_s if timeout is None else timeout
         header = get_header(partition, task, fields, batch_size, sampler, sampler_args, dp_rank, dp_size,
-                            mp_rank, mp_size, timeout if block else None, allow_partial, lease)
+                            mp_rank, mp_size, timeout if block else None, allow_partial, lease, self.writer)
         if block:
             reply = self._call(header, timeout + self.config.rpc_timeout_s, conn=self._waiter())
         else:

@@ -59,6 +59,8 @@ class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
         self.closed_puts: OrderedDict[int, tuple] = OrderedDict()
         self._epoch_high = 0
         self.parked_gets: list[ParkedGet] = []
+        self.reader_clients: OrderedDict[str, str] = OrderedDict()
+        self.cancelled_clients: OrderedDict[str, None] = OrderedDict()
         self.parked_puts: list[tuple[Request, float]] = []
         self.replicas: dict[tuple, ReplicaBatches] = {}
         self.leases: list[tuple] = []  # heap of (lease end, hand-out, partition, task, rows)
@@ -67,8 +69,8 @@ class Controller(MembershipHandlers, PutHandlers, GetHandlers, FenceHandlers):
         self.heartbeats = HeartbeatListener(self.server.ctx, self.server, pause_s=config.heartbeat_timeout_s / 2)
         self.server.on_close.append(self.heartbeats.stop)
         for op in ("hello", "register_unit", "create_partition", "prepare_put", "commit_put",
-                   "abort_put", "roll_back_puts", "get_meta", "renew", "ack", "release", "seal", "clear",
-                   "status"):
+                   "abort_put", "roll_back_puts", "cancel_reads", "get_meta", "renew", "ack", "release", "seal",
+                   "clear", "status"):
             self.server.handlers[op] = getattr(self, "_op_" + op)
         self.server.add_timer(0.05, self._expire)
         self.server.add_timer(0.05, self._fence_timer)

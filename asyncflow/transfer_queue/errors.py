@@ -68,6 +68,13 @@ class StalePutError(TransferQueueError):
     code = "stale"
 
 
+class ReadCancelledError(TransferQueueError):
+    """A get of a reader declared dead (``cancel_reads``): it was dropped from the controller's waiting room, or
+    refused because its client is the one declared dead; no rows were handed out to it."""
+
+    code = "cancelled"
+
+
 class ServerUnavailableError(TransferQueueError):
     """The controller or a storage unit did not answer within the RPC timeout."""
 
@@ -78,7 +85,8 @@ ERRORS_BY_CODE: dict[str, type[TransferQueueError]] = {
     cls.code: cls
     for cls in (TransferQueueError, BadRequestError, AlreadyWrittenError, WritePendingError,
                 UnknownPartitionError, TransferQueueTimeoutError,
-                BackPressureError, StorageUnitError, StalePutError, ServerUnavailableError)
+                BackPressureError, StorageUnitError, StalePutError, ReadCancelledError,
+                ServerUnavailableError)
 }
 
 

@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import BadRequestError, TransferQueueError, TransferQueueTimeoutError, UnknownPartitionError
+from .errors import (
+    BadRequestError,
+    ReadCancelledError,
+    TransferQueueError,
+    TransferQueueTimeoutError,
+    UnknownPartitionError,
+)
 from .partition import Partition
 from .samplers import Sampler, make_sampler
 from .transport import DEFERRED, Request
 from .validation import check_float, check_int
+
+_READERS_KEPT = 1 << 16  # reader tags (and clients declared dead) remembered; old ones fall off the front
 
 
 @dataclass
@@ -35,6 +44,8 @@ class ParkedGet:
     deadline: float
     timeout: float
     lease: float
+    reader: str | None = None  # the client's tag (its writer tag), named by ``cancel_reads``
+    client: str | None = None  # the client's request-id prefix: one client object, one process
 
 @dataclass
 class ReplicaBatches:
@@ -47,6 +58,9 @@ class ReplicaBatches:
 
 class GetHandlers:
     """Mixin of ``Controller``: the get path (uses its partitions, replicas, parked_gets and server)."""
+
+    reader_clients: OrderedDict[str, str]  # reader tag -> the client (request-id prefix) that last got under it
+    cancelled_clients: OrderedDict[str, None]  # clients whose reads were cancelled (``cancel_reads``)
 
     def _op_get_meta(self, req: Request):
         h = req.header
@@ -73,8 +87,10 @@ class GetHandlers:
         lease = check_float(h, "lease", self.config.row_lease_s)
         if lease <= 0:
             raise BadRequestError("lease must be > 0")
+        reader, client = self._reader(req)
         p = ParkedGet(req, part.name, task, tuple(dict.fromkeys(fields)), batch_size, sampler, dp,
-                      bool(h.get("allow_partial")), time.monotonic() + (timeout or 0.0), timeout or 0.0, lease)
+                      bool(h.get("allow_partial")), time.monotonic() + (timeout or 0.0), timeout or 0.0, lease,
+                      reader, client)
         result = self._try_get(p)
         if result is not None:
             return result
@@ -83,6 +99,44 @@ class GetHandlers:
             return {"indexes": [], "done": False, "ready": len(view.ready), "fields": {}}
         self.parked_gets.append(p)
         return DEFERRED
+
+    def _reader(self, req: Request) -> tuple[str | None, str | None]:
+        """The reader tag and client of a get; refuses a get of a client declared dead (``cancel_reads``): a
+        request it sent before it died may arrive after the cancel."""
+        reader, rid = req.header.get("reader"), req.header.get("rid")
+        if reader is not None and not (isinstance(reader, str) and 0 < len(reader) <= 256):
+            raise BadRequestError("reader must be a non-empty string of at most 256 characters")
+        client = (rid.rpartition(".")[0] or None) if isinstance(rid, str) else None
+        if client is not None and client in self.cancelled_clients:
+            raise ReadCancelledError(f"the reads of {reader!r} were cancelled: its client was declared dead")
+        if reader is not None and client is not None:
+            self.reader_clients[reader] = client
+            self.reader_clients.move_to_end(reader)
+            while len(self.reader_clients) > _READERS_KEPT:
+                self.reader_clients.popitem(last=False)
+        return reader, client
+
+    def _op_cancel_reads(self, req: Request):
+        """Drop every parked get of a reader declared dead (its process is gone: nothing reads the answer), so
+        that rows that come later, or that are released after this, go to live readers only. Its client's gets
+        that arrive later are refused; a new client under the same tag (its restarted successor) reads as any."""
+        reader = req.header.get("reader")
+        if not isinstance(reader, str) or not reader:
+            raise BadRequestError("cancel_reads needs the reader's tag")
+        dropped = [p for p in self.parked_gets if p.reader == reader]
+        dead = {p.client for p in dropped if p.client is not None}
+        if reader in self.reader_clients:
+            dead.add(self.reader_clients.pop(reader))
+        for client in dead:
+            self.cancelled_clients[client] = None
+            while len(self.cancelled_clients) > _READERS_KEPT:
+                self.cancelled_clients.popitem(last=False)
+        for p in dropped:
+            self.parked_gets.remove(p)
+            self.server.reply_error(p.req, ReadCancelledError(
+                f"get of task {p.task!r} on partition {p.partition!r} cancelled: its reader {reader!r} was declared "
+                "dead"))
+        return {"cancelled": len(dropped)}
 
     def _try_get(self, p: ParkedGet):
         part = self.partitions.get(p.partition)

@@ -88,8 +88,8 @@ def _as_buffer(frame: Any):
     return frame.buffer if hasattr(frame, "buffer") else frame
 
 
-MUTATING_OPS = frozenset({"create_partition", "prepare_put", "commit_put", "abort_put", "roll_back_puts", "get_meta",
-                          "renew", "ack", "release", "seal", "clear"})
+MUTATING_OPS = frozenset({"create_partition", "prepare_put", "commit_put", "abort_put", "roll_back_puts",
+                          "cancel_reads", "get_meta", "renew", "ack", "release", "seal", "clear"})
 """Controller requests that change state. Clients give each a unique request id (``rid``); a retried or
 duplicated request with an id the controller has seen gets the first answer and takes no effect twice."""
 

@@ -15,12 +15,12 @@ from asyncflow.transfer_queue.protocol import Signer, encode
 from asyncflow.transfer_queue.transport import Connection
 
 OPS = ["hello", "register_unit", "heartbeat", "create_partition", "prepare_put", "commit_put", "abort_put",
-       "roll_back_puts", "get_meta", "renew", "ack", "release", "seal", "clear", "status", "read", "write", "fence",
-       "ping", "nonsense"]
+       "roll_back_puts", "cancel_reads", "get_meta", "renew", "ack", "release", "seal", "clear", "status", "read",
+       "write", "fence", "ping", "nonsense"]
 KEYS = ["partition", "task", "fields", "batch_size", "indexes", "count", "put", "unit", "address", "size",
         "sampler", "sampler_args", "dp_rank", "dp_size", "mp_rank", "mp_size", "timeout", "ranges",
         "versions", "group_ids", "lengths", "expected_rows", "consumers", "force", "exist_ok", "arena",
-        "epoch", "epochs", "floor", "handout", "lease", "rid", "inc", "writer"]
+        "epoch", "epochs", "floor", "handout", "lease", "rid", "inc", "writer", "reader"]
 
 
 def random_value(rng: random.Random, depth: int = 0):
