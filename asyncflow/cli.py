@@ -319,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     except (SamplingBudgetError, CheckpointError, WeightApplyError, WorkerDiedError, NodePathError) as exc:
         # The message says what failed or what to change; no traceback. Errors raised inside a Ray actor come
         # wrapped: print the service's own message.
-        print(f"asyncflow: error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
+        cause = getattr(exc, "cause", None)
+        print(f"asyncflow: error: {cause if isinstance(cause, BaseException) else exc}", file=sys.stderr)
         return 1
 
 

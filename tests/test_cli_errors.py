@@ -108,3 +108,23 @@ def test_train_given_a_recipe_folder_names_its_config_file(tmp_path):
     code, err, _ = _cli("train", str(recipe), cwd=tmp_path)
     assert code == 2 and err == [f"asyncflow: config error: {recipe} is a recipe folder; give its config file: "
                                  f"{recipe / 'config.yaml'}"], err
+
+
+@pytest.mark.parametrize("error", ["trainer", "service", "storage"])
+def test_a_run_lost_error_prints_its_own_message(monkeypatch, capsys, error):
+    # A run-restart error's kind ("trainer", ...) is not a Ray task's wrapped ``cause``: the line is its message
+    # (once "asyncflow: error: trainer").
+    import argparse
+
+    from asyncflow import cli
+    from asyncflow.workflow.errors import ServiceLostError, StorageLostError, TrainerDiedError
+
+    kind = {"trainer": TrainerDiedError, "service": ServiceLostError, "storage": StorageLostError}[error]
+
+    def fails(args):
+        raise kind("reward worker 0 died (its process exited)", "reward", 0)
+
+    monkeypatch.setattr(cli, "build_parser", lambda: argparse.Namespace(parse_args=lambda argv: argparse.Namespace(
+        func=fails)))
+    assert cli.main([]) == 1
+    assert capsys.readouterr().err == "asyncflow: error: reward worker 0 died (its process exited)\n"

@@ -17,8 +17,9 @@ class RunLostError(WorkerDiedError):
     newest checkpoint (``workflow.max_restarts``). ``group`` and ``rank`` name what died; ``step``: the steps trained
     when the driver saw it."""
 
-    cause = "run"
-    """What died, in the restart's record (``cause`` in ``restarts.jsonl`` and the summary)."""
+    kind = "run"
+    """What died, in the restart's record (``cause`` in ``restarts.jsonl`` and the summary). Not named ``cause``:
+    the CLI and the loop read ``cause`` as a Ray task error's own exception."""
 
     def __init__(self, message: str, group: str, rank: int | None, step: int | None = None):
         super().__init__(message)
@@ -32,10 +33,22 @@ class RunLostError(WorkerDiedError):
 class TrainerDiedError(RunLostError):
     """A trainer rank's process died (``group``: actor, critic or reference, ``rank``)."""
 
-    cause = "trainer"
+    kind = "trainer"
 
     def who(self) -> str:
         return f"trainer rank {self.rank} ({self.group})"
+
+
+class ServiceLostError(RunLostError):
+    """A service worker that is not restarted in place died (``group``: rollout, reward, advantage, ...; ``rank``:
+    its instance or worker index): in ``sync`` mode, a group outside ``supervisor.restartable``, or past
+    ``workflow.max_service_restarts``. With checkpoints on the run restarts from its newest one; without, it stops
+    with this message."""
+
+    kind = "service"
+
+    def who(self) -> str:
+        return f"rollout instance {self.rank}" if self.group == "rollout" else f"{self.group} worker {self.rank}"
 
 
 class StorageLostError(RunLostError):
@@ -43,7 +56,7 @@ class StorageLostError(RunLostError):
     ``rank``: the unit's id, None when the controller could not say), or the controller did (``group``
     "controller")."""
 
-    cause = "storage"
+    kind = "storage"
 
     def who(self) -> str:
         if self.group == "controller":

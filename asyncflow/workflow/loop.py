@@ -81,7 +81,7 @@ def _restart(cfg: AsyncFlowConfig, died, restarts: list[dict], signals) -> None:
         raise type(died)(f"{died}; the run was restarted from its checkpoint {len(restarts)} times already "
                          f"(workflow.max_restarts={limit})", died.group, died.rank, died.step) from died
     step = point if died.step is None else died.step
-    event = {"cause": died.cause, "group": died.group, "rank": died.rank, "died_at_step": step,
+    event = {"cause": died.kind, "group": died.group, "rank": died.rank, "died_at_step": step,
              "restart": len(restarts) + 1, "checkpoint_step": point, "steps_redone": max(step - point, 0),
              "detected_at": time.time()}
     restarts.append(event)

@@ -13,7 +13,7 @@ from asyncflow.config import AsyncFlowConfig
 from asyncflow.transfer_queue.shm import remove_stale
 from asyncflow.workflow import network, train_services
 from asyncflow.workflow.board import VersionBoard
-from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
+from asyncflow.workflow.errors import ServiceLostError, TrainerDiedError
 from asyncflow.workflow.node_check import check_nodes
 from asyncflow.workflow.partitions import STREAM_PARTITION, partition_name
 
@@ -129,7 +129,9 @@ class Pipeline:
                 message = f"{what} died{doing} (its process exited; see its log in Ray's session folder)"
                 if name in ("actor", "critic", "reference"):  # restarted from the run's checkpoint (loop.train)
                     return TrainerDiedError(message, name, i)
-                return WorkerDiedError(message)
+                # Not restarted in place (sync mode, or a group the supervisor does not restart): the run restarts
+                # from its checkpoint too, or stops with this message when checkpoints are off.
+                return ServiceLostError(message, name, i)
         return exc
 
     def record_layout(self) -> dict:

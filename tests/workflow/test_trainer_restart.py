@@ -63,6 +63,25 @@ def test_a_killed_actor_rank_restarts_the_run_from_its_checkpoint(tmp_path, tiny
 
 
 @pytest.mark.loop
+def test_a_killed_rollout_instance_in_sync_mode_restarts_the_run_from_its_checkpoint(tmp_path, tiny_model_dir,
+                                                                                     shared_ray, capsys):
+    # Sync mode restarts no service in place (the driver runs each step's tasks in lock-step): a service death is
+    # a ``ServiceLostError``, and the run goes on from its checkpoint as for a trainer death.
+    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "sync", "rollout", [3], "workflow.mode=sync",
+                                      "workflow.max_staleness=0", "workflow.max_restarts=1", run=RUN)
+    assert len(killer.killed) == 1, "the run ended before the kill"
+    [event] = summary["run_restarts"]
+    died, point = event["died_at_step"], event["checkpoint_step"]
+    assert (event["cause"], event["group"], event["rank"]) == ("service", "rollout", 0), event
+    assert summary["trainer_restarts"] == [] and point == died - died % 2 and died >= 3, event
+    check_staleness_and_exactly_once({**summary, "steps": STEPS}, 0, STEPS, PROMPTS, GROUP)
+    assert (f"rollout instance 0 died at step {died}; restart 1/1 from the checkpoint at step {point}\n"
+            in capsys.readouterr().out)
+    actors, groups, servers = ray_leftovers()
+    assert not (actors or groups or servers), (actors, groups, servers)
+
+
+@pytest.mark.loop
 def test_without_restarts_a_killed_actor_rank_stops_the_run(tmp_path, tiny_model_dir, shared_ray):
     # Checkpoints by time only, every 6 ms: each step boundary gets one, the trainer's part and the driver's commit
     # at the same steps (a boundary the two saw differently would fail the commit, or leave no actor part).
