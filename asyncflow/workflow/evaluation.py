@@ -99,10 +99,24 @@ def evaluation_spec(cfg, model_dir: str | Path) -> EvalSpec | None:
                     tokenizer_class=tokenizer_class(tokenizer))
 
 
+def _restarted_actor() -> bool:
+    """Whether this process is a Ray actor that Ray started again after its process died."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    return context.get_actor_id() is not None and context.was_current_actor_reconstructed
+
+
 class Evaluator:
     """Runs in rollout instance 0: decides when an evaluation is due and runs it on the instance's engine."""
 
-    def __init__(self, spec: EvalSpec, model_dir: str):
+    def __init__(self, spec: EvalSpec, model_dir: str, restarted: bool | None = None):
+        """``restarted``: this instance is a new incarnation of one that died (default: ask Ray whether this actor
+        was started again). The evaluations before the death were made: it evaluates next at the first multiple of
+        ``spec.every`` from the first version it admits (the version of an evaluation cut short by the death, when
+        still admitted), not at once as ``spec.before`` has a first incarnation do."""
         from asyncflow.models.tokenizer import load_tokenizer
         from asyncflow.rewards import RewardScorer, make_reward_fn
 
@@ -111,10 +125,15 @@ class Evaluator:
         # The training reward's scorer: every shape it reads (token ids, verl's text signature, batched, async).
         self.scorer = RewardScorer(make_reward_fn(spec.reward, self.tokenizer, spec.reward_cfg), self.tokenizer,
                                    spec.reward_cfg, spec.reward_on_error)
-        self.next_due = 0 if spec.before else (spec.every or None)
+        restarted = _restarted_actor() if restarted is None else restarted
+        self.next_due = None if restarted else 0 if spec.before else (spec.every or None)
+        self.resuming = restarted and bool(spec.every)
 
     def due(self, version: int) -> bool:
         """Whether the weights of ``version`` (just admitted) are to be evaluated."""
+        if self.resuming:  # the first version a restarted instance admits fixes its next evaluation
+            self.resuming = False
+            self.next_due = -(-version // self.spec.every) * self.spec.every
         return self.next_due is not None and version >= self.next_due
 
     def _score(self, prompts: list[list[int]], samples: list, answers: list) -> list[float]:

@@ -5,6 +5,7 @@ the same config and must match the logged metrics exactly; later evaluations mus
 versions, and the validation responses must never reach the trainer (every training prompt trained exactly once).
 """
 
+import dataclasses
 import itertools
 import json
 import math
@@ -85,6 +86,31 @@ def test_evaluator_schedule_and_a_verl_shaped_reward(tiny_model_dir):
     assert [s["ground_truth"] for s in samples] == answers[:2] and samples[0]["greedy"]["reward"] == 1.0
     assert not evaluator.due(3) and evaluator.due(4)  # the next multiple of eval_every after version 3
     evaluator.close()
+
+
+def test_a_restarted_instance_evaluates_at_the_next_multiple_not_version_0_again(tiny_model_dir):
+    """Rollout instance 0 started again by Ray after its death (``restarted``) skips ``before`` (version 0 was
+    evaluated by its first incarnation) and evaluates at the first multiple of ``every`` from the first version it
+    admits: that version when it is one (an evaluation its death cut short), else the next."""
+    from transformers import AutoTokenizer
+
+    from asyncflow.rewards import RewardConfig
+    from asyncflow.workflow.evaluation import EvalSpec, Evaluator
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    spec = EvalSpec(prompts=[tok("<bos>1234>")["input_ids"]], answers=["2345"], every=2, before=True, k=1,
+                    samples=1, correct_reward=1.0, reward="tests.workflow.test_eval:verl_score", reward_on_error=-1.0,
+                    reward_cfg=RewardConfig())
+    first = Evaluator(spec, str(tiny_model_dir), restarted=False)
+    assert first.due(0)
+    for version, due in ((3, [False, True]), (4, [True, True])):
+        again = Evaluator(spec, str(tiny_model_dir), restarted=True)
+        assert [again.due(version), again.due(4)] == due, version
+        again.close()
+    none_after = Evaluator(dataclasses.replace(spec, every=0), str(tiny_model_dir), restarted=True)
+    assert not none_after.due(0) and not none_after.due(5)  # only ``before``, which the first incarnation made
+    for evaluator in (first, none_after):
+        evaluator.close()
 
 
 def _load(*overrides):
