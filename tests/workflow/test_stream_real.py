@@ -1,27 +1,89 @@
 """The sample stream on the real stack (Megatron trainer, vLLM rollout): the real engines meet the interface the
 stream uses (continuous batching through ``RolloutEngine.stream``, partial rollout's weight swaps, the trainer's
-data-parallel gather of trained groups). Its semantics are tested on the fake engines (``test_stream``).
+data-parallel gather of trained groups) and the one its restarts use: the run's rollout instance is SIGKILLed
+mid-run, and Ray starts it again (a new vLLM engine, the current weights through the real weight path, the dead
+instance's prompts taken back). Its semantics are tested on the fake engines (``test_stream``,
+``test_restart_stream``).
 """
 
 import json
+import threading
+import time
 
+import psutil
 import pytest
 
-from tests.recipe_runs import GROUP, PROMPTS, STEPS, check_stream, records, run_recipe
+from tests.conftest import SHM, left_in_shm
+from tests.recipe_runs import GROUP, PROMPTS, SMALL, check_stream, records, run_recipe
 
 pytestmark = pytest.mark.slow
+
+# The steps are short next to the run's start-up: enough of them that those after the kill need the new instance.
+STEPS = 10
+
+
+class RunKiller(threading.Thread):
+    """SIGKILLs the rollout instance of the ``asyncflow train`` subprocess writing to ``out`` once, when
+    ``ready(logged metric records)`` holds. The instance is found only among that run's own descendants (its Ray
+    and workers), by the title Ray gives an actor's process, so no other run on the machine is touched."""
+
+    def __init__(self, out, ready):
+        super().__init__(daemon=True)
+        self.out, self.ready = out, ready
+        self.killed: list[int] = []  # the instance's pid, then its descendants' (vLLM processes, if any)
+        self.stop = False
+
+    def run(self) -> None:
+        metrics, instance = self.out / "metrics.jsonl", None
+        while not self.stop:
+            if instance is None or not instance.is_running():  # found ahead, so that the kill follows the step
+                instance = self._instance()
+            logged = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+            if instance is not None and self.ready(logged):
+                family = [instance, *instance.children(recursive=True)]
+                instance.kill()
+                self.killed = [p.pid for p in family]
+                return
+            time.sleep(0.05)
+
+    def _instance(self):
+        arg = f"observability.output_dir={self.out}"
+        for run in psutil.Process().children():
+            try:
+                if "asyncflow.cli" in run.cmdline() and arg in run.cmdline():
+                    return next((p for p in run.children(recursive=True)
+                                 if " ".join(p.cmdline()).startswith("ray::RolloutService")), None)
+            except psutil.Error:  # exited meanwhile
+                continue
+        return None
 
 
 def test_stream_mode_on_vllm_and_megatron(tmp_path):
     # Partial rollout: vLLM swaps weights under responses in flight, so rows span versions and the per-token
     # bound is checked on vLLM's own token versions. With evaluation: instance 0 drains its vLLM stream, then
     # generates the validation set on the same engine (test_eval_stream has the semantics on the fake engines).
+    # The one rollout instance is SIGKILLed once the evaluation of version 2 (or 3) is logged: the steps from two
+    # versions on wait for its new incarnation, which builds its vLLM engine again, applies the current weights
+    # (staged by Megatron), takes back from the stream the prompts the dead one held and generates them; the
+    # staleness bound and the logprob agreement with Megatron below hold for those steps too, and the new
+    # incarnation evaluates next at version 4 or later (not version 0 again).
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": str(int(p) + 1111)}) + "\n"
                            for p in ("1234", "5678", "2020")))
-    run = run_recipe(tmp_path, "stream", 1, "stream", "rollout.partial=true", "algorithm.kl_coef=0",
-                     f"data.val_path={val}", "data.apply_chat_template=false", "workflow.eval_every=2",
-                     "workflow.eval_before_train=true", "workflow.eval_k=2", "workflow.eval_samples=1")
+    shm_before = set(SHM.iterdir()) if SHM.is_dir() else set()
+    killer = RunKiller(tmp_path / "stream", lambda logged: sum("eval/version" in m for m in logged) >= 2)
+    killer.start()
+    try:
+        # A prompt the dead instance was handed but never heard of comes back when its lease runs out.
+        run = run_recipe(tmp_path, "stream", 1, "stream", "rollout.partial=true", "algorithm.kl_coef=0",
+                         f"data.val_path={val}", "data.apply_chat_template=false", "workflow.eval_every=2",
+                         "workflow.eval_before_train=true", "workflow.eval_k=2", "workflow.eval_samples=1",
+                         "transfer_queue.row_lease_s=30", "transfer_queue.put_lease_s=30",
+                         sizes=[*SMALL, f"workflow.steps={STEPS}"])
+    finally:
+        killer.stop = True
+        killer.join(10)
+    assert killer.killed, "the run ended before the kill"
     check_stream(run, 1, STEPS, PROMPTS, GROUP)
     metrics = records(run)
     for m in metrics:
@@ -29,8 +91,21 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
         assert m["actor/rows"] == PROMPTS * GROUP  # no validation response was trained
     evals = [m for m in metrics if "eval/version" in m]
     assert [m["eval/version"] for m in evals[:2]] in ([0, 2], [0, 3]) and evals[0]["step"] == 0
+    assert all(m["eval/version"] >= 4 and m["eval/version"] % 2 == 0 for m in evals[2:]), evals
     assert all(m["eval/prompts"] == 3 for m in evals)
     assert sorted(p.name for p in (run["_out"] / "eval_samples").iterdir()) == [
         f"step_{m['step']:06d}.jsonl" for m in evals]
     assert run["fresh_logprob_gap_max"] < 1e-4  # vLLM and Megatron agree on the tokens of the trained version
     assert max(m["ray/object_store_bytes"] for m in metrics) < 100_000
+    # The restart, recorded in the summary, restarts.jsonl and the metrics, and printed.
+    events = [(e["service"], e["worker"], e["restart"]) for e in run["service_restarts"]]
+    assert events == [("rollout", 0, 1)], run["service_restarts"]
+    restart = run["service_restarts"][0]
+    assert restart["recovered_at"] is not None and restart["resumed_at_step"] < STEPS, restart
+    lines = [json.loads(line) for line in (run["_out"] / "restarts.jsonl").read_text().splitlines()]
+    assert [(e["service"], e["worker"], e["restart"]) for e in lines] == events
+    assert sum(m.get("supervisor/restarts", 0.0) for m in metrics) == 1.0
+    assert "rollout instance 0 is up again" in run["_stdout"], run["_stdout"][-3000:]
+    # Nothing of the killed instance survives it: no process (vLLM's, at TP > 1 or out of process), no segment.
+    assert not [pid for pid in killer.killed if psutil.pid_exists(pid)], killer.killed
+    assert not left_in_shm({p.name for p in shm_before}), sorted(SHM.iterdir())
