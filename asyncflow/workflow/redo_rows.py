@@ -16,9 +16,9 @@ class RedoRows:
     trajectory, or a response partly generated across weight versions, starts again from its prompt)."""
 
     wait_s = 1.0
-    """A blocking read's wait (the loop then looks at the other steps again). Below ``supervisor.REDO_PARK_S``: a
-    read that a dead instance left waiting in the controller may take rows only that long after its death, and the
-    supervisor gives them back again once that time has passed."""
+    """A blocking read's wait (the loop then looks at the other steps again). A read that a dead instance left
+    waiting in the controller is dropped by the supervisor before it hands that instance's rows back
+    (``cancel_reads``)."""
 
     def __init__(self, service, poll_s: float):
         self.svc, self.poll_s = service, poll_s

@@ -77,22 +77,10 @@ class TaskService:
                 self.tq.ack(batch.meta)
 
     def _get(self, partition: str, task: str, fields: list[str], batch_size: int, **kwargs):
-        """The next batch, waiting up to ``timeout_s``. A restartable worker waits in shorter gets
-        (``supervisor.REDO_PARK_S``): a get that a dead worker left waiting in the controller would take rows for
-        it, and the supervisor gives them back once that get has ended (``Supervisor.poll``)."""
-        from asyncflow.transfer_queue import TransferQueueTimeoutError
-        from asyncflow.workflow.supervisor import REDO_PARK_S
-
-        if not self.redo:
-            return self.tq.get(partition, task, fields, batch_size, timeout=self.timeout_s, ack=True, **kwargs)
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            park = min(REDO_PARK_S, max(deadline - time.monotonic(), 0.01))
-            try:
-                return self.tq.get(partition, task, fields, batch_size, timeout=park, ack=False, **kwargs)
-            except TransferQueueTimeoutError:
-                if time.monotonic() >= deadline:  # a partition cleared meanwhile fails the next get
-                    raise
+        """The next batch, waiting up to ``timeout_s``; a restartable worker reads without acking (``stream``
+        acks once what it made of the batch is put). A get it leaves waiting when it dies is dropped by the
+        supervisor (``cancel_reads``), so it waits as long as any get."""
+        return self.tq.get(partition, task, fields, batch_size, timeout=self.timeout_s, ack=not self.redo, **kwargs)
 
     def post(self, report: dict | None) -> None:
         """Hand a step's report to the board (ranks that do not report return None)."""

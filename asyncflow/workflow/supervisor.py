@@ -11,9 +11,13 @@ what it made of it (``TaskService.stream`` with ``redo``), so a worker that dies
 flight; the supervisor releases them and they are handed out again, first. A row whose output the dead worker had
 already put (it died between its put and its ack) is skipped by the next put (``RedoClient``: fields are
 write-once, the first write stands). Releasing a task's in-flight rows also releases those of its live instances
-(the TransferQueue does not know which consumer holds them): they are made twice and put once. A put the dead worker
-had prepared and not committed is rolled back at once (``roll_back_puts`` of its writer tag, ``writer_of``), so that
-its successor's put of those rows does not wait for that put's lease (``transfer_queue.put_lease_s``).
+(the TransferQueue does not know which consumer holds them): they are made twice and put once. Before the release,
+the dead worker's gets still waiting in the controller are dropped (``cancel_reads`` of its client's tag,
+``writer_of``): nothing would read their answer, and the rows handed to them would stay leased for
+``transfer_queue.row_lease_s``. A put it had prepared and not committed is rolled back at once (``roll_back_puts``
+of the same tag), so that its successor's put of those rows does not wait for that put's lease
+(``transfer_queue.put_lease_s``). Its rows are handed back once, at its death; its successor's loop starts as soon as
+its process answers.
 
 Rollout instances are restarted under chunked, continuous and partial rollout and agent loops alike: on the
 continuous stream an instance acks a row once its response is put, not when it admits it into its engine, so the
@@ -44,11 +48,6 @@ from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, W
 from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
 from asyncflow.workflow.placement import world_size
 
-REDO_PARK_S = 5.0
-"""The longest a restartable worker's get waits in the controller before it asks again (``TaskService._get``). A
-get the dead worker left waiting may take rows after they were given back: they are given back again once its
-restarted process is up and this long has passed since the death, before its loop runs again."""
-
 SCALE_FILE = "scale.json"
 """A request to the running driver, in its output directory: ``{"rollout": N}`` (``request_scale``)."""
 
@@ -65,7 +64,8 @@ def request_scale(output_dir: str | Path, rollout: int) -> Path:
 
 
 def writer_of(name: str, worker: int) -> str:
-    """The TransferQueue writer tag of worker ``worker`` of group ``name``; a restarted worker keeps it."""
+    """The TransferQueue tag of worker ``worker`` of group ``name`` (its puts' writer and its gets' reader); a
+    restarted worker keeps it."""
     return f"{name}/{worker}"
 
 
@@ -170,8 +170,8 @@ class Supervisor:
         name, i, handle = self.runs.pop(ref, (None, None, None))
         if (name, i) in self.removed:  # stopped on request (``scale``): its rows go to the others
             event = self.removed[(name, i)]
-            event["rolled_back_puts"] = self._roll_back(name, i)
-            event["recovered_at"], event["released_rows"] = time.time(), self._release(name)
+            event["rolled_back_puts"], event["released_rows"] = self._hand_back(name, i)
+            event["recovered_at"] = time.time()
             return None
         if name not in self.groups or not isinstance(exc, ray.exceptions.RayActorError):
             raise exc
@@ -195,8 +195,7 @@ class Supervisor:
                                   f"workflow.max_service_restarts={self.limit}") from exc
         # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
         # its next incarnation) take them while Ray starts it again; its loop runs again once it answers (``poll``).
-        rolled_back = self._roll_back(name, i)
-        released = self._release(name)
+        rolled_back, released = self._hand_back(name, i)
         self.reporter.collect()  # the reports it posted before it died say where it got to
         start = max(self.reporter.reported.get((name, i), -1) + 1, self.reporter.trained_steps)
         event = {"service": name, "worker": i, "restart": count, "error": type(exc).__name__, "detected_at": detected,
@@ -227,10 +226,6 @@ class Supervisor:
                 except ray.exceptions.RayActorError as err:  # it died again before it answered
                     self._died(name, i, handle, err)
                     continue
-                if time.time() < event["detected_at"] + REDO_PARK_S:  # a get of the dead worker may still wait
-                    self.starting[handle.ping.remote()] = (name, i, handle, what, event)
-                    continue
-                event["released_rows"] += self._release(name)  # what such a get took meanwhile
                 event["recovered_at"] = time.time()
                 ref = handle.run.remote(event["resumed_at_step"], self.last)
                 self.runs[ref] = (name, i, handle)
@@ -321,18 +316,21 @@ class Supervisor:
             ray.kill(handle)
         except Exception:  # already gone for good
             pass
-        rolled_back = self._roll_back("rollout", i)
-        released = self._release("rollout")
+        rolled_back, released = self._hand_back("rollout", i)
         self._record({"service": "rollout", "worker": i, "restart": None, "error": "dropped",
                       "detected_at": detected, "recovered_at": time.time(), "released_rows": released,
                       "rolled_back_puts": rolled_back, "resumed_at_step": None})
         print(f"{what} died; rollout workers died {count} times, more than workflow.max_service_restarts="
               f"{self.limit}: the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
 
-    def _roll_back(self, name: str, i: int) -> int:
-        """Roll back the puts worker ``i`` of ``name`` prepared and never committed (its process is dead), so that
-        the rows they held are free for the next writer at once; returns how many."""
-        return self.pipe.client.roll_back_puts(writer_of(name, i))
+    def _hand_back(self, name: str, i: int) -> tuple[int, int]:
+        """Worker ``i`` of ``name`` is dead: drop its gets still waiting in the controller (their rows would be
+        leased to nobody), roll back the puts it prepared and never committed (the rows they held are free for the
+        next writer at once), then give every row ``name`` holds in flight back to it, for the live readers and its
+        successor; returns (puts rolled back, rows released)."""
+        self.pipe.client.cancel_reads(writer_of(name, i))
+        rolled_back = self.pipe.client.roll_back_puts(writer_of(name, i))
+        return rolled_back, self._release(name)
 
     def _release(self, task: str) -> int:
         """Give every row ``task`` holds in flight back to it (in every partition); returns how many."""

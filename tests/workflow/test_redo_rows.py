@@ -1,8 +1,10 @@
 """What a restartable instance on the continuous stream relies on (``redo_rows.RedoRows``), on a real
 TransferQueue (threads deployment): rows read without an ack keep a step from being done, a step whose rows are all
 handed out is left for the next one, rows handed back (a peer died) are taken again without generating twice the
-ones an instance still holds, and acks under the newest hand-out make the step done."""
+ones an instance still holds, acks under the newest hand-out make the step done, and a read a dead instance left
+waiting is dropped before its rows are handed back."""
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -15,8 +17,8 @@ from asyncflow.workflow.supervisor import RedoClient
 PART = partition_name(0)
 
 
-def _instance(tq) -> RedoRows:
-    service = SimpleNamespace(tq=RedoClient(tq.address, tq.config), name="rollout", timeout_s=30.0)
+def _instance(tq, writer: str | None = None) -> RedoRows:
+    service = SimpleNamespace(tq=RedoClient(tq.address, tq.config, writer=writer), name="rollout", timeout_s=30.0)
     return RedoRows(service, poll_s=0.0)
 
 
@@ -92,7 +94,45 @@ def test_a_row_put_then_handed_back_is_acked_at_once_and_written_once(tq):
             client.close()
 
 
-def test_a_dead_instances_waiting_read_ends_before_the_supervisor_gives_its_rows_back_again():
-    from asyncflow.workflow.supervisor import REDO_PARK_S
+def test_a_dead_instances_waiting_read_is_dropped_and_its_rows_go_to_a_live_instance(tq):
+    from asyncflow.config import AsyncFlowConfig
+    from asyncflow.transfer_queue import ReadCancelledError
+    from asyncflow.workflow.supervisor import Supervisor, writer_of
 
-    assert RedoRows.wait_s < REDO_PARK_S
+    a, b = _instance(tq, writer_of("rollout", 0)), _instance(tq, writer_of("rollout", 1))
+    a.wait_s = b.wait_s = 60.0  # a read waits in the controller far longer than the test takes
+    driver = tq.client()
+    outcome = []
+
+    def last_read():  # A's read for more rows, left waiting when it "dies"
+        try:
+            outcome.append(a.read(0, ["prompt_ids"], 2, block=True))
+        except ReadCancelledError as exc:
+            outcome.append(exc)
+
+    try:
+        driver.create_partition(PART, consumers=["rollout"], expected_rows=4)
+        driver.put(PART, {"prompt_ids": [torch.tensor([i]) for i in range(2)]})
+        held = a.read(0, ["prompt_ids"], 2, block=False)
+        assert a.take(0, held) == [0, 1]
+        waiting = threading.Thread(target=last_read)
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while driver.status()["parked_gets"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+
+        # A died: the supervisor drops its waiting read, then hands its rows back, once.
+        supervisor = Supervisor(AsyncFlowConfig(), SimpleNamespace(client=driver), reporter=None)
+        assert supervisor._hand_back("rollout", 0) == (0, 2)
+        waiting.join(timeout=30)
+        assert len(outcome) == 1 and isinstance(outcome[0], ReadCancelledError)  # it was handed no rows
+        driver.put(PART, {"prompt_ids": [torch.tensor([i]) for i in range(2, 4)]})
+        # B takes the rows A held and those put after its death at once (with A's read still waiting they would go
+        # to it, leased for row_lease_s, and this read would wait out its 60 s).
+        taken = b.read(0, ["prompt_ids"], 4, block=True)
+        assert sorted(taken.indexes) == [0, 1, 2, 3]
+        assert driver.status()["parked_gets"] == 0
+    finally:
+        for client in (a.svc.tq, b.svc.tq, driver):
+            client.close()
