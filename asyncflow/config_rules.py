@@ -157,6 +157,8 @@ def evaluation(cfg: AsyncFlowConfig) -> list[str]:
 def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
     """A bundle of a share of a device holds one whole engine, so a shared device takes no rollout TP."""
     share, rtp = cfg.ray.device_fraction, cfg.rollout.tensor_parallel
+    if cfg.ray.death_info_wait_ms < 0:
+        return [f"ray.death_info_wait_ms={cfg.ray.death_info_wait_ms} must be >= 0"]
     if not 0.0 < share <= 1.0:
         return [f"ray.device_fraction={share} must be in (0, 1]"]
     if share < 1.0 and rtp != 1:

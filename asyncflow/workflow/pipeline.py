@@ -7,6 +7,7 @@ bundles (cores on a CPU machine, one device per trainer rank and per rollout eng
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
@@ -194,6 +195,8 @@ def connect_ray(cfg: AsyncFlowConfig) -> bool:
 
     if ray.is_initialized():
         return False
+    # Read by this process's Ray core worker at ``ray.init``: how soon a task of a dead worker fails here.
+    os.environ["RAY_timeout_ms_task_wait_for_death_info"] = str(cfg.ray.death_info_wait_ms)
     if cfg.ray.address is not None:  # a running cluster has its resources: Ray refuses num_cpus here
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
         return True
