@@ -20,6 +20,10 @@ pytestmark = pytest.mark.slow
 
 # The steps are short next to the run's start-up: enough of them that those after the kill need the new instance.
 STEPS = 10
+# Long-tailed responses on 8 engine slots: rollout is the bottleneck, so the instance killed holds prompts in its
+# engine (taken back by its new incarnation), and newer weights arrive under responses in flight.
+LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout.max_model_len=64",
+            "rollout.max_num_seqs=8"]
 
 
 class RunKiller(threading.Thread):
@@ -79,15 +83,30 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
                          f"data.val_path={val}", "data.apply_chat_template=false", "workflow.eval_every=2",
                          "workflow.eval_before_train=true", "workflow.eval_k=2", "workflow.eval_samples=1",
                          "transfer_queue.row_lease_s=30", "transfer_queue.put_lease_s=30",
-                         sizes=[*SMALL, f"workflow.steps={STEPS}"])
+                         *LONGTAIL, sizes=[*SMALL, f"workflow.steps={STEPS}"])
     finally:
         killer.stop = True
         killer.join(10)
     assert killer.killed, "the run ended before the kill"
     check_stream(run, 1, STEPS, PROMPTS, GROUP)
     metrics = records(run)
+    # The restart, recorded in the summary, restarts.jsonl and the metrics, and printed.
+    events = [(e["service"], e["worker"], e["restart"]) for e in run["service_restarts"]]
+    assert events == [("rollout", 0, 1)], run["service_restarts"]
+    restart = run["service_restarts"][0]
+    assert restart["recovered_at"] is not None and restart["resumed_at_step"] < STEPS, restart
+    assert restart["released_rows"] > 0, restart  # the prompts in the dead engine went back to the stream
+    lines = [json.loads(line) for line in (run["_out"] / "restarts.jsonl").read_text().splitlines()]
+    assert [(e["service"], e["worker"], e["restart"]) for e in lines] == events
+    assert sum(m.get("supervisor/restarts", 0.0) for m in metrics) == 1.0
+    assert "rollout instance 0 is up again" in run["_stdout"], run["_stdout"][-3000:]
+    # The rows the dead instance put in steps it had not reported are in no report (docs/fault_tolerance.md): the
+    # step its new incarnation went on from, and the next (max_staleness 1), may count fewer rollout rows.
+    unreported = {restart["resumed_at_step"] + d for d in (0, 1)}
     for m in metrics:
-        assert m["staleness/token_lag_max"] <= 1 and m["rollout/rows"] == PROMPTS * GROUP
+        assert m.get("staleness/token_lag_max", 0) <= 1
+        assert m.get("rollout/rows") == PROMPTS * GROUP or (m["step"] in unreported
+                                                            and m.get("rollout/rows", 0) < PROMPTS * GROUP), m
         assert m["actor/rows"] == PROMPTS * GROUP  # no validation response was trained
     evals = [m for m in metrics if "eval/version" in m]
     assert [m["eval/version"] for m in evals[:2]] in ([0, 2], [0, 3]) and evals[0]["step"] == 0
@@ -97,15 +116,6 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
         f"step_{m['step']:06d}.jsonl" for m in evals]
     assert run["fresh_logprob_gap_max"] < 1e-4  # vLLM and Megatron agree on the tokens of the trained version
     assert max(m["ray/object_store_bytes"] for m in metrics) < 100_000
-    # The restart, recorded in the summary, restarts.jsonl and the metrics, and printed.
-    events = [(e["service"], e["worker"], e["restart"]) for e in run["service_restarts"]]
-    assert events == [("rollout", 0, 1)], run["service_restarts"]
-    restart = run["service_restarts"][0]
-    assert restart["recovered_at"] is not None and restart["resumed_at_step"] < STEPS, restart
-    lines = [json.loads(line) for line in (run["_out"] / "restarts.jsonl").read_text().splitlines()]
-    assert [(e["service"], e["worker"], e["restart"]) for e in lines] == events
-    assert sum(m.get("supervisor/restarts", 0.0) for m in metrics) == 1.0
-    assert "rollout instance 0 is up again" in run["_stdout"], run["_stdout"][-3000:]
     # Nothing of the killed instance survives it: no process (vLLM's, at TP > 1 or out of process), no segment.
     assert not [pid for pid in killer.killed if psutil.pid_exists(pid)], killer.killed
     assert not left_in_shm({p.name for p in shm_before}), sorted(SHM.iterdir())
