@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
@@ -78,6 +80,72 @@ def _unlink_unused(segments: set[str]) -> None:
             pass
 
 
+# vLLM's multi-process engine (``rollout.in_process: false``, TP > 1) makes shared-memory message queues (psm_*),
+# multiprocessing semaphores (sem.mp-*) and the CPU communicator's segments; its shutdown unlinks them, but an
+# engine process that is SIGKILLed (a rollout instance's death) never shuts down, and hundreds of MB stay in
+# /dev/shm. So each engine process that made segments lists them in a ledger of its own, and every engine that
+# starts or closes on the host unlinks those of dead processes (the restarted instance does it for its predecessor).
+_LEDGERS = Path(tempfile.gettempdir()) / "asyncflow-vllm-segments"
+_VLLM_MARKS = ("/psm_", "/sem.mp-", _CPU_SHM_MARK)
+
+
+def _own_segments() -> set[str]:
+    """The files under /dev/shm that this process and its descendants map."""
+    import psutil
+
+    try:
+        pids = [os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))]
+    except psutil.Error:
+        return set()
+    return _mapped_segments(pids)
+
+
+def _record_segments(made: set[str]) -> None:
+    """Write this process's ledger of the segments its engine ``made`` (none: no ledger)."""
+    import psutil
+
+    if not made:
+        return
+    _LEDGERS.mkdir(parents=True, exist_ok=True)
+    me = psutil.Process()
+    ledger = _LEDGERS / f"{me.pid}.json"
+    try:  # another engine of this process listed its own
+        entry = json.loads(ledger.read_text())
+        if abs(entry["started"] - me.create_time()) < 1.0:
+            made = made | set(entry["segments"])
+    except (OSError, ValueError):
+        pass
+    ledger.write_text(json.dumps({"pid": me.pid, "started": me.create_time(), "segments": sorted(made)}))
+
+
+def _process_lives(pid: int, started: float) -> bool:
+    import psutil
+
+    try:
+        return abs(psutil.Process(pid).create_time() - started) < 1.0  # not a later process given the same pid
+    except psutil.Error:
+        return False
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink the segments listed by the ledgers of engine processes that died without closing their engine, once
+    no live process maps them; returns them. A ledger goes once none of its segments is left."""
+    removed: list[str] = []
+    for ledger in sorted(_LEDGERS.glob("*.json")) if _LEDGERS.is_dir() else []:
+        try:
+            entry = json.loads(ledger.read_text())
+        except (OSError, ValueError):  # being written, or removed by another sweep
+            continue
+        if _process_lives(entry["pid"], entry["started"]):
+            continue
+        left = {path for path in entry["segments"] if os.path.exists(path)}
+        _unlink_unused(left)
+        removed += sorted(path for path in left if not os.path.exists(path))
+        if not any(os.path.exists(path) for path in left):
+            ledger.unlink(missing_ok=True)
+    return removed
+
+
 class VllmRollout(RolloutEngine):
     """Owns one vLLM ``LLM``; every call is synchronous and made from the owning process."""
 
@@ -95,6 +163,7 @@ class VllmRollout(RolloutEngine):
         # Untested here (no GPU): the sleep-mode path below runs only on CUDA.
         self.sleeps = share_device and torch.cuda.is_available()
         self.asleep = False
+        shm_before = set(os.listdir(_SHM_DIR)) if os.path.isdir(_SHM_DIR) else set()
         self.llm = LLM(
             model=str(model_dir),
             dtype=cfg.dtype,
@@ -113,6 +182,12 @@ class VllmRollout(RolloutEngine):
         )
         self.version = 0
         self._request_ids = itertools.count()
+        if os.path.isdir(_SHM_DIR):
+            made = {_SHM_DIR + name for name in set(os.listdir(_SHM_DIR)) - shm_before}
+            # A semaphore of vLLM's processes is mapped only while in use: its name says whose it is.
+            _record_segments({path for path in made if any(mark in path for mark in _VLLM_MARKS)} | (
+                made & _own_segments()))
+            remove_stale_segments()
 
     def generate(
         self,
@@ -291,6 +366,10 @@ class VllmRollout(RolloutEngine):
             segments = _worker_segments()
             core.shutdown()
             _unlink_unused(segments)
+        ledger = _LEDGERS / f"{os.getpid()}.json"
+        if ledger.exists() and not any(os.path.exists(path) for path in json.loads(ledger.read_text())["segments"]):
+            ledger.unlink(missing_ok=True)  # what is left goes once this process has exited
+        remove_stale_segments()
 
     def served_versions(self) -> list[int]:
         """The weight version each vLLM rank reports."""
