@@ -86,7 +86,7 @@ def _unlink_unused(segments: set[str]) -> None:
 # /dev/shm. So each engine process that made segments lists them in a ledger of its own, and every engine that
 # starts or closes on the host unlinks those of dead processes (the restarted instance does it for its predecessor).
 _LEDGERS = Path(tempfile.gettempdir()) / "asyncflow-vllm-segments"
-_VLLM_MARKS = ("/psm_", "/sem.mp-", _CPU_SHM_MARK)
+_SEMAPHORE = "/sem.mp-"
 
 
 def _own_segments() -> set[str]:
@@ -184,9 +184,8 @@ class VllmRollout(RolloutEngine):
         self._request_ids = itertools.count()
         if os.path.isdir(_SHM_DIR):
             made = {_SHM_DIR + name for name in set(os.listdir(_SHM_DIR)) - shm_before}
-            # A semaphore of vLLM's processes is mapped only while in use: its name says whose it is.
-            _record_segments({path for path in made if any(mark in path for mark in _VLLM_MARKS)} | (
-                made & _own_segments()))
+            # A multiprocessing semaphore is mapped only while a process has it open: its name says whose it is.
+            _record_segments({path for path in made if _SEMAPHORE in path} | (made & _own_segments()))
             remove_stale_segments()
 
     def generate(
@@ -367,8 +366,11 @@ class VllmRollout(RolloutEngine):
             core.shutdown()
             _unlink_unused(segments)
         ledger = _LEDGERS / f"{os.getpid()}.json"
-        if ledger.exists() and not any(os.path.exists(path) for path in json.loads(ledger.read_text())["segments"]):
-            ledger.unlink(missing_ok=True)  # what is left goes once this process has exited
+        if ledger.exists():  # what the engine made that no process uses any more (workers vLLM had to kill)
+            made = set(json.loads(ledger.read_text())["segments"])
+            _unlink_unused(made)
+            if not any(os.path.exists(path) for path in made):
+                ledger.unlink(missing_ok=True)  # else the rest goes once this process has exited
         remove_stale_segments()
 
     def served_versions(self) -> list[int]:
