@@ -62,20 +62,27 @@ class RunKiller(threading.Thread):
         return None
 
 
+def _after_the_second_evaluation(logged: list[dict]) -> bool:
+    """A step after the one the second evaluation was logged with is logged: instance 0 has drained its engine for
+    it and generates again, so it holds prompts."""
+    evaluated = [m["step"] for m in logged if "eval/version" in m]
+    return len(evaluated) >= 2 and logged[-1]["step"] > evaluated[1]
+
+
 def test_stream_mode_on_vllm_and_megatron(tmp_path):
     # Partial rollout: vLLM swaps weights under responses in flight, so rows span versions and the per-token
     # bound is checked on vLLM's own token versions. With evaluation: instance 0 drains its vLLM stream, then
     # generates the validation set on the same engine (test_eval_stream has the semantics on the fake engines).
-    # The one rollout instance is SIGKILLed once the evaluation of version 2 (or 3) is logged: the steps from two
-    # versions on wait for its new incarnation, which builds its vLLM engine again, applies the current weights
-    # (staged by Megatron), takes back from the stream the prompts the dead one held and generates them; the
-    # staleness bound and the logprob agreement with Megatron below hold for those steps too, and the new
+    # The one rollout instance is SIGKILLed a step after the evaluation of version 2 (or 3) is logged: the steps
+    # from two versions on wait for its new incarnation, which builds its vLLM engine again, applies the current
+    # weights (staged by Megatron), takes back from the stream the prompts the dead one held and generates them;
+    # the staleness bound and the logprob agreement with Megatron below hold for those steps too, and the new
     # incarnation evaluates next at version 4 or later (not version 0 again).
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps({"prompt": f"<bos>{p}>", "ground_truth": str(int(p) + 1111)}) + "\n"
                            for p in ("1234", "5678", "2020")))
     shm_before = set(SHM.iterdir()) if SHM.is_dir() else set()
-    killer = RunKiller(tmp_path / "stream", lambda logged: sum("eval/version" in m for m in logged) >= 2)
+    killer = RunKiller(tmp_path / "stream", _after_the_second_evaluation)
     killer.start()
     try:
         # A prompt the dead instance was handed but never heard of comes back when its lease runs out.
