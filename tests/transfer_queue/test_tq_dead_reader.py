@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from asyncflow.transfer_queue import ReadCancelledError
+from asyncflow.transfer_queue.protocol import RequestIds
 from tests.transfer_queue.test_tq_fencing import Raw
 
 DEAD = "rollout/0"
@@ -125,3 +126,30 @@ def test_the_async_client_sends_its_tag_with_gets_and_cancels_reads(tq):
             return (await client.get_meta("p", "rollout", ["x"], 2, timeout=10.0)).indexes
 
     assert asyncio.run(main()) == [0, 1]
+
+
+def test_a_retried_cancel_takes_no_effect_twice_and_spares_the_successors_get(tq):
+    assert "rid" in RequestIds().stamp({"op": "cancel_reads", "reader": DEAD})  # clients give it a request id
+    raw = Raw(tq)
+    try:
+        with tq.client() as source, tq.client(writer=DEAD) as successor:
+            source.create_partition("p")
+            raw.ctl.send({**GET, "reader": DEAD, "rid": "deadclient.1"})
+            wait_parked(source, 1)
+            cancel = {"op": "cancel_reads", "reader": DEAD, "rid": "supervisor.1"}
+            assert raw.call(cancel)["cancelled"] == 1
+            # The successor's get waits; the supervisor's request arrives again (a retry, a duplicate): it gets the
+            # first answer and the successor's get stays.
+            waiting = asyncio.run(_retry_while_waiting(source, successor, raw, cancel))
+            assert waiting.indexes == [0, 1]
+    finally:
+        raw.close()
+
+
+async def _retry_while_waiting(source, successor, raw, cancel):
+    get = asyncio.create_task(asyncio.to_thread(successor.get_meta, "p", "rollout", ["x"], 2, timeout=30.0))
+    await asyncio.to_thread(wait_parked, source, 1)
+    assert (await asyncio.to_thread(raw.call, cancel))["cancelled"] == 1
+    assert source.status()["parked_gets"] == 1
+    source.put("p", {"x": torch.zeros(2, 2)})
+    return await get
