@@ -157,14 +157,20 @@ def evaluation(cfg: AsyncFlowConfig) -> list[str]:
 def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
     """A bundle of a share of a device holds one whole engine, so a shared device takes no rollout TP."""
     share, rtp = cfg.ray.device_fraction, cfg.rollout.tensor_parallel
-    if cfg.ray.death_info_wait_ms < 0:
-        return [f"ray.death_info_wait_ms={cfg.ray.death_info_wait_ms} must be >= 0"]
     if not 0.0 < share <= 1.0:
         return [f"ray.device_fraction={share} must be in (0, 1]"]
     if share < 1.0 and rtp != 1:
         return [f"ray.device_fraction={share} below 1 needs rollout.tensor_parallel=1 (got {rtp}): a bundle holds a "
                 "share of one device"]
     return []
+
+
+def failures(cfg: AsyncFlowConfig) -> list[str]:
+    """The bounds of restarts and of the wait for a death's cause are counts and times: none is negative."""
+    values = {"workflow.max_restarts": cfg.workflow.max_restarts,
+              "workflow.max_service_restarts": cfg.workflow.max_service_restarts,
+              "ray.death_info_wait_ms": cfg.ray.death_info_wait_ms}
+    return [f"{key}={value} must be at least 0" for key, value in values.items() if value < 0]
 
 
 def agent(cfg: AsyncFlowConfig) -> list[str]:
@@ -195,8 +201,8 @@ def reward(cfg: AsyncFlowConfig) -> list[str]:
 
 
 RULES: tuple[Callable[[AsyncFlowConfig], list[str]], ...] = (batching, algorithm, memory_features, rollout,
-                                                              sync_on_devices, device_sharing, stream, agent, reward,
-                                                              evaluation)
+                                                              sync_on_devices, device_sharing, failures, stream, agent,
+                                                              reward, evaluation)
 """The rules that run once ``sizes`` passes (they divide by the sizes)."""
 
 

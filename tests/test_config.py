@@ -137,6 +137,8 @@ ROWS_32 = ["workflow.prompts_per_step=4", "workflow.samples_per_prompt=8"]
      "workflow.rollout_instances x rollout.tensor_parallel = 2 must equal the trainer's TP x PP x CP x DP = 1"),
     (["ray.device_fraction=0"], r"ray.device_fraction=0.0 must be in \(0, 1\]"),
     (["ray.device_fraction=0.5", "rollout.tensor_parallel=2"], "below 1 needs rollout.tensor_parallel=1"),
+    (["ray.death_info_wait_ms=-1"], "ray.death_info_wait_ms=-1 must be at least 0"),
+    (["workflow.max_restarts=-1"], "workflow.max_restarts=-1 must be at least 0"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_load_rejects_keys_that_do_not_fit_together_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
