@@ -19,12 +19,19 @@ its reservations go back, the prompts it held return to the stream, and the slot
 wait for those prompts' copies. A restartable instance puts a group into its claim's slot (rows the driver made
 ahead, ``StreamFeeder``) with a ``RedoClient``, so a copy's put of a slot its dead predecessor had written is
 skipped: the first write stands.
+
+The engine is the loop's critical path, so the loop never waits on a round trip it can go on without: the board's
+answers (a poll, a reservation, a batch of claims) come back while the engine steps and are taken in the order they
+were asked (``_settle``), and a finished group's put, the ledger's ``done`` and its prompt rows' ack run in that order
+on a thread of their own (``_outbox``). Whatever the ledger must know first is still known first: a group's
+admission before its claim, its claim before its put, its put before ``done``, ``done`` before the ack.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -86,18 +93,48 @@ class StreamRollout:
         """Who holds what on the ledger: this loop of this instance (its restarted process is another holder)."""
         self.slots = service.redo  # puts go to their claim's slot (``StreamFeeder`` makes the rows ahead)
         self.posted: set[int] = set()  # steps whose share this loop reported
+        self.pending: list[tuple[object, object]] = []
+        """Board calls asked and not taken yet, in the order asked: ``(object ref, what takes its answer)``."""
+        self.asking = 0  # reservations asked for in ``pending``
+        self.claiming = 0  # claims in ``pending``: their groups' shares are not counted yet
+        self.polling = False
+        self.outbox = ThreadPoolExecutor(1, thread_name_prefix="stream-out")
+        """Puts, ``done`` and acks, one at a time in the order given (one thread: a group's steps stay in order)."""
+        self.sent: list[Future] = []
 
     def _call(self, method: str, *args):
         import ray
 
         return ray.get(getattr(self.svc.board, method).remote(*args))
 
+    def _ask(self, method: str, args: tuple, take) -> None:
+        """Ask the board without waiting; ``take(answer)`` runs in ``_settle``, in the order asked."""
+        self.pending.append((getattr(self.svc.board, method).remote(*args), take))
+
+    def _settle(self, block: bool = False) -> None:
+        """Take the board's answers that are in (``block``: every one asked), oldest first; a later answer waits
+        for an earlier one, so the ledger's order is the loop's. Raises what a put of the outbox raised."""
+        import ray
+
+        while self.pending:
+            ref, take = self.pending[0]
+            if not block and not ray.wait([ref], timeout=0)[0]:
+                break
+            self.pending.pop(0)
+            take(ray.get(ref))
+        while self.sent and self.sent[0].done():
+            self.sent.pop(0).result()
+
     # ------------------------------------------------------------------ board
     def _poll(self) -> None:
         now = time.monotonic()
-        if now - self._polled >= self.poll_s:
-            self._polled = now
-            self.newest, self.open = self._call("stream_poll", self.svc.domain)
+        if not self.polling and now - self._polled >= self.poll_s:
+            self._polled, self.polling = now, True
+            self._ask("stream_poll", (self.svc.domain,), self._polled_answer)
+
+    def _polled_answer(self, answer) -> None:
+        self.polling = False
+        self.newest, self.open = answer
 
     def _release_doomed(self) -> None:
         """Give back the reservations of groups that can no longer be trained (admitted at a version older than the
@@ -148,11 +185,11 @@ class StreamRollout:
         """Admit whole groups from the prompt stream into free slots, as far as reservations allow."""
         free = self.stream.free // self.n
         now = time.monotonic()
-        if free > self.held and now - self._refused >= self.poll_s:
-            granted = self._call("stream_reserve", free - self.held, self.svc.engine.weight_version, self.holder)
-            self.held += granted
-            if not granted:
-                self._refused = now
+        want = free - self.held - self.asking
+        if want > 0 and now - self._refused >= self.poll_s:
+            self.asking += want
+            self._ask("stream_reserve", (want, self.svc.engine.weight_version, self.holder),
+                      lambda granted, want=want, now=now: self._granted(want, granted, now))
         take = min(free, self.held)
         if not take or now - self._empty < self.poll_s / 5:
             return False
@@ -171,8 +208,8 @@ class StreamRollout:
         copies = [gid for gid in rows if gid in self.groups]  # its prompt, handed out again, is in the engine here
         for gid in copies:
             tq.ack(meta, rows.pop(gid))
-        if rows:
-            self._call("stream_admitted", self.holder, rows)
+        if rows:  # taken before any claim of these groups (``_settle`` keeps the order)
+            self._ask("stream_admitted", (self.holder, rows), lambda _: None)
         for gid, prompt, budget, answer in zip(meta.group_ids, batch["prompt_ids"], budgets, answers):
             if gid not in rows:
                 continue
@@ -184,6 +221,12 @@ class StreamRollout:
         if self.busy_since is None:
             self.busy_since = time.time()
         return True
+
+    def _granted(self, want: int, granted: int, asked: float | None = None) -> None:
+        self.asking -= want
+        self.held += granted
+        if not granted and asked is not None:
+            self._refused = asked
 
     # ------------------------------------------------------------------ groups out
     def _finished(self, done) -> None:
@@ -197,16 +240,22 @@ class StreamRollout:
             self._place(finished)
 
     def _place(self, finished: list[tuple[int, _Group]]) -> None:
-        """Claim a step for each group the engine finished together and put it there, or put its prompt back when
-        it went stale: one board round trip (with the reservations for the freed slots), and one put per partition
-        the groups go to (the rollout loop's own time is what the engine waits on)."""
+        """Claim a step for each group the engine finished together, with the reservations for the slots they
+        freed, in one board call; its answer is taken while the engine steps on (``_placed``)."""
         samples = {gid: [group.samples[j] for j in range(self.n)] for gid, group in finished}
-        # The slots they freed are reserved in the same round trip (``_admit`` asks again if that was refused).
         claims = [(min(s.weight_version for s in samples[gid]), not group.doomed, gid) for gid, group in finished]
-        want = 0 if self.draining else self.stream.free // self.n - self.held  # a drain reserves nothing
-        verdicts, self.open, granted = self._call("stream_claims", claims, want, self.svc.engine.weight_version,
-                                                  self.holder)
-        self.held += granted
+        want = 0 if self.draining else max(self.stream.free // self.n - self.held - self.asking, 0)  # a drain: none
+        self.asking += want
+        self.claiming += 1
+        self._ask("stream_claims", (claims, want, self.svc.engine.weight_version, self.holder),
+                  lambda answer: self._placed(finished, samples, want, answer))
+
+    def _placed(self, finished: list[tuple[int, _Group]], samples: dict, want: int, answer) -> None:
+        """Count each claimed group in its step's share and hand the puts (one per partition the groups go to:
+        their step, or the prompt stream when they went stale) to the outbox."""
+        verdicts, self.open, granted = answer
+        self.claiming -= 1
+        self._granted(want, granted)
         puts: dict[str, list] = {}  # partition -> its groups, in claim order
         for (gid, group), (verdict, step, slot) in zip(finished, verdicts):
             # "full": every step has its groups (the run is ending); "dup": a copy of its prompt has its slot.
@@ -222,9 +271,14 @@ class StreamRollout:
             for s in samples[gid]:
                 stats.tokens += len(s.response_ids)
                 stats.lags += [step - v for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
-        for partition, groups in puts.items():
-            self._put(partition, groups)
-        self._done([group for _, group in finished], [gid for gid, _ in finished])
+        self.sent.append(self.outbox.submit(self._out, puts, [group for _, group in finished],
+                                            [gid for gid, _ in finished]))
+
+    def _out(self, puts: dict[str, list], groups: list[_Group], gids: list[int]) -> None:
+        """The outbox's work for one claim: the puts, then ``_done``."""
+        for partition, put in puts.items():
+            self._put(partition, put)
+        self._done(groups, gids)
 
     def _done(self, groups: list[_Group], gids: list[int]) -> None:
         """Tell the ledger these groups are done (put, re-fed or dropped), then ack their prompt rows: a death
@@ -281,7 +335,10 @@ class StreamRollout:
             self.busy_since = None
 
     def _post_closed(self, post) -> None:
-        """Report every step this instance took part in that has all its groups now."""
+        """Report every step this instance took part in that has all its groups now (once its claims' answers are
+        counted: a poll may tell of a closed step before them)."""
+        if self.claiming:
+            return
         for step in sorted(s for s in self.stats if s < self.open):
             if self.busy_since is not None:  # cut the open span so this step's report carries it
                 self._idle()
@@ -301,7 +358,19 @@ class StreamRollout:
     def run(self, first: int, last: int, post) -> None:
         """Generate until every step has its groups; ``post(report)`` each step's share once the step is full."""
         self.open = first
+        try:
+            self._run(last, post)
+            self._settle(block=True)  # the last claims' answers, then their puts
+            for sent in self.sent:
+                sent.result()
+        finally:
+            self.outbox.shutdown(wait=True)
+        self._idle()
+        self._post_closed(post)
+
+    def _run(self, last: int, post) -> None:
         while True:
+            self._settle()
             self._poll()
             self._post_closed(post)
             self._release_doomed()
@@ -317,5 +386,3 @@ class StreamRollout:
             elif not admitted:
                 self._idle()
                 time.sleep(0.005)
-        self._idle()
-        self._post_closed(post)
