@@ -45,7 +45,7 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, WritePendingError
-from asyncflow.workflow.errors import TrainerDiedError, WorkerDiedError
+from asyncflow.workflow.errors import ServiceLostError, TrainerDiedError
 from asyncflow.workflow.placement import world_size
 
 SCALE_FILE = "scale.json"
@@ -162,7 +162,7 @@ class Supervisor:
 
     def recover(self, ref, exc: BaseException):
         """After the loop ``ref`` of a service failed with ``exc``: give its rows back and have Ray start it again
-        (its loop runs again once it answers, ``poll``); returns None. Raises ``exc`` (or a ``WorkerDiedError``
+        (its loop runs again once it answers, ``poll``); returns None. Raises ``exc`` (or a ``ServiceLostError``
         past ``workflow.max_service_restarts``) when the failure is not one it restarts; past the bound a rollout
         instance is left out instead while others run."""
         import ray
@@ -191,8 +191,9 @@ class Supervisor:
             if name == "reference":  # as any reference death that is not restarted in place: from the checkpoint
                 raise TrainerDiedError(f"reference rank {i} died; reference ranks died {count} times, more than "
                                        f"workflow.max_service_restarts={self.limit}", name, i) from exc
-            raise WorkerDiedError(f"{what} died; {name} workers died {count} times, more than "
-                                  f"workflow.max_service_restarts={self.limit}") from exc
+            # Past the bound in place: with checkpoints on, the run restarts from its newest one (``loop.train``).
+            raise ServiceLostError(f"{what} died; {name} workers died {count} times, more than "
+                                   f"workflow.max_service_restarts={self.limit}", name, i) from exc
         # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
         # its next incarnation) take them while Ray starts it again; its loop runs again once it answers (``poll``).
         rolled_back, released = self._hand_back(name, i)
@@ -219,8 +220,8 @@ class Supervisor:
                     ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:  # Ray is still starting it: ask again
                     if time.time() - event["detected_at"] > self.cfg.workflow.step_timeout_s:
-                        raise WorkerDiedError(f"{what} died and did not start again within "
-                                              "workflow.step_timeout_s") from None
+                        raise ServiceLostError(f"{what} died and did not start again within "
+                                               "workflow.step_timeout_s", name, i) from None
                     self.starting[handle.ping.remote()] = (name, i, handle, what, event)
                     continue
                 except ray.exceptions.RayActorError as err:  # it died again before it answered

@@ -4,8 +4,9 @@ SIGKILLs them (``os.kill`` of the worker's pid) in the middle of a run.
 
 Checked: the run finishes, every prompt of every step is trained once in its own step with its whole group
 (``check_staleness_and_exactly_once``, the resume tests' check), the staleness bound holds, and the summary and
-the metrics record the restarts. Past ``workflow.max_service_restarts`` the run stops with an error naming the
-service, or, for a rollout instance while another runs, goes on without it. The trainer is slowed down
+the metrics record the restarts. Past ``workflow.max_service_restarts`` the run restarts from its checkpoint (or
+stops with an error naming the service without one), or, for a rollout instance while another runs, goes on
+without it. The trainer is slowed down
 (``tests/fakes/slowed.SlowTrainer``) so that the kills land mid-run.
 """
 
@@ -17,7 +18,6 @@ import time
 
 import pytest
 
-from asyncflow.workflow.errors import WorkerDiedError
 from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, ray_leftovers, records, run_fake
 
 pytestmark = pytest.mark.loop
@@ -104,11 +104,21 @@ def test_killed_rollout_instances_are_replaced_then_left_out_and_the_run_goes_on
     assert not (actors or groups or servers), (actors, groups, servers)
 
 
-def test_deaths_past_the_bound_stop_the_run_naming_the_service(tmp_path, tiny_model_dir, shared_ray):
-    with pytest.raises(WorkerDiedError) as failed:
-        _run_with_kills(tmp_path, tiny_model_dir, "bound", "reward", [1, 3], "workflow.max_service_restarts=1")
-    assert str(failed.value) == ("reward worker 0 died; reward workers died 2 times, more than "
-                                 "workflow.max_service_restarts=1"), str(failed.value)
+def test_a_death_past_the_bound_restarts_the_run_from_its_checkpoint(tmp_path, tiny_model_dir, shared_ray, capsys):
+    # The first death is restarted in place; the second, past workflow.max_service_restarts=1, is a
+    # ``ServiceLostError``: the run restarts from its checkpoint (without checkpoints it would stop with that
+    # message, as test_weight_failure's run does).
+    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "bound", "reward", [1, 3],
+                                      "workflow.max_service_restarts=1", "checkpoint.interval=2",
+                                      "workflow.max_restarts=1")
+    assert len(killer.killed) == 2, "the run ended before the kills"
+    [event] = summary["run_restarts"]
+    died, point = event["died_at_step"], event["checkpoint_step"]
+    assert (event["cause"], event["group"], event["rank"]) == ("service", "reward", 0), event
+    check_staleness_and_exactly_once({**summary, "steps": STEPS}, 1, STEPS, PROMPTS, GROUP)
+    out = capsys.readouterr().out
+    assert "reward worker 0 died; starting it again (1 of at most 1)" in out, out[-3000:]
+    assert f"reward worker 0 died at step {died}; restart 1/1 from the checkpoint at step {point}\n" in out
 
 
 def _logged(out) -> int:
