@@ -145,6 +145,22 @@ class StreamRollout:
         if doomed:
             self._call("stream_release", len(doomed), self.holder)
 
+    def _drop_doomed(self) -> None:
+        """Every group in the engine can only go stale and newer weights are staged: stop generating them (their
+        prompts go back to the stream, as a stale group's do), so the engine takes the newer weights now instead of
+        draining responses no step will train."""
+        if not self.groups or self.newest <= self.svc.engine.weight_version:
+            return
+        if not all(group.doomed for group in self.groups.values()):
+            return
+        self.stream.abort()
+        dropped, self.groups = list(self.groups.items()), {}
+        stats = self.stats.setdefault(self.open, _StepStats()) if self.open not in self.posted else _StepStats()
+        stats.stale += len(dropped)
+        self.sent.append(self.outbox.submit(self._out, {STREAM_PARTITION: [(gid, group, None, -1)
+                                                                           for gid, group in dropped]},
+                                            [group for _, group in dropped], [gid for gid, _ in dropped]))
+
     def _weights(self) -> None:
         """Serve the newest version: at once when the engine is empty, at a token boundary under partial rollout."""
         engine = self.svc.engine
@@ -374,6 +390,7 @@ class StreamRollout:
             self._poll()
             self._post_closed(post)
             self._release_doomed()
+            self._drop_doomed()
             # Under dynamic sampling a judged group may still leave room in a full step: go on until it trained.
             if self.open >= last and (not self.svc.partial_batches or self.newest >= last):
                 break

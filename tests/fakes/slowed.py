@@ -99,3 +99,8 @@ class _LongTailStream(FakeStream):
         if not out and not due and not super().__len__():
             time.sleep(0.005)  # only held responses left: do not spin
         return out + due
+
+    def abort(self) -> int:
+        """Drop every in-flight response, the held ones too."""
+        held, self._held = len(self._held), []
+        return super().abort() + held
