@@ -57,8 +57,9 @@ class SlowTokens(FakeRolloutEngine):
 class LongTail(FakeRolloutEngine):
     """The first response of every 16th prompt in the sample stream (group id 0, 16, 32, ...) comes back only once
     the engine serves a version ``HOLD_VERSIONS`` newer than the one that generated it, as a long-tailed response
-    would: it holds its slot meanwhile. A prompt generated again (its group went stale) comes back at once. Needs
-    ``rollout.partial=true``: the engine takes new versions while the held response is in it."""
+    would: it holds its slot meanwhile. A prompt generated again (its group went stale) comes back at once. With
+    ``rollout.partial=true`` the engine takes new versions while the held response is in it; without, only once the
+    sample stream drops the held response's group (it can only go stale)."""
 
     HOLD_VERSIONS = 2
     EVERY = 16

@@ -3,9 +3,10 @@
 Checked: no token is trained more than k versions after the version that made it; every step trains
 ``prompts_per_step`` whole groups and no prompt is trained twice (group ids count the prompts in stream order);
 a response held back for versions (``tests.fakes.slowed.LongTail``) does not hold its step up, its group goes
-stale, is counted and its prompt is generated again and trained once; DAPO's dynamic sampling keeps only groups
-with signal; the ledger's rules; the config's refusals. The real engines meet the same interface on the slow run
-of ``test_stream_real``.
+stale, is counted and its prompt is generated again and trained once (without partial rollout the engine cannot
+take newer weights while it holds the response: the group is dropped once it can only go stale); DAPO's dynamic
+sampling keeps only groups with signal; the ledger's rules; the config's refusals. The real engines meet the same
+interface on the slow run of ``test_stream_real``.
 """
 
 import pytest
@@ -31,13 +32,15 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
                               "algorithm.kl_coef=0"),
         "long_tail": run_fake(tmp, tiny_model_dir, "long_tail", *STREAM, *SMALL, *LONG_TAIL,
                               f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0"),
+        "long_tail_cont": run_fake(tmp, tiny_model_dir, "long_tail_cont", *STREAM, *SMALL, LONG_TAIL[0],
+                                   f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0"),
         "dapo": run_fake(tmp, tiny_model_dir, "dapo", *STREAM, "workflow.steps=4", recipe="dapo_async.yaml"),
     }
 
 
 @pytest.mark.parametrize("name,k,steps,prompts", [
     ("stream", 1, STREAM_STEPS, PROMPTS), ("stream_k0", 0, 5, PROMPTS), ("long_tail", 1, LONG_STEPS, PROMPTS),
-    ("dapo", 1, 4, 32)])
+    ("long_tail_cont", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32)])
 def test_staleness_bound_and_each_prompt_trained_once(runs, name, k, steps, prompts):
     group = 8 if name == "dapo" else GROUP
     check_stream(runs[name], k, steps, prompts, group)
@@ -62,6 +65,18 @@ def test_a_long_response_does_not_hold_its_step_and_its_group_is_generated_again
     assert run["stale_groups"] >= 2
     stale = [m["stream/stale_groups"] for m in records(run)]
     assert sum(stale) == run["stale_groups"]
+
+
+def test_without_partial_rollout_groups_that_can_only_go_stale_are_dropped_not_drained(runs):
+    # The engine holds group 0's first response until it serves version 2, and takes a newer version only once it
+    # is empty. Steps 0 and 1 fill with the other groups; group 0 (admitted at version 0) can then only go stale, so
+    # the loop drops it with the newer weights staged, and its prompt, generated again, is trained in a later step
+    # (draining it instead would wait forever).
+    run = runs["long_tail_cont"]
+    trained = {g: int(step) for step, groups in run["trained_groups"].items() for g in groups}
+    assert trained[0] >= 2
+    assert run["stale_groups"] >= 1
+    assert sum(m["stream/stale_groups"] for m in records(run)) == run["stale_groups"]
 
 
 def test_dapo_in_stream_mode_trains_only_groups_with_signal(runs):
