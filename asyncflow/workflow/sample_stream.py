@@ -23,7 +23,7 @@ skipped: the first write stands.
 The engine is the loop's critical path, so the loop never waits on a round trip it can go on without: the board's
 answers (a poll, a reservation, a batch of claims) come back while the engine steps and are taken in the order they
 were asked (``_settle``), and a finished group's put, the ledger's ``done`` and its prompt rows' ack run in that order
-on a thread of their own (``_outbox``). Whatever the ledger must know first is still known first: a group's
+on a thread of their own (``outbox``). Whatever the ledger must know first is still known first: a group's
 admission before its claim, its claim before its put, its put before ``done``, ``done`` before the ack.
 """
 
@@ -351,10 +351,10 @@ class StreamRollout:
             self.busy_since = None
 
     def _post_closed(self, post) -> None:
-        """Report every step this instance took part in that has all its groups now (once its claims' answers are
-        counted: a poll may tell of a closed step before them)."""
-        if self.claiming:
-            return
+        """Report every step this instance took part in that has all its groups now (its claims' answers taken
+        first: a poll may tell of a closed step before them)."""
+        if self.claiming and any(s < self.open for s in self.stats):
+            self._settle(block=True)  # once a step: its share is complete only with every claim counted
         for step in sorted(s for s in self.stats if s < self.open):
             if self.busy_since is not None:  # cut the open span so this step's report carries it
                 self._idle()
