@@ -237,6 +237,11 @@ class RolloutStream(abc.ABC):
         every in-flight response on under the new weights (its prefix recomputed, or with ``keep_kv`` its KV
         cache kept). Returns ``apply``'s result and the responses that finished meanwhile."""
 
+    @abc.abstractmethod
+    def abort(self) -> int:
+        """Drop every in-flight response (the sample stream gives their prompts back when no step can train them
+        any more); returns how many."""
+
 
 class RolloutEngine(abc.ABC):
     """An inference engine that generates with per-token logprobs and applies versions staged by the trainer.

@@ -93,13 +93,16 @@ def test_the_workflow_calls_every_abstract_engine_method_and_nothing_outside_the
     assert set().union(*(cls.__abstractmethods__ for cls in classes)) <= used
 
 
-def test_the_continuous_stream_interface_is_what_the_rollout_loop_calls():
+def test_the_continuous_stream_interface_is_what_the_rollout_loops_call():
+    # The step-tied continuous loop and the sample stream's loop together.
     import ast
     import inspect
 
     import asyncflow.workflow.rollout_stream as rollout_stream
+    import asyncflow.workflow.sample_stream as sample_stream
 
-    called = {node.attr for node in ast.walk(ast.parse(inspect.getsource(rollout_stream)))
+    called = {node.attr for module in (rollout_stream, sample_stream)
+              for node in ast.walk(ast.parse(inspect.getsource(module)))
               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
               and node.value.attr == "stream"}
     assert called == RolloutStream.__abstractmethods__ - {"__len__"}
