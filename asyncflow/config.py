@@ -268,9 +268,11 @@ class RayConfig:
     every node has ``ray.io/node-id``), e.g. rollout on nodes of its own; None: where the placement packs them."""
     death_info_wait_ms: int = 0
     """How long the driver's Ray waits for the cause of a worker's death before it fails the task the worker ran
-    (Ray's ``timeout_ms_task_wait_for_death_info``, 1000 by default; set in the driver before ``ray.init``). The
-    supervisor hands a dead worker's rows back, and the others take them, only once the driver sees the death: 0
-    sees it at once (the error is then Ray's ``ActorUnavailableError``, without the cause Ray would add)."""
+    (Ray's ``timeout_ms_task_wait_for_death_info``, 1000 by default). The supervisor hands a dead worker's rows
+    back, and the others take them, only once the driver sees the death: 0 sees it at once (the error is then Ray's
+    ``ActorUnavailableError``, without the cause Ray would add). Applied to the Ray a run starts itself; a cluster
+    started with ``ray start`` (``ray.address``) takes Ray's own setting: ``RAY_timeout_ms_task_wait_for_death_info``
+    in the environment of ``ray start`` and of the driver."""
 
 
 @dataclass

@@ -28,6 +28,11 @@ _SHM_LEFT = pytest.StashKey[list]()
 
 # Keep the 2-core CI machine responsive when several processes compute at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Ray workers of the in-process runs find the repository's test modules (engines and agent loops named by dotted
+# path). Set here, before any Ray thread exists: a setenv while one reads the environment can crash it.
+_REPO = str(Path(__file__).resolve().parents[1])
+if _REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(autouse=True)
@@ -36,8 +41,14 @@ def _restore_environment():
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, for one), so that runs started by later tests do not inherit it."""
     saved = dict(os.environ)
     yield
-    os.environ.clear()
-    os.environ.update(saved)
+    # Only the keys that changed: each change is a setenv or unsetenv, which can crash a thread of this process's
+    # Ray (its C++ core reads the environment with getenv) that reads it at that instant; clearing and refilling
+    # the whole environment after every test made that race likely enough to SIGSEGV a worker.
+    for key in [key for key in os.environ if key not in saved]:
+        del os.environ[key]
+    for key, value in saved.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 @pytest.fixture(scope="session")

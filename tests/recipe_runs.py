@@ -75,7 +75,8 @@ class SharedRay:
 
         if self.started and ray.is_initialized():
             return
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+        if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # tests/conftest.py sets it first
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         ray.init(address="local", num_cpus=4, num_gpus=4, resources={"NPU": 4}, namespace="asyncflow-tests",
                  include_dashboard=False, log_to_driver=False)
         self.started = True

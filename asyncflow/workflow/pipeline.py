@@ -7,7 +7,6 @@ bundles (cores on a CPU machine, one device per trainer rank and per rollout eng
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
@@ -195,8 +194,8 @@ def connect_ray(cfg: AsyncFlowConfig) -> bool:
 
     if ray.is_initialized():
         return False
-    # Read by this process's Ray core worker at ``ray.init``: how soon a task of a dead worker fails here.
-    os.environ["RAY_timeout_ms_task_wait_for_death_info"] = str(cfg.ray.death_info_wait_ms)
+    # Not through os.environ: a setenv while a thread of an earlier Ray in this process reads the environment can
+    # crash it (it did, a pytest worker, with SIGSEGV in getenv).
     if cfg.ray.address is not None:  # a running cluster has its resources: Ray refuses num_cpus here
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
         return True
@@ -206,7 +205,8 @@ def connect_ray(cfg: AsyncFlowConfig) -> bool:
                  else {"resources": {cfg.ray.accelerator: cfg.ray.local_devices}})
     # "local": always a new instance; without it Ray would join any cluster ``ray start`` left on this machine.
     ray.init(address="local", num_cpus=cfg.ray.num_cpus, namespace=cfg.ray.namespace, include_dashboard=False,
-             log_to_driver=False, **local)
+             log_to_driver=False, _system_config={"timeout_ms_task_wait_for_death_info": cfg.ray.death_info_wait_ms},
+             **local)
     return True
 
 
