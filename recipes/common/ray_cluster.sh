@@ -380,10 +380,18 @@ rc_main() {
     rc_start_cluster
     rc_wait_for_devices
     # In the background so that a signal to this script reaches the trap at once (bash defers traps while
-    # a foreground child runs); the trap then stops the driver by its recorded pid.
+    # a foreground child runs); the trap then stops the driver by its recorded pid. A signal that comes between
+    # the driver's start and the record of its pid is held until the record exists: taken at once, the cleanup
+    # would not know the driver, and its exit code (75 after a checkpoint) would be lost.
+    local held=""
+    trap 'held=130' INT
+    trap 'held=143' TERM
     "${RC_EXEC[@]}" "$ASYNCFLOW" train "$RC_RECIPE_DIR/config.yaml" model.path="$MODEL_DIR" ray.address="$RC_ADDRESS" \
         "${RC_OVERRIDES[@]}" "${RC_ROOTS[@]}" "${RC_RESUME[@]}" &
     RC_TRAIN_PID=$!
     echo "$RC_TRAIN_PID" >"$LAUNCH_DIR/train.pid"
+    trap 'exit 130' INT
+    trap 'exit 143' TERM
+    [[ -z "$held" ]] || exit "$held"
     wait "$RC_TRAIN_PID"
 }
