@@ -263,9 +263,11 @@ class RayConfig:
     placement_strategy: Literal["PACK", "SPREAD"] = "PACK"
     """Ray placement-group strategy of the workers' bundles: ``PACK`` (as few nodes as possible) or ``SPREAD``
     (bundles over different nodes where possible, e.g. rollout and trainer on different hosts)."""
-    rollout_label_selector: dict[str, str] | None = None
+    rollout_label_selector: dict[str, str] | list[dict[str, str]] | None = None
     """Ray node labels the rollout engines' devices must carry in ``async`` on devices (``ray start --labels``;
-    every node has ``ray.io/node-id``), e.g. rollout on nodes of its own; None: where the placement packs them."""
+    every node has ``ray.io/node-id``), e.g. rollout on nodes of its own; None: where the placement packs them. A
+    list gives one selector per rollout instance, in instance order (``{}``: anywhere), e.g. one instance per host;
+    it has ``workflow.rollout_instances`` entries."""
     death_info_wait_ms: int = 0
     """How long the driver's Ray waits for the cause of a worker's death before it fails the task the worker ran
     (Ray's ``timeout_ms_task_wait_for_death_info``, 1000 by default). The supervisor hands a dead worker's rows
@@ -392,6 +394,17 @@ class WorkflowConfig:
     path, the reward task, the advantage task without dynamic sampling) are started again after their process
     dies; their unfinished rows are made again, once. One more death stops the run naming the service (a
     rollout instance is left out instead while others run). 0: any death stops the run (docs/fault_tolerance.md)."""
+    restart_timeout_s: float | None = None
+    """How long the supervisor waits for a worker that died to be started again (Ray placing its process, the
+    process answering) before it gives up: a rollout instance is then left out while others run, any other worker
+    is lost as past ``max_service_restarts``. Ray waits without bound for devices it cannot place, e.g. those of a
+    lost host. None: ``step_timeout_s``."""
+    rollout_spares: int = 0
+    """Warm spare rollout instances: started with the run (engine built, model loaded), idle (no rows, no weights)
+    until a rollout instance dies, when one takes the dead instance's place at once instead of waiting for its
+    process to start again; a new spare is then started in the background. Each spare holds what an instance holds
+    (cores, memory; a device on a cluster) while idle. Only where rollout instances are restarted (``async`` or
+    ``stream`` mode with ``max_service_restarts`` above 0), on CPU layouts (docs/fault_tolerance.md)."""
     max_restarts: int = 2
     """How many times the whole run is started again from its newest complete checkpoint after a trainer rank
     (actor or critic) dies, or a TransferQueue storage unit or controller dies with rows the run still needs: every

@@ -121,7 +121,7 @@ def sync_on_devices(cfg: AsyncFlowConfig) -> list[str]:
 
 
 def stream(cfg: AsyncFlowConfig) -> list[str]:
-    """The sample stream admits whole GRPO groups into one engine, and runs single-turn rollouts."""
+    """The sample stream admits whole GRPO groups into one engine (multi-turn ones with agent.loop too)."""
     if cfg.workflow.mode != "stream":
         return []
     found, n = [], cfg.workflow.samples_per_prompt
@@ -130,9 +130,6 @@ def stream(cfg: AsyncFlowConfig) -> list[str]:
     if cfg.rollout.max_num_seqs < n:
         found.append(f"workflow.mode=stream admits a group's workflow.samples_per_prompt={n} responses together: "
                      f"rollout.max_num_seqs={cfg.rollout.max_num_seqs} must be at least that")
-    if cfg.agent.loop is not None:
-        found.append(f"workflow.mode=stream runs single-turn rollouts; agent.loop={cfg.agent.loop!r} needs "
-                     "workflow.mode=async (with rollout.continuous) or sync")
     return found
 
 
@@ -165,12 +162,40 @@ def device_sharing(cfg: AsyncFlowConfig) -> list[str]:
     return []
 
 
+def rollout_labels(cfg: AsyncFlowConfig) -> list[str]:
+    """A list of rollout label selectors has one entry per rollout instance."""
+    selector, n = cfg.ray.rollout_label_selector, cfg.workflow.rollout_instances
+    if isinstance(selector, list) and len(selector) != n:
+        return [f"ray.rollout_label_selector has {len(selector)} entries but workflow.rollout_instances={n}: give "
+                "one selector per instance, or one mapping for all"]
+    return []
+
+
 def failures(cfg: AsyncFlowConfig) -> list[str]:
     """The bounds of restarts and of the wait for a death's cause are counts and times: none is negative."""
     values = {"workflow.max_restarts": cfg.workflow.max_restarts,
               "workflow.max_service_restarts": cfg.workflow.max_service_restarts,
               "ray.death_info_wait_ms": cfg.ray.death_info_wait_ms}
     return [f"{key}={value} must be at least 0" for key, value in values.items() if value < 0]
+
+
+def spares(cfg: AsyncFlowConfig) -> list[str]:
+    """Spare rollout instances stand in for dead ones: only where rollout instances are restarted in place
+    (``workflow.supervisor.restartable``), and only on CPU layouts (the placement group reserves no device for them)."""
+    wf, n = cfg.workflow, cfg.workflow.rollout_spares
+    if n == 0:
+        return []
+    if n < 0:
+        return [f"workflow.rollout_spares={n} must be at least 0"]
+    restarted = wf.max_service_restarts > 0 and (wf.mode == "async" or (wf.mode == "stream"
+                                                                       and not cfg.algorithm.dynamic_sampling))
+    if not restarted:
+        return [f"workflow.rollout_spares={n} needs rollout instances that are restarted: workflow.mode async or "
+                "stream (without algorithm.dynamic_sampling) and workflow.max_service_restarts above 0; set it to 0"]
+    if cfg.ray.accelerator is not None:
+        return [f"workflow.rollout_spares={n} with ray.accelerator={cfg.ray.accelerator}: the run's placement group "
+                "reserves no devices for spares; set it to 0"]
+    return []
 
 
 def agent(cfg: AsyncFlowConfig) -> list[str]:
@@ -201,8 +226,8 @@ def reward(cfg: AsyncFlowConfig) -> list[str]:
 
 
 RULES: tuple[Callable[[AsyncFlowConfig], list[str]], ...] = (batching, algorithm, memory_features, rollout,
-                                                              sync_on_devices, device_sharing, failures, stream, agent,
-                                                              reward, evaluation)
+                                                              sync_on_devices, device_sharing, rollout_labels,
+                                                              failures, spares, stream, agent, reward, evaluation)
 """The rules that run once ``sizes`` passes (they divide by the sizes)."""
 
 

@@ -2,7 +2,8 @@
 rollout instances dead next to the healthy run's.
 
     python bench/chaos.py [--faults 10] [--steps 300] [--seed 0] [--out DIR] [--rate-steps 16] [--cost-steps 40]
-                          [--host-steps 12] [--mode all|rollout-cost|host]
+                          [--host-steps 12] [--host-rollout-steps 40] [--restart-timeout 10]
+                          [--mode all|rollout-cost|host|host-rollout] [--spares 1] [--cost-repeats 3]
 
 The workflow runs on the fake engines (``asyncflow.engines.fake``: the models are a table; Ray, its actor
 processes, the TransferQueue's server processes, the version board, the driver and its run checkpoints are real),
@@ -25,6 +26,11 @@ Faults, in turn, each at a random time once the run has logged a step since the 
   namespaces): SIGKILL of every process of host B (its Ray node, its workers, its TransferQueue storage units)
   mid-run (``host_fault``). What died with it is handled as its kind is: services restarted, rows lost with a storage
   unit restart the run from its checkpoint. Its row says what ran on host B.
+- ``host-rollout`` (a run of its own on the two-host cluster, ``host_rollout_fault``): host B runs one of the two
+  rollout instances (its weights come through the relay) and nothing else of the run; SIGKILL of every process of
+  host B. The run goes on with host A's instance, which takes the dead one's rows; the dead one cannot be placed
+  again and is left out after ``workflow.restart_timeout_s``. Its row adds the samples/s before the kill and after
+  the death, and the run's shared-memory segments left on host A.
 
 Per fault: ``detected s`` (restarts: the driver saw the death; storage: the driver reported the unit gone; run
 stops: the driver exited), ``recovered s``
@@ -49,7 +55,10 @@ steps without checkpoints, one healthy and one whose rollout instance is SIGKILL
 the steps are logged, same seed. The extra wall time is the killed run's time from the step logged at the kill to
 its last step minus the healthy run's time over the same steps; the regeneration time is the rows the driver
 handed out again times the generation time per row (the rollout instances' ``generate`` spans of the killed run:
-seconds over rows). The issue's target is a ratio below 2.
+seconds over rows). The issue's target is a ratio below 2. The same pair runs again with ``--spares`` warm spare
+rollout instances (``workflow.rollout_spares``): the killed instance's slot is taken by a spare instead of a restarted
+process, and the healthy run shows what an idle spare costs. ``--cost-repeats`` pairs of each (interleaved, seeds
+``--seed`` + repeat); the table gives their medians and every ratio.
 """
 
 from __future__ import annotations
@@ -123,6 +132,13 @@ class Run:
     def restarts(self) -> list[dict]:
         path = self.out / "restarts.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def tree_pids(self) -> list[int]:
+        """The driver's pid and its live descendants' (the TransferQueue servers, a local Ray's workers)."""
+        try:
+            return [self.proc.pid, *(c.pid for c in psutil.Process(self.proc.pid).children(recursive=True))]
+        except psutil.Error:
+            return []
 
     def workers(self, what: str) -> list[psutil.Process]:
         """The run's live processes of a kind: ``RolloutService`` / ``RewardService`` actors, or storage units."""
@@ -307,13 +323,9 @@ def throughput(args, model: Path) -> dict:
             "steps": [steps[0], steps[-1]] if steps else []}
 
 
-def host_fault(args, model: Path) -> tuple[dict, dict]:
-    """The ``host`` fault on the two-host cluster (``tools/two_host.py``): a run over both hosts, and SIGKILL of
-    every process of host B (everything in its network namespace: its Ray node, its workers, its storage units)
-    once it has logged a few steps. Host B declares no device, so the trainer and the rollout instances run on
-    host A: the fake engines' weights cannot cross hosts (their staging writer has no relay). The TransferQueue's
-    storage units are Ray actors spread over both hosts, and the services that need no device go where Ray puts
-    them. Returns the fault's record and the run's totals; ``error`` says why it could not run."""
+def _two_host(kind: str, **sizes):
+    """``tools/two_host.py`` as a module, and a cluster of ``sizes`` (``two_host.up``) whose Ray nodes run the
+    workers with the benchmark's environment; or an error record naming why none can be made here."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("two_host", REPO / "tools/two_host.py")
@@ -323,15 +335,40 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
     os.environ.update(ENV)  # the Ray nodes' workers take their environment from the nodes, not from the driver
     try:
         two_host.check_possible()
-        cluster = two_host.up(devices=4, cpus=8, devices_b=0)
+        return two_host, two_host.up(**sizes), None
     except two_host.TwoHostError as exc:
-        return {"kind": "host", "error": f"no two-host cluster here: {exc}"}, {}
+        return two_host, None, {"kind": kind, "error": f"no two-host cluster here: {exc}"}
     finally:
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _kill_host_b(two_host, cluster) -> tuple[list[int], dict, float]:
+    """SIGKILL every process in host B's network namespace; returns their pids, what they ran and the time."""
+    victims = two_host._netns_pids(cluster)
+    on_b = process_names(victims)
+    t0 = time.time()
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return victims, on_b, t0
+
+
+def host_fault(args, model: Path) -> tuple[dict, dict]:
+    """The ``host`` fault on the two-host cluster (``tools/two_host.py``): a run over both hosts, and SIGKILL of
+    every process of host B (everything in its network namespace: its Ray node, its workers, its storage units)
+    once it has logged a few steps. Host B declares no device, so the trainer and the rollout instances run on
+    host A (``host_rollout_fault`` puts a rollout instance on host B). The TransferQueue's storage units are Ray
+    actors spread over both hosts, and the services that need no device go where Ray puts them. Returns the
+    fault's record and the run's totals; ``error`` says why it could not run."""
+    two_host, cluster, error = _two_host("host", devices=4, cpus=8, devices_b=0)
+    if error:
+        return error, {}
     try:
         run = Run(args.out / "host", model, args.host_steps,
                   ["checkpoint.interval=1", "checkpoint.keep_last=2", "workflow.max_service_restarts=100",
@@ -343,14 +380,7 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
             return {"kind": "host", "error": f"the run did not log 3 steps (exit {run.proc.poll()})"}, {}
         time.sleep(random.Random(args.seed).uniform(0.5, 2.0))
         at, seen, started = run.last_step(), len(run.restarts()), run.log_text().count("first step done")
-        victims = two_host._netns_pids(cluster)
-        on_b = process_names(victims)
-        t0 = time.time()
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        victims, on_b, t0 = _kill_host_b(two_host, cluster)
         record = {"kind": "host", "at_step": at, "steps_redone": 0, "processes": len(victims), "on_host_b": on_b}
         events = wait_for(lambda: run.restarts()[seen:] or run.proc.poll() is not None, 600)
         if isinstance(events, list):
@@ -374,6 +404,80 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
         two_host.down(cluster)
 
 
+def host_rollout_fault(args, model: Path) -> tuple[dict, dict]:
+    """The ``host-rollout`` fault: host A (2 devices) runs the trainer and rollout instance 0, host B (1 device)
+    rollout instance 1 (``ray.rollout_label_selector``, one per instance), which reads the weights from the relay's
+    mirror on host B; the TransferQueue is the driver's processes, and the light services share instance 0's
+    bundle, so host B holds nothing the run cannot lose. SIGKILL of every process of host B once three steps are
+    logged: the driver hands the dead instance's rows to host A's, Ray cannot start it again (host B's device is
+    gone) and after ``workflow.restart_timeout_s`` it is left out; the run trains its steps on host A's instance.
+    Record: detected (the driver saw the death), recovered (the run logged a step after it), ``left_out_s``, the
+    samples/s before the kill and after the death, and the shared-memory segments of the run left on host A."""
+    two_host, cluster, error = _two_host("host-rollout", devices=2, cpus=8, devices_b=1)
+    if error:
+        return error, {}
+    steps, bound = getattr(args, "host_rollout_steps", 40), getattr(args, "restart_timeout", 10.0)
+    pids: set[int] = set()
+    try:
+        nodes = two_host.node_ids(cluster)
+        selectors = [{"ray.io/node-id": nodes["a"]}, {"ray.io/node-id": nodes["b"]}]
+        run = Run(args.out / "host_rollout", model, steps,
+                  ["checkpoint.interval=1", "checkpoint.keep_last=2", "workflow.max_service_restarts=100",
+                   "workflow.max_restarts=100", f"ray.address={cluster.address}", "ray.accelerator=NPU",
+                   "ray.cpus_per_device=1", f"ray.rollout_label_selector={json.dumps(selectors)}",
+                   "workflow.step_timeout_s=300", f"workflow.restart_timeout_s={bound}"], env=cluster.env())
+        run.start()
+
+        def logged(n: int) -> bool:  # and note the run's processes on host A (their segments are checked at the end)
+            pids.update(run.tree_pids() + two_host._own_host_a_pids(cluster))
+            return run.last_step() >= n or run.proc.poll() is not None
+
+        if not wait_for(lambda: logged(2), 900) or run.proc.poll() is not None:
+            return {"kind": "host-rollout", "error": f"the run did not log 3 steps (exit {run.proc.poll()})"}, {}
+        time.sleep(random.Random(args.seed).uniform(0.5, 2.0))
+        shm_b = sorted(cluster.in_b("ls", "/dev/shm").stdout.split())
+        at, seen, started = run.last_step(), len(run.restarts()), run.log_text().count("died; starting it again")
+        victims, on_b, t0 = _kill_host_b(two_host, cluster)
+        seen_at = at
+        record = {"kind": "host-rollout", "at_step": at, "steps_redone": 0, "processes": len(victims),
+                  "on_host_b": on_b, "shm_b_before_kill": shm_b}
+        if wait_for(lambda: run.log_text().count("died; starting it again") > started or run.proc.poll() is not None,
+                    600) and run.proc.poll() is None:
+            record["detected_s"] = time.time() - t0
+            seen_at = run.last_step()
+            if wait_for(lambda: logged(seen_at + 1), 600):
+                record["recovered_s"] = time.time() - t0
+        if wait_for(lambda: "was not started again within" in run.log_text() or run.proc.poll() is not None, 600):
+            record["left_out_s"] = time.time() - t0 if "was not started again within" in run.log_text() else None
+        while run.proc.poll() is None:
+            logged(steps)
+            time.sleep(0.2)
+        record["host_b_processes_after"] = len(two_host._netns_pids(cluster))  # its /dev/shm went with them
+        events = run.restarts()[seen:]
+        whole = [e for e in events if "cause" in e]
+        record["how"] = (f"restarted from checkpoint ({whole[0]['service']} lost)" if whole else
+                         "left out" if any(e["error"] == "dropped" for e in events) else f"exit {run.proc.returncode}")
+        if run.proc.returncode != 0:
+            record["error"] = f"the run exited {run.proc.returncode}: {run.log_text()[-300:]}"
+            return record, {}
+        time.sleep(2.0)  # the run's workers on host A exit after the driver has stopped them
+        mine = re.compile(r"afq-(\d+)-")
+        record["shm_left_a"] = sorted(n for n in os.listdir("/dev/shm")
+                                      if (m := mine.match(n)) and int(m.group(1)) in pids)
+        summary = json.loads((run.out / "summary.json").read_text())
+        metrics = run.logged()
+        record["samples_per_s_before"], _ = rates([r for r in metrics if r["step"] <= at])
+        # From the step logged when the death was seen: the steps after it were trained with host A's instance.
+        record["samples_per_s_after"], after = rates([r for r in metrics if r["step"] >= seen_at])
+        record["steps_after"] = [after[0], after[-1]] if after else []
+        totals = account(summary, [record], steps)
+        totals["staleness_ok"] = max(summary["lags_max_per_step"]) <= K
+        totals["steps"] = len(summary["trained_groups"])
+        return record, totals
+    finally:
+        two_host.down(cluster)
+
+
 def process_names(pids: list[int]) -> dict[str, int]:
     """How many of ``pids`` run each program: Ray's actors by class (``ray::RewardService``), other processes by
     their executable's name (``raylet``, ``gcs_server``, ...)."""
@@ -391,20 +495,43 @@ def process_names(pids: list[int]) -> dict[str, int]:
 
 
 def rollout_cost(args, model: Path) -> dict:
-    """What one rollout instance's death costs the run, next to the time its in-flight rows take to regenerate: a
-    healthy run and a run whose rollout instance is SIGKILLed once (restarted), same seed, one after the other."""
-    healthy = Run(args.out / "cost_healthy", model, args.cost_steps, [])
+    """What one rollout instance's death costs the run, without and with ``--spares`` warm spares: ``--cost-repeats``
+    pairs of each (``cost_pair``), interleaved; their records and medians."""
+    import statistics
+
+    pairs: dict[str, list[dict]] = {"restart": [], "spare": []}
+    for repeat in range(args.cost_repeats):
+        for how, spares in (("restart", 0), ("spare", args.spares)):
+            if how == "spare" and not spares:
+                continue
+            pairs[how].append(cost_pair(args, model, spares, args.seed + repeat, f"cost{repeat}_{how}"))
+    medians = {}
+    for how, runs in pairs.items():
+        good = [r for r in runs if "error" not in r]
+        if good:
+            medians[how] = {key: statistics.median(r[key] for r in good if r[key] is not None)
+                            for key in ("healthy_s", "killed_s", "extra_s", "detect_s", "restart_s", "released_rows",
+                                        "per_row_s", "regen_s", "ratio", "healthy_samples_per_s")
+                            if any(r[key] is not None for r in good)}
+    return {"steps": args.cost_steps, "spares": args.spares, "pairs": pairs, "medians": medians}
+
+
+def cost_pair(args, model: Path, spares: int, seed: int, name: str) -> dict:
+    """A healthy run and a run whose rollout instance is SIGKILLed once (restarted, or replaced by a spare), same
+    seed, one after the other; both with ``spares`` warm spares."""
+    extra = [f"workflow.rollout_spares={spares}"] if spares else []
+    healthy = Run(args.out / f"{name}_healthy", model, args.cost_steps, extra)
     healthy.start()
     healthy.proc.wait(timeout=1800)
-    killed = Run(args.out / "cost_killed", model, args.cost_steps, [])
+    killed = Run(args.out / f"{name}_killed", model, args.cost_steps, extra)
     killed.start()
-    rng = random.Random(args.seed)
-    at, logged_at_kill = args.cost_steps // 3, None
+    rng = random.Random(seed)
+    at, logged_at_kill, killed_at = args.cost_steps // 3, None, None
     if wait_for(lambda: killed.last_step() >= at or killed.proc.poll() is not None, 900) and killed.proc.poll() is None:
         time.sleep(rng.uniform(0.1, 1.0))  # a random moment inside the step: the instance holds rows in flight
-        procs = killed.workers("RolloutService")
+        procs = running_instances(killed)
         if procs:
-            logged_at_kill = killed.last_step()
+            logged_at_kill, killed_at = killed.last_step(), time.time()
             os.kill(rng.choice(procs).pid, signal.SIGKILL)
     killed.proc.wait(timeout=1800)
     events = [e for e in killed.restarts() if e["service"] == "rollout"]
@@ -414,14 +541,30 @@ def rollout_cost(args, model: Path) -> dict:
     spans = generate_spans(killed.out)
     per_row = sum(d for d, _ in spans) / max(sum(n for _, n in spans), 1)
     # From the step logged at the kill to the end, in both runs: the steps before it only add the load's noise.
-    healthy_s, killed_s = (steps_wall([r for r in run.logged() if r["step"] >= logged_at_kill])
-                           for run in (healthy, killed))
+    after = [[r for r in run.logged() if r["step"] >= logged_at_kill] for run in (healthy, killed)]
+    healthy_s, killed_s = (steps_wall(logged) for logged in after)
     released = events[0]["released_rows"]
-    extra = killed_s - healthy_s
-    return {"steps": args.cost_steps, "killed_after_step": logged_at_kill, "healthy_s": healthy_s,
-            "killed_s": killed_s, "extra_s": extra, "released_rows": released, "per_row_s": per_row,
-            "regen_s": released * per_row, "ratio": extra / (released * per_row) if released and per_row else None,
-            "restart_s": events[0]["recovered_at"] - events[0]["detected_at"]}
+    extra_s = killed_s - healthy_s
+    return {"steps": args.cost_steps, "spares": spares, "seed": seed, "killed_after_step": logged_at_kill,
+            "healthy_s": healthy_s, "killed_s": killed_s, "extra_s": extra_s, "released_rows": released,
+            "per_row_s": per_row, "regen_s": released * per_row,
+            "ratio": extra_s / (released * per_row) if released and per_row else None,
+            "detect_s": events[0]["detected_at"] - killed_at,
+            "restart_s": events[0]["recovered_at"] - events[0]["detected_at"], "how": events[0].get("how"),
+            "healthy_samples_per_s": (len(after[0]) - 1) * PROMPTS * GROUP / healthy_s if healthy_s else None}
+
+
+def running_instances(run: Run) -> list[psutil.Process]:
+    """The run's rollout instances that run their loop now: Ray names an actor's process after the method it runs
+    (``ray::RolloutService.run``); an idle spare's has its class name only."""
+    procs = []
+    for proc in run.workers("RolloutService"):
+        try:
+            if proc.cmdline()[0].startswith("ray::RolloutService.run"):
+                procs.append(proc)
+        except (psutil.Error, IndexError):
+            continue
+    return procs
 
 
 def steps_wall(logged: list[dict]) -> float:
@@ -438,17 +581,35 @@ def generate_spans(out: Path) -> list[tuple[float, int]]:
 
 
 def cost_table(cost: dict) -> str:
-    if "error" in cost:
-        return f"rollout-instance death cost: {cost['error']}"
-    return ("| rollout-instance death, fake engines | value |\n|---|---|\n"
-            f"| steps {cost['killed_after_step']}-{cost['steps'] - 1}, healthy run | {cost['healthy_s']:.1f} s |\n"
-            f"| same steps, one of two instances SIGKILLed once step {cost['killed_after_step']} was logged, "
-            f"restarted | {cost['killed_s']:.1f} s |\n"
-            f"| extra wall time the death cost | {cost['extra_s']:.1f} s |\n"
-            f"| instance restart (death to answering again) | {cost['restart_s']:.1f} s |\n"
-            f"| rows handed out again x generation time per row | {cost['released_rows']} x "
-            f"{cost['per_row_s']:.3f} s = {cost['regen_s']:.1f} s |\n"
-            f"| ratio (target < 2) | {_num2(cost['ratio'])} |")
+    """The medians of the pairs without and with spares, side by side, then every pair's ratio."""
+    med = cost["medians"]
+    if not med:
+        return f"rollout-instance death cost: every pair failed: {json.dumps(cost['pairs'])}"
+    cols = [how for how in ("restart", "spare") if how in med]
+    n = {how: sum(1 for r in cost["pairs"][how] if "error" not in r) for how in cols}
+    head = {"restart": "no spare (restarted)", "spare": f"{cost['spares']} warm spare(s) (promoted)"}
+
+    def row(label: str, key: str, fmt: str) -> str:
+        return f"| {label} | " + " | ".join("-" if med[h].get(key) is None else format(med[h][key], fmt)
+                                            for h in cols) + " |"
+
+    lines = ["| rollout-instance death, fake engines, median of pairs | " + " | ".join(
+                 f"{head[h]}, {n[h]} pair(s)" for h in cols) + " |", "|---|" + "---|" * len(cols),
+             row(f"healthy run, steps from the kill (step ~{cost['steps'] // 3}) to {cost['steps'] - 1}, s",
+                 "healthy_s", ".1f"),
+             row("healthy run's throughput over those steps, samples/s", "healthy_samples_per_s", ".1f"),
+             row("same steps, one of two instances SIGKILLed, s", "killed_s", ".1f"),
+             row("extra wall time the death cost, s", "extra_s", ".1f"),
+             row("SIGKILL to the driver seeing the death, s", "detect_s", ".2f"),
+             row("death seen to the slot's loop running again, s", "restart_s", ".2f"),
+             row("rows handed out again", "released_rows", ".0f"),
+             row("generation time per row, s", "per_row_s", ".3f"),
+             row("their regeneration time, s", "regen_s", ".1f"),
+             row("ratio (target < 2)", "ratio", ".2f")]
+    for h in cols:
+        ratios = ", ".join(_num2(r.get("ratio")) if "error" not in r else "failed" for r in cost["pairs"][h])
+        lines.append(f"\n{head[h]}: ratio of each pair: {ratios}")
+    return "\n".join(lines)
 
 
 def _num2(value) -> str:
@@ -492,9 +653,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cost-steps", type=int, default=40)
     parser.add_argument("--host-steps", type=int, default=12)
-    parser.add_argument("--mode", choices=["all", "rollout-cost", "host"], default="all",
+    parser.add_argument("--spares", type=int, default=1,
+                        help="warm spare rollout instances of the rollout-cost pairs run with spares (0: none)")
+    parser.add_argument("--cost-repeats", type=int, default=3, help="rollout-cost pairs of each kind")
+    parser.add_argument("--host-rollout-steps", type=int, default=40)
+    parser.add_argument("--restart-timeout", type=float, default=10.0,
+                        help="workflow.restart_timeout_s of the host-rollout run")
+    parser.add_argument("--mode", choices=["all", "rollout-cost", "host", "host-rollout"], default="all",
                         help="rollout-cost: only the side-by-side cost of one rollout instance's death; host: only "
-                             "the loss of a whole host on the two-host cluster")
+                             "the loss of a whole host on the two-host cluster; host-rollout: only the loss of the "
+                             "host of one of two rollout instances")
     parser.add_argument("--out", type=Path, default=Path("outputs/chaos"))
     args = parser.parse_args()
     args.out = args.out.resolve()
@@ -508,25 +676,29 @@ def main() -> None:
         cost = rollout_cost(args, model)
         (args.out / "rollout_cost.json").write_text(json.dumps(cost, indent=1))
         print(cost_table(cost))
-        sys.exit(1 if "error" in cost else 0)
-    if args.mode == "host":
-        record, totals = host_fault(args, model)
-        (args.out / "host.json").write_text(json.dumps({"fault": record, "totals": totals}, indent=1))
+        sys.exit(0 if cost["medians"] else 1)
+    if args.mode in ("host", "host-rollout"):
+        record, totals = (host_fault if args.mode == "host" else host_rollout_fault)(args, model)
+        (args.out / f"{args.mode}.json").write_text(json.dumps({"fault": record, "totals": totals}, indent=1))
         print(table([record], totals, {"error": "not measured in this mode"}))
         sys.exit(0 if totals and not (totals["lost"] or totals["twice"] or totals["corrupted"]) else 1)
     faults, totals, _ = chaos(args, model)
     host, host_totals = host_fault(args, model)  # a run of its own, on the two-host cluster
+    host_rollout, host_rollout_totals = host_rollout_fault(args, model)  # and another
     rates_ = throughput(args, model)
     cost = rollout_cost(args, model)
-    report = (table([*faults, host], totals, rates_) + f"\nhost run: {json.dumps(host_totals)}\n\n"
-              + cost_table(cost))
+    report = (table([*faults, host, host_rollout], totals, rates_) + f"\nhost run: {json.dumps(host_totals)}"
+              + f"\nhost-rollout run: {json.dumps(host_rollout_totals)}\n\n" + cost_table(cost))
     (args.out / "chaos.md").write_text(report + "\n")
     (args.out / "chaos.json").write_text(json.dumps({"faults": faults, "totals": totals, "host": host,
-                                                     "host_totals": host_totals, "throughput": rates_,
+                                                     "host_totals": host_totals, "host_rollout": host_rollout,
+                                                     "host_rollout_totals": host_rollout_totals, "throughput": rates_,
                                                      "rollout_cost": cost}, indent=1))
     print(report)
-    ok = all(t.get(k, 0) == 0 for t in (totals, host_totals) for k in ("lost", "twice", "corrupted"))
-    ok = ok and (bool(host_totals) or host.get("error", "").startswith("no two-host cluster"))  # none here: skipped
+    ok = all(t.get(k, 0) == 0 for t in (totals, host_totals, host_rollout_totals)
+             for k in ("lost", "twice", "corrupted"))
+    for record, run_totals in ((host, host_totals), (host_rollout, host_rollout_totals)):  # no cluster here: skipped
+        ok = ok and (bool(run_totals) or record.get("error", "").startswith("no two-host cluster"))
     sys.exit(0 if ok and "lost" in totals and len(faults) >= args.faults else 1)
 
 

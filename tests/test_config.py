@@ -139,6 +139,8 @@ ROWS_32 = ["workflow.prompts_per_step=4", "workflow.samples_per_prompt=8"]
     (["ray.device_fraction=0.5", "rollout.tensor_parallel=2"], "below 1 needs rollout.tensor_parallel=1"),
     (["ray.death_info_wait_ms=-1"], "ray.death_info_wait_ms=-1 must be at least 0"),
     (["workflow.max_restarts=-1"], "workflow.max_restarts=-1 must be at least 0"),
+    (["workflow.rollout_instances=2", 'ray.rollout_label_selector=[{"ray.io/node-id": "a"}]'],
+     "ray.rollout_label_selector has 1 entries but workflow.rollout_instances=2"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_load_rejects_keys_that_do_not_fit_together_by_name(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -157,6 +159,7 @@ def test_settings_that_fit_together_load():
         ["trainer.overlap_param_gather=true", "trainer.use_distributed_optimizer=true"],
         ["rollout.partial=true", "rollout.partial_kv=keep", "rollout.enable_prefix_caching=false"],
         ["workflow.mode=sync", "workflow.rollout_instances=2"],  # the CPU layout: no devices to share
+        ["workflow.rollout_instances=2", 'ray.rollout_label_selector=[{"ray.io/node-id": "a"}, {}]'],
         ["workflow.mode=sync", "ray.accelerator=GPU", "workflow.rollout_instances=2", "trainer.data_parallel=2"],
         ["ray.device_fraction=0.5"],
     ):

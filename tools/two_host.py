@@ -237,6 +237,19 @@ def _wait_nodes(c: TwoHost, wait_s: float) -> None:
     raise TwoHostError(f"the two-host Ray cluster did not come up within {wait_s:g} s: {last}")
 
 
+def node_ids(c: TwoHost) -> dict[str, str]:
+    """``{"a": node id, "b": node id}``: each host's Ray node id, e.g. for ``ray.rollout_label_selector``
+    (``{"ray.io/node-id": ...}``) to put work on one host."""
+    probe = ("import json, sys, ray; ray.init(address=sys.argv[1], log_to_driver=False); "
+             "print(json.dumps({n['NodeManagerAddress']: n['NodeID'] for n in ray.nodes() if n['Alive']}))")
+    proc = subprocess.run([sys.executable, "-c", probe, c.address], capture_output=True, text=True, env=c.env(),
+                          timeout=120)
+    if proc.returncode:
+        raise TwoHostError(f"could not list the cluster's nodes: {proc.stderr[-1000:]}")
+    nodes = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"a": nodes[c.addr_a], "b": nodes[c.addr_b]}
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

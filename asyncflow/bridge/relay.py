@@ -120,12 +120,21 @@ class RelaySender:
         self.chunk = chunk_numel(spec, data.numel(), data.dtype)
         self.buffer_bytes = self.chunk * data.element_size()
         self.sent_bytes = 0  # broadcast by this rank (headers and data, each byte once whatever the receivers)
+        self.failed: str | None = None  # why the broadcast stopped, once it has
         self._newest, self._cond = -1, threading.Condition()
         self._loop = _Loop(f"relay-send-{source_key(writer.rank)}", self._run)
 
     def notify(self, version: int) -> None:
-        """``version`` was just staged (returns at once)."""
-        self._loop.check()
+        """``version`` was just staged (returns at once). Once the broadcast has failed (a receiving host was lost:
+        its processes died, or it went silent for the group's timeout) this rank relays nothing more and the trainer
+        goes on: a lost rollout host must not stop training. The failure is printed once and kept in ``failed``;
+        rollout hosts that still expected this rank's weights get no newer version (docs/fault_tolerance.md)."""
+        if self._loop.error is not None:
+            if self.failed is None:
+                self.failed = f"{type(self._loop.error).__name__}: {self._loop.error}"
+                print(f"weight relay from trainer rank {source_key(self.writer.rank)} stopped ({self.failed[:200]}); "
+                      "its receiving hosts get no newer weights", flush=True)
+            return
         with self._cond:
             self._newest = max(self._newest, version)
             self._cond.notify()

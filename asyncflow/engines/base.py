@@ -119,6 +119,13 @@ class TrainableEngine(abc.ABC):
         """True when every micro-batch must have the run's full sequence length (pipeline stages exchange
         fixed shapes); otherwise a micro-batch is as wide as its longest row."""
 
+    @property
+    @abc.abstractmethod
+    def seq_multiple(self) -> int:
+        """A micro-batch that is not of fixed width is as wide as its longest row rounded up to this: what the
+        engine's kernels need (sequence parallelism splits the width over tensor-parallel ranks) or run fastest
+        at (tensor cores)."""
+
     @abc.abstractmethod
     def gather_data_parallel(self, items: list) -> list:
         """Every data-parallel replica's ``items``, concatenated in replica order (collective over the
@@ -277,6 +284,14 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def weight_version(self) -> int:
         """The version the engine serves (-1 while none is complete)."""
+
+    def relay_plan(self, plan: dict, model_dir: str):
+        """The byte layout of the staging segments that ``plan`` (plain data from the trainer's ``weight_stager``)
+        describes: what a relay receiver mirrors from another host (``asyncflow.bridge.relay.RelayReceiver``)."""
+        from asyncflow.bridge.sync import plan_from_dict
+        from asyncflow.models.arch import GPTArch
+
+        return plan_from_dict(GPTArch.from_pretrained(model_dir), plan)
 
     def stream(self, ignore_eos: bool = False, turns: bool = False) -> RolloutStream:
         """A continuous-batching handle (``ignore_eos``: responses use their whole budget; ``turns``: multi-turn

@@ -49,7 +49,6 @@ from asyncflow.engines.base import (
 
 SOURCE = "0.0.0"
 """The one exporting rank's key (``asyncflow.bridge.staging.source_key`` of tp 0, pp 0, ep 0)."""
-_HEADER = 64  # bytes per slot header ([seq, version] int64, padded to a cache line)
 CONTEXT = 6
 """Tokens the fake policy looks back at: enough for the add-one task (an answer digit comes 5 tokens after the
 digit it answers), so a fake run can learn it."""
@@ -258,6 +257,11 @@ class _FakeTrainable:
     def fixed_seq_len(self) -> bool:
         return self.cfg.pipeline_parallel > 1
 
+    @property
+    def seq_multiple(self) -> int:
+        """No kernel to align for: a micro-batch is as wide as its longest row."""
+        return 1
+
     def gather_data_parallel(self, items: list) -> list:
         """Every replica's ``items``, replica order."""
         return [x for part in self.group.gather(list(items), self.group.dp_group) for x in part]
@@ -334,7 +338,7 @@ class FakeTrainEngine(_FakeTrainable, TrainEngine):
 
     def weight_stager(self, bucket_mb: float, session: str) -> tuple[FakeStagingWriter | None, dict]:
         """Replica 0's first rank stages the table; every other rank sends nothing (it holds the same table)."""
-        plan = {"engine": "fake", "shape": list(self.table.shape)}
+        plan = FakePlan(self.table.shape).as_dict()
         p = self.group.pos
         if (p.dp_rank, p.tp_rank, p.pp_rank) != (0, 0, 0):
             return None, plan
@@ -357,67 +361,90 @@ class FakeCriticEngine(_FakeTrainable, CriticEngine):
 
 
 # ---------------------------------------------------------------------------------------------- weight path
-def _segment_bytes(shape: Sequence[int]) -> int:
-    numel = 1
-    for n in shape:
-        numel *= n
-    return 2 * (_HEADER + -(-numel * 4 // _HEADER) * _HEADER)
+class FakePlan:
+    """The fake engines' ``asyncflow.bridge.buckets.SyncPlan``: one exporting rank (tp 0, pp 0, ep 0) sending the
+    whole table as one float32 bucket. It gives the bridge's staging slots (``asyncflow.bridge.staging``) the same
+    byte layout as a one-rank Megatron plan, so the relay between hosts (``asyncflow.bridge.relay``) mirrors a fake
+    trainer's segment as it mirrors a real one."""
+
+    dtype = torch.float32
+
+    def __init__(self, shape: Sequence[int]):
+        from asyncflow.bridge.shards import MRank
+
+        self.shape, self.rank = list(shape), MRank(0, 0, 0)
+        self.buckets = [SimpleNamespace(sources={self.rank: []}, numel=self._numel)]
+
+    def _numel(self, src) -> int:
+        return torch.Size(self.shape).numel() if src == self.rank else 0
+
+    def as_dict(self) -> dict:
+        """Plain data for the rollout side (``from_dict``)."""
+        return {"engine": "fake", "shape": list(self.shape)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> FakePlan:
+        """The plan ``as_dict`` describes."""
+        return cls(data["shape"])
 
 
-def _slot(view, shape: Sequence[int], slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    start = slot * _segment_bytes(shape) // 2
-    header = torch.frombuffer(view, dtype=torch.int64, count=2, offset=start)
-    data = torch.frombuffer(view, dtype=torch.float32, count=torch.Size(shape).numel(), offset=start + _HEADER)
-    return header, data.view(*shape)
+def _slots(arena, plan: FakePlan):
+    from asyncflow.bridge.staging import _Slots
+
+    return _Slots(arena, plan, plan.rank)
 
 
 class FakeStagingWriter:
-    """``asyncflow.bridge.staging.StagingWriter``'s surface over the table: ``stage(version)`` copies it into slot
-    ``version % 2`` of a shared-memory segment (``segment``), removed by ``close``."""
+    """``asyncflow.bridge.staging.StagingWriter`` over the table: ``stage(version)`` copies it into slot
+    ``version % 2`` of a shared-memory segment (``segment``, the bridge's slot layout), removed by ``close``. A
+    ``asyncflow.bridge.relay.RelaySender`` reads its slots like a real writer's."""
 
     def __init__(self, table: torch.Tensor, segment: str):
-        from asyncflow.bridge.shards import MRank
+        from asyncflow.bridge.staging import segment_bytes
         from asyncflow.transfer_queue.shm import Arena
 
-        self.table, self.segment, self.rank = table, segment, MRank(0, 0, 0)
-        self.plan = SimpleNamespace(buckets=[SimpleNamespace(sources={self.rank: []})])
-        self.shape = list(table.shape)
-        self.arena = Arena.create(_segment_bytes(self.shape), segment)
+        self.table, self.segment = table, segment
+        self.plan = FakePlan(table.shape)
+        self.rank, self.shape = self.plan.rank, self.plan.shape
+        self._slots = _slots(Arena.create(segment_bytes(self.plan, self.rank), segment), self.plan)
+        for header in self._slots.headers:
+            header[1] = -1  # no version yet
 
     def stage(self, version: int):
         """Write ``version`` (sequence lock: ``seq`` is odd while the slot is being written)."""
         from asyncflow.bridge.staging import StageStats
 
         t0 = time.perf_counter()
-        header, data = _slot(self.arena.view, self.shape, version % 2)
+        header, data = self._slots.headers[version % 2], self._slots.data[version % 2]
         header[0] += 1
         header[1] = version
-        data.copy_(self.table.detach())
+        data.copy_(self.table.detach().reshape(-1))
         header[0] += 1
         return StageStats(seconds=time.perf_counter() - t0, bytes=data.numel() * 4, buckets=1)
 
     def close(self) -> None:
         """Remove the segment."""
-        if self.arena is not None:
-            self.arena.close()
-            self.arena = None
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
 
 
 def read_staged(segment: str, shape: Sequence[int], version: int) -> torch.Tensor:
-    """The table staged as ``version`` in ``segment``; ``StaleStagingError`` when the slot holds another version or
-    was rewritten while it was read."""
-    from asyncflow.bridge.staging import StaleStagingError
+    """The table staged as ``version`` in ``segment`` (a trainer's own segment, or a relay mirror of it);
+    ``StaleStagingError`` when the slot holds another version or was rewritten while it was read."""
+    from asyncflow.bridge.staging import StaleStagingError, segment_bytes
     from asyncflow.transfer_queue.shm import Arena
 
-    arena = Arena.attach(segment, _segment_bytes(shape))
+    plan = FakePlan(shape)
+    slots = _slots(Arena.attach(segment, segment_bytes(plan, plan.rank)), plan)
     try:
-        header, data = _slot(arena.view, shape, version % 2)
+        header = slots.headers[version % 2]
         before = header.tolist()
-        table = data.clone()
+        table = slots.data[version % 2].clone().view(*shape)
         after = header.tolist()
-        del header, data  # the views must go before the mapping closes
+        del header  # the views must go before the mapping closes
     finally:
-        arena.close()
+        slots.close()
     if before != after or before[0] % 2 or before[1] != version:
         raise StaleStagingError(f"{segment}: slot of version {version} holds {after[1]} (seq {after[0]})")
     return table
@@ -460,6 +487,10 @@ class FakeRolloutEngine(RolloutEngine):
                 if on_sample is not None:
                     on_sample(key[0], sample)
         return [done[key] for key in sorted(done)]
+
+    def relay_plan(self, plan: dict, model_dir: str | Path) -> FakePlan:
+        """The table's one-bucket layout (``FakePlan``)."""
+        return FakePlan.from_dict(plan)
 
     def apply_staged(self, staging: dict, version: int) -> dict:
         """Read ``version`` from the exporting rank's segment and serve it."""

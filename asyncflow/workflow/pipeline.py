@@ -44,6 +44,9 @@ class Pipeline:
     owns_ray: bool = True
     """Ray was started for this run: ``close()`` shuts it down. A Ray the process was already connected to (a
     notebook's, a test session's) stays up, with nothing of the run left in it."""
+    spares: list = dataclasses.field(default_factory=list)
+    """Warm spare rollout instances (``workflow.rollout_spares``), idle until one takes a dead instance's slot
+    (``Supervisor._promote``, which also refills this list)."""
 
     @property
     def services(self) -> list:
@@ -164,11 +167,12 @@ class Pipeline:
             self.record_layout()
         except Exception:  # a dead service: its run failed, and the failure is reported elsewhere
             pass
-        try:  # graceful first: a killed rollout actor would orphan vLLM's worker processes
-            ray.get([s.shutdown.remote() for s in self.services], timeout=60)
-        except Exception:  # a dead or stuck service: killing it below is all that is left
-            pass
-        for handle in [*self.services, self.board]:
+        # Graceful first: a killed rollout actor would orphan vLLM's worker processes, a killed trainer rank its
+        # staging segment. Each shutdown is waited for on its own: ``ray.get`` of them all would stop at the first
+        # dead service's error and kill the others while they shut down. A dead or stuck one is killed below.
+        shutdowns = [s.shutdown.remote() for s in [*self.services, *self.spares]]
+        ray.wait(shutdowns, num_returns=len(shutdowns), timeout=60)
+        for handle in [*self.services, *self.spares, self.board]:
             try:
                 ray.kill(handle)
             except Exception:  # already dead: nothing to stop
@@ -252,7 +256,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
     groups = build_groups(workers, reference, critic)
     pipeline = Pipeline(cfg, tq, tq.client(), board, groups, where.pg, seq_len, consumer_tasks(groups),
                         sync_order(list(groups), cfg.algorithm.dynamic_sampling), relay_store, routes, workers,
-                        owns_ray)
+                        owns_ray, workers.spares(cfg.workflow.rollout_spares))
     try:
         _wait_until_up(pipeline, workers, startup)
     except BaseException:
@@ -328,9 +332,10 @@ def _wait_until_up(pipeline: Pipeline, workers, startup) -> None:
         _wait_groups({name: groups[name] for name in ("actor", "reference", "critic") if name in groups}, startup)
         ray.get([h.release_device.remote() for h in trained], timeout=600)
         groups["rollout"].extend(workers.rollout())
+    spares = f" + {len(pipeline.spares)} spare(s)" if pipeline.spares else ""
     startup.phase(f"rollout engines loading ({_engine_name(cfg.rollout.engine)}, {len(groups['rollout'])} "
-                  f"instance(s)); " + ("services starting" if workers.share_device else trainer))
-    _wait_groups(groups, startup)
+                  f"instance(s){spares}); " + ("services starting" if workers.share_device else trainer))
+    _wait_groups({**groups, **({"rollout spares": pipeline.spares} if pipeline.spares else {})}, startup)
 
 
 def _wait_groups(groups: dict[str, list], startup) -> None:

@@ -81,7 +81,8 @@ class Placement:
         selector = cfg.ray.rollout_label_selector
         if selector and self.acc is not None and not self.colocated:  # rollout bundles first, one per engine
             n = cfg.workflow.rollout_instances
-            labels = {"bundle_label_selector": [dict(selector)] * n + [{}] * (len(bundles) - n)}
+            per = [dict(s) for s in selector] if isinstance(selector, list) else [dict(selector)] * n
+            labels = {"bundle_label_selector": per + [{}] * (len(bundles) - n)}
         self.pg = placement_group(bundles, strategy=cfg.ray.placement_strategy, **labels)
         ray.get(self.pg.ready(), timeout=cfg.ray.placement_timeout_s)
         from ray.util import placement_group_table

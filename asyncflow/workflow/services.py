@@ -213,6 +213,25 @@ class RolloutService(TaskService):
 
             self.evaluator = Evaluator(evaluation, model_dir)
 
+    def take_slot(self, worker: int, evaluation=None) -> int:
+        """A spare instance (built idle: no loop, no weights) takes the place of dead instance ``worker``: its
+        TransferQueue tag, its holder name on the stream's ledger and its weight domain become that instance's, as
+        a restarted process of it would have them (``Supervisor._promote``); ``evaluation``: instance 0's
+        validation set, evaluated from the next due version as a restarted instance 0 does. Returns ``worker``."""
+        from asyncflow.bridge import routes
+        from asyncflow.workflow.supervisor import writer_of
+
+        self.worker = worker
+        self.tq.writer = writer_of(self.name, worker)
+        if self.relay is not None:
+            self.domain = self.relay["rollout_hosts"][worker]
+            self.owns_receiver = routes.receiver_owner(self.relay["rollout_hosts"], worker)
+        if evaluation is not None and self.evaluator is None:
+            from asyncflow.workflow.evaluation import Evaluator
+
+            self.evaluator = Evaluator(evaluation, self.model_dir, restarted=True)
+        return worker
+
     def shutdown(self) -> None:
         """Stop the engine first: its workers may be separate processes (vLLM at TP > 1)."""
         self.engine.close()
@@ -245,11 +264,9 @@ class RolloutService(TaskService):
         from asyncflow.bridge import routes
         from asyncflow.bridge.relay import RelayReceiver
         from asyncflow.bridge.shards import MRank
-        from asyncflow.bridge.sync import plan_from_dict
-        from asyncflow.models.arch import GPTArch
 
         info = ray.get(self.board.wait_for_plan.remote(self.timeout_s, hosts=True))
-        plan = plan_from_dict(GPTArch.from_pretrained(self.model_dir), info["plan"])
+        plan = self.engine.relay_plan(info["plan"], self.model_dir)
         tag = uuid.uuid4().hex[:8]
 
         def announce(version: int, source: str, segment: str) -> None:

@@ -28,6 +28,13 @@ In ``stream`` mode (``sample_stream``) a rollout instance holds prompts, reserva
 ledger: its death has the board forget them (``_release_stream``, ``StreamLedger.forget``), its prompts return to the
 stream and the steps it claimed wait for their copies; its restarted process takes prompts like any instance.
 
+Warm spares (``workflow.rollout_spares``): rollout instances built with the run and left idle (no loop, no rows,
+no weights). A rollout instance that dies within the bound is not started again: the dead actor is killed for good,
+its rows are handed back as above, and a spare takes its slot (``_promote``: its index, its TransferQueue tag, its
+holder name on the stream's ledger), applies the newest weights at its first step and runs its loop from the step a
+restart would resume at; a new spare is started in the background to refill the pool (``poll`` notes when it
+answers). With no spare left, the dead instance is started again as above.
+
 Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
 happen), rollout in ``stream`` mode under dynamic sampling (a step takes any number of groups: no fixed slots), and
 any service in ``sync`` mode. A death there stops the run as before.
@@ -148,6 +155,7 @@ class Supervisor:
         self.restarts: dict[str, int] = {}
         self.removed: dict[tuple[str, int], dict] = {}  # workers stopped on request -> their record
         self.starting: dict = {}  # ping ref of a worker Ray is starting again -> (its name, its restart record)
+        self.warming: dict = {}  # ping ref of a spare started to refill the pool -> (its handle, its record)
         self.request = Path(cfg.observability.output_dir) / SCALE_FILE
         self.events: list[dict] = []
         """One record per restart (``summary.json``'s ``service_restarts``, and a line of ``restarts.jsonl``)."""
@@ -194,6 +202,9 @@ class Supervisor:
             # Past the bound in place: with checkpoints on, the run restarts from its newest one (``loop.train``).
             raise ServiceLostError(f"{what} died; {name} workers died {count} times, more than "
                                    f"workflow.max_service_restarts={self.limit}", name, i) from exc
+        if name == "rollout" and self.pipe.spares:
+            self._promote(handle, i, what, count, detected, exc)
+            return
         # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
         # its next incarnation) take them while Ray starts it again; its loop runs again once it answers (``poll``).
         rolled_back, released = self._hand_back(name, i)
@@ -201,7 +212,7 @@ class Supervisor:
         start = max(self.reporter.reported.get((name, i), -1) + 1, self.reporter.trained_steps)
         event = {"service": name, "worker": i, "restart": count, "error": type(exc).__name__, "detected_at": detected,
                  "recovered_at": None, "released_rows": released, "rolled_back_puts": rolled_back,
-                 "resumed_at_step": start}
+                 "resumed_at_step": start, "how": "process restarted"}
         self.starting[handle.ping.remote()] = (name, i, handle, what, event)
         print(f"{what} died; starting it again ({count} of at most {self.limit}), {released} of its rows handed out "
               f"again, going on from step {start}", flush=True)
@@ -212,6 +223,7 @@ class Supervisor:
         import ray
 
         started = []
+        self._warmed()
         if self.starting:
             up, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
             for ref in up:
@@ -228,15 +240,43 @@ class Supervisor:
                     self._died(name, i, handle, err)
                     continue
                 event["recovered_at"] = time.time()
+                if name == "rollout":  # a promoted spare's process Ray started again is built as a spare: no slot
+                    handle.take_slot.remote(i, self.pipe.workers.evaluation(i))
                 ref = handle.run.remote(event["resumed_at_step"], self.last)
                 self.runs[ref] = (name, i, handle)
                 started.append(ref)
                 self._record(event)
                 self.reporter.collect([{"step": self.reporter.trained_steps, "service": "supervisor", "worker": 0,
                                         "metrics": {"supervisor/restarts": 1.0}, "spans": []}])
-                print(f"{what} is up again ({event['recovered_at'] - event['detected_at']:.1f} s after its death)",
-                      flush=True)
+                print(f"{what} is {'replaced by a spare' if event['how'] == 'spare promoted' else 'up again'} "
+                      f"({event['recovered_at'] - event['detected_at']:.1f} s after its death)", flush=True)
+            self._overdue()
         return started + self.scale()
+
+    def _overdue(self) -> None:
+        """Give up on the workers Ray has not started again within ``workflow.restart_timeout_s`` of their death
+        (Ray waits without bound for what it cannot place, e.g. the devices of a host lost with the worker): a
+        rollout instance is left out while others run, any other worker is lost (``ServiceLostError``)."""
+        import ray
+
+        bound = self.cfg.workflow.restart_timeout_s
+        bound = self.cfg.workflow.step_timeout_s if bound is None else bound
+        for ref, (name, i, handle, what, event) in list(self.starting.items()):
+            if time.time() - event["detected_at"] <= bound:
+                continue
+            self.starting.pop(ref)
+            if name != "rollout" or not self._running("rollout"):
+                raise ServiceLostError(f"{what} died and was not started again within "
+                                       f"workflow.restart_timeout_s={bound:g} s", name, i)
+            try:  # stop Ray's attempts: a later placement would bring back an instance the run left out
+                ray.kill(handle)
+            except Exception:  # already gone for good
+                pass
+            # Its rows were handed back at its death (``_died``); the others have been generating them since.
+            self._record({**event, "restart": None, "error": "dropped", "recovered_at": time.time(),
+                          "how": "not started again in time"})
+            print(f"{what} was not started again within workflow.restart_timeout_s={bound:g} s (Ray could not "
+                  f"place it): the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
 
     def scale(self) -> list:
         """Apply a request to change the number of rollout instances (``request_scale``), if one came; returns the
@@ -323,6 +363,63 @@ class Supervisor:
                       "rolled_back_puts": rolled_back, "resumed_at_step": None})
         print(f"{what} died; rollout workers died {count} times, more than workflow.max_service_restarts="
               f"{self.limit}: the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
+
+    def _promote(self, dead, i: int, what: str, count: int, detected: float, exc: BaseException) -> None:
+        """Rollout instance ``i`` died and a spare is at hand: kill the dead actor for good (Ray would start it
+        again), hand its rows back, put the spare in its slot (``RolloutService.take_slot``: the dead one's tag,
+        which ``_hand_back`` fenced, is the spare's from now on) and start its loop once it answers (``poll``: at
+        once when it is up), from the step a restart would resume at. A new spare is started to refill the pool;
+        nothing waits for it."""
+        import ray
+
+        try:
+            ray.kill(dead)
+        except Exception:  # already gone for good
+            pass
+        rolled_back, released = self._hand_back("rollout", i)
+        self.reporter.collect()  # the reports it posted before it died say where it got to
+        start = max(self.reporter.reported.get(("rollout", i), -1) + 1, self.reporter.trained_steps)
+        ready = [h for h in self.pipe.spares if all(h is not w for w, _ in self.warming.values())]
+        spare = (ready or self.pipe.spares)[0]  # one still starting beats a process not started yet
+        self.pipe.spares.remove(spare)
+        self.warming = {ref: (h, rec) for ref, (h, rec) in self.warming.items() if h is not spare}
+        self.pipe.groups["rollout"][i] = spare
+        spare.take_slot.remote(i, self.pipe.workers.evaluation(i))
+        event = {"service": "rollout", "worker": i, "restart": count, "error": type(exc).__name__,
+                 "detected_at": detected, "recovered_at": None, "released_rows": released,
+                 "rolled_back_puts": rolled_back, "resumed_at_step": start, "how": "spare promoted"}
+        self.starting[spare.ping.remote()] = ("rollout", i, spare, what, event)
+        refill = self.pipe.workers.spares(1)[0]
+        self.pipe.spares.append(refill)
+        self.warming[refill.ping.remote()] = (refill, {"service": "rollout spare", "worker": None, "restart": None,
+                                                       "error": "spare started", "detected_at": time.time(),
+                                                       "recovered_at": None, "released_rows": 0,
+                                                       "resumed_at_step": None, "replaces": i})
+        print(f"{what} died; a spare takes its place ({count} of at most {self.limit}), {released} of its rows "
+              f"handed out again, going on from step {start}; a new spare is starting", flush=True)
+
+    def _warmed(self) -> None:
+        """Note the refilling spares that answer (``restarts.jsonl``: ``spare started``, with the time it took);
+        one that died before it answered is left out of the pool."""
+        import ray
+
+        if not self.warming:
+            return
+        up, _ = ray.wait(list(self.warming), num_returns=len(self.warming), timeout=0)
+        for ref in up:
+            handle, record = self.warming.pop(ref)
+            try:
+                ray.get(ref)
+            except ray.exceptions.ActorUnavailableError:  # Ray is starting it again: ask again
+                self.warming[handle.ping.remote()] = (handle, record)
+                continue
+            except ray.exceptions.RayActorError as err:
+                self.pipe.spares.remove(handle)
+                print(f"a spare rollout instance died while it started ({type(err).__name__}); the pool has "
+                      f"{len(self.pipe.spares)} spare(s)", flush=True)
+                continue
+            record["recovered_at"] = time.time()
+            self._record(record)
 
     def _hand_back(self, name: str, i: int) -> tuple[int, int]:
         """Worker ``i`` of ``name`` is dead: drop its gets still waiting in the controller (their rows would be

@@ -74,16 +74,26 @@ class WorkerGroups:
 
     def rollout(self) -> list:
         """``workflow.rollout_instances`` generation engines; the first one also evaluates the validation set."""
+        return [self.rollout_instance(i, self.evaluation(i)) for i in range(self.cfg.workflow.rollout_instances)]
+
+    def evaluation(self, i: int):
+        """What rollout instance ``i`` evaluates (``evaluation.EvalSpec``): the validation set for instance 0,
+        None for the others and when the run does not evaluate."""
         from asyncflow.workflow.evaluation import evaluation_spec
 
-        evaluation = evaluation_spec(self.cfg, self.model_dir)
-        return [self.rollout_instance(i, evaluation if i == 0 else None)
-                for i in range(self.cfg.workflow.rollout_instances)]
+        return evaluation_spec(self.cfg, self.model_dir) if i == 0 else None
 
-    def rollout_instance(self, i: int, evaluation=None):
-        """Rollout instance ``i`` (also one added while the run goes on: ``Supervisor.scale``)."""
+    def spares(self, count: int) -> list:
+        """``count`` warm spare rollout instances (``workflow.rollout_spares``): built as instances are, engine and
+        model loaded, with no loop and no weights until one takes a dead instance's place
+        (``RolloutService.take_slot``). Each is placed as an instance beyond the first is (no core reserved)."""
+        return [self.rollout_instance(-1, place=max(1, self.cfg.workflow.rollout_instances)) for _ in range(count)]
+
+    def rollout_instance(self, i: int, evaluation=None, place: int | None = None):
+        """Rollout instance ``i`` (also one added while the run goes on: ``Supervisor.scale``; -1: a spare, placed
+        as instance ``place``)."""
         cfg, wf = self.cfg, self.cfg.workflow
-        opts, cpus = self.where.rollout(i)
+        opts, cpus = self.where.rollout(i if place is None else place)
         return self._place(
             services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
             max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
