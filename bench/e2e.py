@@ -23,8 +23,10 @@ and Megatron is excluded from the wall time):
   step-tied async (chunked) and in the sample stream, max_staleness 1; ``heavy_continuous`` (step-tied async
   with continuous batching) and ``heavy_stream_cont`` (the stream without partial rollout) drive vLLM's engine
   the same way, so their ratio isolates the stream's own effect from the cost of driving the engine step by step;
-- ``tool_sync`` / ``tool_partial``: the multi-turn calculator task (``recipes/tiny_cpu/tool_async.yaml``)
-  in sync mode and in the async mode with continuous batching and partial rollout (its own baseline).
+- ``tool_sync`` / ``tool_partial`` / ``tool_stream``: the multi-turn calculator task
+  (``recipes/tiny_cpu/tool_async.yaml``) in sync mode (its own baseline), in the async mode with continuous
+  batching and partial rollout, and in the sample stream (max_staleness 1, partial rollout; a group is complete
+  once its every trajectory ended).
 
 Every run of a workload trains the same number of samples, so the reward columns compare equal sample
 counts. Throughput is given twice: over the whole run (``wall s``, ``samples/s``, ``tokens/s``: from the
@@ -72,6 +74,7 @@ MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mo
     "heavy_stream_cont": (HEAVY, ["workflow.mode=stream", "workflow.max_staleness=1"]),
     "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
+    "tool_stream": (TOOL, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
 }
 WORKLOADS = ("tool_", "heavy_")
 """Name prefixes of the workloads other than the long-tailed one; each workload's baseline is its own sync mode."""

@@ -178,6 +178,16 @@ class AgentCalls:
                 out.append((key, Outcome(timed_out=True)))
         return out
 
+    def drop(self, key: Hashable) -> None:
+        """Forget ``key``'s call, if one runs: its outcome is never handed back, and ``key`` may be submitted again."""
+        call = self._calls.pop(key, None)
+        if call is None:
+            return
+        if self._threads is not None:
+            self._threads.abandon(call[0])
+        else:
+            call[0].cancel()
+
     def close(self) -> None:
         """Drop every call still running (their results are never read) and stop the workers."""
         for future, _ in self._calls.values():

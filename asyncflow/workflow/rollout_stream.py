@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from asyncflow.agents import row_metadata
+from asyncflow.workflow.agent_turns import AgentTurns, Ended, TurnStats, model_token_versions, row_fields
 from asyncflow.workflow.board import admitted_version
 from asyncflow.workflow.partitions import PUT_ROWS, partition_name, row_length
 from asyncflow.workflow.redo_rows import RedoRows
@@ -54,11 +54,7 @@ class _StepState:
     running: list[int] = field(default_factory=list)  # vLLM's running set, sampled after each engine step
     swaps: int = 0
     first_version: int = -1
-    turns: int = 0  # model turns of the finished rows (multi-turn agent loops)
-    observations: int = 0  # observations the agent loop appended (tool calls answered)
-    agent_errors: int = 0
-    tool_timeouts: int = 0  # agent-loop calls cut off at agent.tool_timeout_s (their trajectories end as failures)
-    turn_reward: float = 0.0  # sum of the finished rows' turn rewards (``AgentLoop.turn_reward``)
+    agent: TurnStats = field(default_factory=TurnStats)  # multi-turn counts of the rows put
 
 
 class ContinuousRollout:
@@ -73,18 +69,13 @@ class ContinuousRollout:
         self.partial = partial
         self.evaluator = service.evaluator if evaluate else None
         self.agent = service.agent  # an ``asyncflow.agents.AgentLoop`` or None (single turn)
-        self.calls = None  # its calls in flight (``asyncflow.agents.calls.AgentCalls``), made in ``run``
-        self.meta: dict = {}  # key -> the prompt row's metadata (multi-turn trajectories in flight)
-        self.waiting: dict = {}  # key -> the sample of a finished turn whose agent-loop call runs
         self.stream = service.engine.stream(ignore_eos="max_new_tokens" in service.fields,
                                             turns=self.agent is not None)
-        self.stop = tuple(self.agent.stop_token_ids) if self.agent is not None else ()
+        self.turns: AgentTurns | None = None  # the agent loop's calls and waiting trajectories, made in ``run``
         # An agent loop sees the row's reference answer (with data_source/extra_info, asyncflow.data) as metadata.
         self.fields = list(service.fields) + (["ground_truth"] if self.agent is not None and service.answers else [])
         self.steps: dict[int, _StepState] = {}
-        # (step, row, sample, agent failed, turn rewards) not yet put
-        self.pending: list[tuple[int, int, object, bool, float]] = []
-        self.turn_rewards: dict = {}  # key -> sum of its turn rewards so far (multi-turn trajectories in flight)
+        self.pending: list[tuple[int, int, Ended]] = []  # (step, row, its ended trajectory) not yet put
         self.busy_since: float | None = None
         self.redo = RedoRows(service, self.poll_weights_s) if service.redo else None
         self._checked = self._reopened = 0.0
@@ -173,9 +164,10 @@ class ContinuousRollout:
         rows = range(len(batch)) if self.redo is None else self.redo.take(step, batch)
         for i in rows:
             key = (step, batch.indexes[i])
-            self.stream.add(key, batch["prompt_ids"][i].tolist(), budgets[i], stop_token_ids=self.stop)
-            if self.agent is not None:
-                self.meta[key] = row_metadata(answers[i])
+            if self.turns is not None:
+                self.turns.add(key, batch["prompt_ids"][i].tolist(), budgets[i], answers[i])
+            else:
+                self.stream.add(key, batch["prompt_ids"][i].tolist(), budgets[i])
         state.in_flight += len(rows)
         if self.busy_since is None:
             self.busy_since = time.time()
@@ -183,68 +175,35 @@ class ContinuousRollout:
 
     def _busy(self) -> bool:
         """Sequences in the engine, or trajectories waiting for their agent-loop call."""
-        return bool(len(self.stream) or self.waiting)
+        return bool(len(self.stream) or (self.turns is not None and len(self.turns)))
 
-    def _ask(self, key, sample) -> None:
-        """Multi-turn: start the agent loop's call on ``key``'s finished turn (``turn_reward``, then ``observe``
-        unless the turn limit is reached); ``_answered`` takes its outcome."""
-        from asyncflow.agents import Trajectory
-
-        trajectory = Trajectory(sample.prompt_ids, sample.response_ids, sample.loss_mask, sample.turns,
-                                sample.finish_reason, metadata=self.meta.get(key, {}), tokenizer=self.svc.tokenizer)
-        self.waiting[key] = sample
-        self.calls.submit(key, trajectory, ask=sample.turns < self.svc.max_turns)
-
-    def _answered(self, outcomes) -> None:
-        """Continue or finish the trajectories whose calls answered, failed or timed out. A loop that raises, or
-        a call past agent.tool_timeout_s, ends its trajectory (its reward becomes algorithm.reward_on_error;
-        the failure is counted: agent/errors, agent/tool_timeouts)."""
-        for key, out in outcomes:
-            sample, state = self.waiting.pop(key), self.steps[key[0]]
-            self.turn_rewards[key] = self.turn_rewards.get(key, 0.0) + out.turn_reward
-            failed = out.timed_out or out.error is not None
-            if out.timed_out:
-                state.tool_timeouts += 1
-                if state.tool_timeouts == 1:
-                    print(f"rollout {self.svc.worker}: an agent-loop call took longer than agent.tool_timeout_s="
-                          f"{self.calls.timeout_s}; the sample gets algorithm.reward_on_error", flush=True)
-            elif out.error is not None:
-                state.agent_errors += 1
-                if state.agent_errors == 1:
-                    print(f"rollout {self.svc.worker}: agent loop failed ({type(out.error).__name__}: {out.error}); "
-                          f"the sample gets algorithm.reward_on_error", flush=True)
-            elif out.observation and self.stream.continue_turn(key, list(out.observation)):
-                state.observations += 1
-                continue
-            self.stream.release(key)
-            self._end(key, sample, failed)
+    def _answered(self, ended: list[Ended]) -> None:
+        """Queue the trajectories whose agent-loop calls ended them (done, failed or timed out)."""
+        for trajectory in ended:
+            self._end(trajectory)
         self._maybe_flush()
 
-    def _end(self, key, sample, failed: bool) -> None:
-        """``key``'s response is complete: queue it for the TransferQueue (``_flush`` counts it once it is put)."""
-        step, index = key
+    def _end(self, ended: Ended) -> None:
+        """``ended.key``'s response is complete: queue it for the TransferQueue (``_flush`` counts it once put)."""
+        step, index = ended.key
         self.steps[step].in_flight -= 1
-        turn_reward = self.turn_rewards.pop(key, 0.0)
-        self.meta.pop(key, None)
-        self.pending.append((step, index, sample, failed, turn_reward))
+        self.pending.append((step, index, ended))
 
-    def _count(self, step: int, sample, turn_reward: float) -> None:
+    def _count(self, step: int, ended: Ended) -> None:
         """Add a response that was written to its step's report."""
-        state = self.steps[step]
+        state, sample = self.steps[step], ended.sample
         state.rows += 1
-        state.turns += sample.turns
         state.tokens += len(sample.response_ids)
-        versions = sample.token_versions or [sample.weight_version] * len(sample.response_ids)
-        mask = sample.loss_mask or [1] * len(versions)
-        state.token_versions += [v for v, m in zip(versions, mask) if m]  # the model's tokens only
-        state.turn_reward += turn_reward
+        state.token_versions += model_token_versions(sample)  # the model's tokens only
+        if self.agent is not None:
+            state.agent.add(ended)
 
     def _finished(self, done) -> None:
         for key, sample in done:
-            if self.agent is not None:
-                self._ask(key, sample)
+            if self.turns is not None:
+                self.turns.finished(key, sample)
             else:
-                self._end(key, sample, False)
+                self._end(Ended(key, sample))
         self._maybe_flush()
 
     def _maybe_flush(self) -> None:
@@ -252,28 +211,26 @@ class ContinuousRollout:
             self._flush()
 
     def _flush(self) -> None:
-        by_step: dict[int, list] = {}
-        for step, index, sample, failed, turn_reward in self.pending:
-            by_step.setdefault(step, []).append((index, sample, failed, turn_reward))
+        by_step: dict[int, list[tuple[int, Ended]]] = {}
+        for step, index, ended in self.pending:
+            by_step.setdefault(step, []).append((index, ended))
         self.pending.clear()
         for step, rows in by_step.items():
-            data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for _, s, _, _ in rows],
-                    "behaviour_logprobs": [torch.tensor(s.response_logprobs) for _, s, _, _ in rows]}
+            samples = [e.sample for _, e in rows]
+            data = {"response_ids": [torch.tensor(s.response_ids, dtype=torch.long) for s in samples],
+                    "behaviour_logprobs": [torch.tensor(s.response_logprobs) for s in samples]}
             if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
-                data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for _, s, _, _ in rows]
+                data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for s in samples]
             if self.agent is not None:  # the loss mask travels with the row into the actor's objective
-                data["loss_mask"] = [torch.tensor(s.loss_mask, dtype=torch.float) for _, s, _, _ in rows]
-                data["agent_error"] = torch.tensor([float(f) for _, _, f, _ in rows])
-                data["turn_reward"] = torch.tensor([r for *_, r in rows], dtype=torch.float)
-            self.svc.tq.put(partition_name(step), data, indexes=[i for i, *_ in rows],
-                            versions=[s.weight_version for _, s, _, _ in rows],
-                            lengths=[row_length(s) for _, s, _, _ in rows])
+                data.update(row_fields([e for _, e in rows]))
+            self.svc.tq.put(partition_name(step), data, indexes=[i for i, _ in rows],
+                            versions=[s.weight_version for s in samples], lengths=[row_length(s) for s in samples])
             # A row whose response another instance wrote first (it held the row before it died, or holds it
             # too since a peer's death gave every row back) is not counted: the report describes what is trained.
             skipped = set(getattr(self.svc.tq, "last_skipped", ()))
-            for index, sample, _, turn_reward in rows:
+            for index, ended in rows:
                 if index not in skipped:
-                    self._count(step, sample, turn_reward)
+                    self._count(step, ended)
             if self.redo is not None:  # put: these rows are done, and no longer come back if this instance dies
                 self.redo.written(step, [i for i, *_ in rows])
 
@@ -300,23 +257,18 @@ class ContinuousRollout:
             "rollout/weight_swaps": float(state.swaps),
             "staleness/token_lag_min": lags.min().item(), "staleness/token_lag_mean": lags.mean().item(),
             "staleness/token_lag_max": lags.max().item(), **self.svc.apply_stats,
-            **({"agent/turns_mean": state.turns / max(state.rows, 1), "agent/observations": float(state.observations),
-                "agent/errors": float(state.agent_errors), "agent/tool_timeouts": float(state.tool_timeouts),
-                "agent/turn_reward_mean": state.turn_reward / max(state.rows, 1)} if self.agent is not None else {})})
+            **(state.agent.metrics() if self.agent is not None else {})})
 
     # ------------------------------------------------------------------ the loop
     def run(self, first: int, last: int, post) -> None:
         """Generate steps ``first .. last-1``; ``post(report)`` each as its last row is put."""
         if self.agent is not None:
-            from asyncflow.agents.calls import AgentCalls
-
-            cfg = self.svc.agent_cfg
-            self.calls = AgentCalls(self.agent, cfg.tool_workers, cfg.tool_timeout_s)
+            self.turns = AgentTurns(self.svc, self.stream)
         try:
             self._run(first, last, post)
         finally:
-            if self.calls is not None:
-                self.calls.close()
+            if self.turns is not None:
+                self.turns.close()
 
     def _run(self, first: int, last: int, post) -> None:
         admit, reported = first, first
@@ -344,10 +296,10 @@ class ContinuousRollout:
                     if state.in_flight:
                         state.running.append(running)
                 self._finished(done)
-                if self.waiting:
-                    self._answered(self.calls.ready())
-            elif self.waiting:  # only agent-loop calls are left: wait a little for one (admission polls meanwhile)
-                self._answered(self.calls.ready(wait_s=self.poll_weights_s))
+                if self.turns is not None and len(self.turns):
+                    self._answered(self.turns.ready())
+            elif self.turns is not None and len(self.turns):  # only agent-loop calls are left: wait a little for one
+                self._answered(self.turns.ready(wait_s=self.poll_weights_s))
             elif self.busy_since is not None:
                 self._idle()
         self._idle()

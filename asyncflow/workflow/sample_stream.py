@@ -20,6 +20,14 @@ wait for those prompts' copies. A restartable instance puts a group into its cla
 ahead, ``StreamFeeder``) with a ``RedoClient``, so a copy's put of a slot its dead predecessor had written is
 skipped: the first write stands.
 
+Multi-turn (``agent.loop``): a finished turn leaves the engine and its agent-loop call runs in a worker while the
+engine steps the others (``asyncflow.workflow.agent_turns``, shared with the step-tied loop); the trajectory then
+re-enters the engine for its next turn or ends (done, failed, or its call past agent.tool_timeout_s). A group is
+complete once its n trajectories ended; its oldest token, from its first turn, bounds it as a single-turn group's.
+A trajectory waiting for its call is out of the engine but its group is held (its reservation, its unacked prompt
+rows: a death hands the prompt back) and counts as work in flight: weights change under it only with partial
+rollout.
+
 The engine is the loop's critical path, so the loop never waits on a round trip it can go on without: the board's
 answers (a poll, a reservation, a batch of claims) come back while the engine steps and are taken in the order they
 were asked (``_settle``), and a finished group's put, the ledger's ``done`` and its prompt rows' ack run in that order
@@ -36,6 +44,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from asyncflow.workflow.agent_turns import AgentTurns, Ended, TurnStats, model_token_versions, row_fields
 from asyncflow.workflow.partitions import STREAM_PARTITION, partition_name, row_length
 
 
@@ -54,7 +63,8 @@ class _Group:
     doomed: bool = False
     """Its version is too old for the open step: it will go stale, and its reservation was given back."""
     budgets: list = field(default_factory=list)
-    samples: dict[int, object] = field(default_factory=dict)
+    ended: dict[int, Ended] = field(default_factory=dict)
+    """Its trajectories that ended, by their index in the group."""
 
 
 @dataclass
@@ -66,6 +76,7 @@ class _StepStats:
     lags: list[int] = field(default_factory=list)
     stale: int = 0
     swaps: int = 0
+    agent: TurnStats = field(default_factory=TurnStats)
 
 
 class StreamRollout:
@@ -80,7 +91,9 @@ class StreamRollout:
         self.budgets = "max_new_tokens" in service.fields
         self.answers = answers
         self.fields = list(service.fields) + (["ground_truth"] if answers else [])
-        self.stream = service.engine.stream(ignore_eos=self.budgets)
+        self.agent = service.agent  # an ``asyncflow.agents.AgentLoop`` or None (single turn)
+        self.stream = service.engine.stream(ignore_eos=self.budgets, turns=self.agent is not None)
+        self.turns: AgentTurns | None = None  # the agent loop's calls and waiting trajectories, made in ``run``
         self.groups: dict[int, _Group] = {}
         self.stats: dict[int, _StepStats] = {}
         self.held = 0  # reservations granted and not used yet
@@ -155,6 +168,8 @@ class StreamRollout:
             return
         self.stream.abort()
         dropped, self.groups = list(self.groups.items()), {}
+        if self.turns is not None:  # trajectories waiting for their calls go with their groups
+            self.turns.drop([(gid, j) for gid, group in dropped for j in range(len(group.budgets))])
         stats = self.stats.setdefault(self.open, _StepStats()) if self.open not in self.posted else _StepStats()
         stats.stale += len(dropped)
         self.sent.append(self.outbox.submit(self._out, {STREAM_PARTITION: [(gid, group, None, -1)
@@ -167,7 +182,7 @@ class StreamRollout:
         if self.newest <= engine.weight_version:
             return
         apply = lambda: self.svc._admit(self.newest + self.svc.max_staleness)  # noqa: E731 - waits for nothing
-        if not len(self.stream):
+        if not self._busy():
             self._idle()
             apply()
         elif self.partial:
@@ -189,7 +204,7 @@ class StreamRollout:
         if self.held:
             self._call("stream_release", self.held, self.holder)
             self.held = 0
-        self.draining = bool(len(self.stream))
+        self.draining = self._busy()
         if self.draining:
             return True
         self._idle()
@@ -231,7 +246,10 @@ class StreamRollout:
                 continue
             group = self.groups.setdefault(gid, _Group(prompt.tolist(), self.svc.engine.weight_version, answer,
                                                        meta, rows[gid]))
-            self.stream.add((gid, len(group.budgets)), group.prompt, budget)
+            if self.turns is not None:
+                self.turns.add((gid, len(group.budgets)), group.prompt, budget, answer)
+            else:
+                self.stream.add((gid, len(group.budgets)), group.prompt, budget)
             group.budgets.append(budget)
         self.held -= len(rows)
         if self.busy_since is None:
@@ -245,12 +263,26 @@ class StreamRollout:
             self._refused = asked
 
     # ------------------------------------------------------------------ groups out
+    def _busy(self) -> bool:
+        """Sequences in the engine, or trajectories waiting for their agent-loop call."""
+        return bool(len(self.stream) or (self.turns is not None and len(self.turns)))
+
     def _finished(self, done) -> None:
+        """Turns the engine finished: multi-turn, each goes to its agent-loop call; else its trajectory ended."""
+        if self.turns is None:
+            self._ended([Ended(key, sample) for key, sample in done])
+            return
+        for key, sample in done:
+            self.turns.finished(key, sample)
+
+    def _ended(self, ended: list[Ended]) -> None:
+        """Trajectories that ended; a group whose every trajectory ended is placed."""
         finished = []
-        for (gid, j), sample in done:
+        for trajectory in ended:
+            gid, j = trajectory.key
             group = self.groups[gid]
-            group.samples[j] = sample
-            if len(group.samples) == self.n:
+            group.ended[j] = trajectory
+            if len(group.ended) == self.n:
                 finished.append((gid, self.groups.pop(gid)))
         if finished:
             self._place(finished)
@@ -258,8 +290,10 @@ class StreamRollout:
     def _place(self, finished: list[tuple[int, _Group]]) -> None:
         """Claim a step for each group the engine finished together, with the reservations for the slots they
         freed, in one board call; its answer is taken while the engine steps on (``_placed``)."""
-        samples = {gid: [group.samples[j] for j in range(self.n)] for gid, group in finished}
-        claims = [(min(s.weight_version for s in samples[gid]), not group.doomed, gid) for gid, group in finished]
+        samples = {gid: [group.ended[j] for j in range(self.n)] for gid, group in finished}
+        # Its oldest token's version: every turn's tokens are at least as new as its first turn's.
+        claims = [(min(e.sample.weight_version for e in samples[gid]), not group.doomed, gid)
+                  for gid, group in finished]
         want = 0 if self.draining else max(self.stream.free // self.n - self.held - self.asking, 0)  # a drain: none
         self.asking += want
         self.claiming += 1
@@ -284,9 +318,11 @@ class StreamRollout:
                 continue
             puts.setdefault(partition_name(step), []).append((gid, group, samples[gid], slot))
             stats.rows += self.n
-            for s in samples[gid]:
-                stats.tokens += len(s.response_ids)
-                stats.lags += [step - v for v in (s.token_versions or [s.weight_version] * len(s.response_ids))]
+            for ended in samples[gid]:
+                stats.tokens += len(ended.sample.response_ids)
+                stats.lags += [step - v for v in model_token_versions(ended.sample)]  # the model's tokens only
+                if self.turns is not None:
+                    stats.agent.add(ended)
         self.sent.append(self.outbox.submit(self._out, puts, [group for _, group in finished],
                                             [gid for gid, _ in finished]))
 
@@ -321,11 +357,14 @@ class StreamRollout:
                                                       dtype=torch.long)
             self.svc.tq.put(STREAM_PARTITION, data, group_ids=group_ids)
             return
-        flat = [s for _, _, samples, _ in groups for s in samples]
+        ended = [e for _, _, samples, _ in groups for e in samples]
+        flat = [e.sample for e in ended]
         data["response_ids"] = [torch.tensor(s.response_ids, dtype=torch.long) for s in flat]
         data["behaviour_logprobs"] = [torch.tensor(s.response_logprobs) for s in flat]
         if self.partial:  # rows span versions: the actor checks its logprobs on the tokens of its own
             data["token_versions"] = [torch.tensor(s.token_versions, dtype=torch.long) for s in flat]
+        if self.turns is not None:  # the loss mask travels with the row into the actor's objective
+            data.update(row_fields(ended))
         indexes = [slot * self.n + j for *_, slot in groups for j in range(self.n)] if self.slots else None
         self._put_rows(partition, data, indexes=indexes, group_ids=group_ids,
                        versions=[s.weight_version for s in flat], lengths=[row_length(s) for s in flat])
@@ -368,12 +407,14 @@ class StreamRollout:
                 "rollout/weight_buckets": self.svc.apply_stats.get("weights/buckets", 0.0),
                 "stream/stale_groups": float(stats.stale), "staleness/token_lag_min": lags.min().item(),
                 "staleness/token_lag_mean": lags.mean().item(), "staleness/token_lag_max": lags.max().item(),
-                **self.svc.apply_stats}))
+                **self.svc.apply_stats, **(stats.agent.metrics() if self.turns is not None else {})}))
 
     # ------------------------------------------------------------------ the loop
     def run(self, first: int, last: int, post) -> None:
         """Generate until every step has its groups; ``post(report)`` each step's share once the step is full."""
         self.open = first
+        if self.agent is not None:
+            self.turns = AgentTurns(self.svc, self.stream)
         try:
             self._run(last, post)
             self._settle(block=True)  # the last claims' answers, then their puts
@@ -381,6 +422,8 @@ class StreamRollout:
                 sent.result()
         finally:
             self.outbox.shutdown(wait=True)
+            if self.turns is not None:
+                self.turns.close()
         self._idle()
         self._post_closed(post)
 
@@ -400,6 +443,10 @@ class StreamRollout:
             admitted = not draining and self._admit()
             if len(self.stream):
                 self._finished(self.stream.step())
+                if self.turns is not None and len(self.turns):
+                    self._ended(self.turns.ready())
+            elif self.turns is not None and len(self.turns):  # only agent-loop calls are left: wait a little
+                self._ended(self.turns.ready(wait_s=self.poll_s))
             elif not admitted:
                 self._idle()
                 time.sleep(0.005)

@@ -72,8 +72,8 @@ def test_the_loop_s_weight_path_is_required():
 
 
 def test_what_the_workflow_reads_of_a_trainable_engine_is_abstract():
-    assert {"ranks", "micro_batch_size", "fixed_seq_len", "gather_data_parallel", "check_same_rows",
-            "group_timeout_s", "train_step", "save", "load"} == TrainableEngine.__abstractmethods__
+    assert {"ranks", "micro_batch_size", "fixed_seq_len", "seq_multiple", "gather_data_parallel",
+            "check_same_rows", "group_timeout_s", "train_step", "save", "load"} == TrainableEngine.__abstractmethods__
     assert not {"apply_weights", "pause", "resume", "abort"} & set(dir(RolloutEngine))
 
 
@@ -94,14 +94,15 @@ def test_the_workflow_calls_every_abstract_engine_method_and_nothing_outside_the
 
 
 def test_the_continuous_stream_interface_is_what_the_rollout_loops_call():
-    # The step-tied continuous loop and the sample stream's loop together.
+    # The step-tied continuous loop and the sample stream's loop together, with the agent turns they share.
     import ast
     import inspect
 
+    import asyncflow.workflow.agent_turns as agent_turns
     import asyncflow.workflow.rollout_stream as rollout_stream
     import asyncflow.workflow.sample_stream as sample_stream
 
-    called = {node.attr for module in (rollout_stream, sample_stream)
+    called = {node.attr for module in (rollout_stream, sample_stream, agent_turns)
               for node in ast.walk(ast.parse(inspect.getsource(module)))
               if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
               and node.value.attr == "stream"}

@@ -5,7 +5,9 @@ Checked: no token is trained more than k versions after the version that made it
 a response held back for versions (``tests.fakes.slowed.LongTail``) does not hold its step up, its group goes
 stale, is counted and its prompt is generated again and trained once (without partial rollout the engine cannot
 take newer weights while it holds the response: the group is dropped once it can only go stale); DAPO's dynamic
-sampling keeps only groups with signal; the ledger's rules; the config's refusals. The real engines meet the same
+sampling keeps only groups with signal; multi-turn groups (``agent.loop``, ``tests.workflow.stream_tool_loop``) keep
+the same contract across turns, their observations are masked out of the loss and a tool that fails or outlives
+agent.tool_timeout_s ends its trajectory; the ledger's rules; the config's refusals. The real engines meet the same
 interface on the slow run of ``test_stream_real``.
 """
 
@@ -18,6 +20,9 @@ STREAM = ["workflow.mode=stream"]
 LONG_TAIL = ["rollout.engine=tests.fakes.slowed.LongTail", "rollout.partial=true"]
 LONG_STEPS = 8
 STREAM_STEPS = 4
+TOOL_RUN = [*SMALL, "workflow.steps=4", "workflow.task=calc", "algorithm.reward=calc", "rollout.max_new_tokens=12",
+            "rollout.max_model_len=32", "rollout.partial=true", "agent.loop=tests.workflow.stream_tool_loop:make_loop",
+            "agent.max_turns=3", "agent.tool_timeout_s=0.5", "algorithm.reward_on_error=-1", "algorithm.kl_coef=0"]
 STREAM_RUN = [*SMALL, "workflow.rollout_instances=2", f"workflow.steps={STREAM_STEPS}", "checkpoint.interval=2"]
 
 
@@ -35,12 +40,14 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
         "long_tail_cont": run_fake(tmp, tiny_model_dir, "long_tail_cont", *STREAM, *SMALL, LONG_TAIL[0],
                                    f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0"),
         "dapo": run_fake(tmp, tiny_model_dir, "dapo", *STREAM, "workflow.steps=4", recipe="dapo_async.yaml"),
+        # Multi-turn groups under partial rollout: a trajectory's turns span versions.
+        "tool": run_fake(tmp, tiny_model_dir, "tool", *STREAM, *TOOL_RUN),
     }
 
 
 @pytest.mark.parametrize("name,k,steps,prompts", [
     ("stream", 1, STREAM_STEPS, PROMPTS), ("stream_k0", 0, 5, PROMPTS), ("long_tail", 1, LONG_STEPS, PROMPTS),
-    ("long_tail_cont", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32)])
+    ("long_tail_cont", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32), ("tool", 1, 4, PROMPTS)])
 def test_staleness_bound_and_each_prompt_trained_once(runs, name, k, steps, prompts):
     group = 8 if name == "dapo" else GROUP
     check_stream(runs[name], k, steps, prompts, group)
@@ -86,6 +93,29 @@ def test_dapo_in_stream_mode_trains_only_groups_with_signal(runs):
         assert m["actor/rows"] == 256 and m["sampling/kept_rows"] == 256
         assert m["actor/flat_groups"] == 0
     assert sum(m["sampling/judged_rows"] for m in metrics) > 4 * 256  # flat groups were dropped and replaced
+
+
+def test_multi_turn_groups_mask_observations_and_end_trajectories_whose_tool_fails_or_times_out(runs):
+    # Every model turn is one token and every answered call appends OBSERVATION tokens, so a trajectory whose tool
+    # answered runs max_turns turns, and one whose tool raised (a % 4 == 0) or outlived agent.tool_timeout_s
+    # (a % 4 == 1) ended after its first turn, its reward algorithm.reward_on_error.
+    from tests.workflow.stream_tool_loop import OBSERVATION
+
+    turns, ok_rows = 3, 0
+    for m in records(runs["tool"]):
+        rows, errors, timeouts = m["rollout/rows"], m["agent/errors"], m["agent/tool_timeouts"]
+        ok = rows - errors - timeouts
+        ok_rows += ok
+        assert m["agent/turns_mean"] * rows == pytest.approx(turns * ok + errors + timeouts)
+        assert m["agent/observations"] == (turns - 1) * ok
+        # The observations are in the rows but not in the loss: the actor trains the model's tokens only.
+        assert m["rollout/tokens"] == turns * ok + errors + timeouts + OBSERVATION * m["agent/observations"]
+        assert m["actor/tokens"] == turns * ok + errors + timeouts
+        assert m["reward/mean"] <= 1.0 - (errors + timeouts) * 2.0 / rows + 1e-6  # -1 each, at most 1 else
+    total = sum(m["rollout/rows"] for m in records(runs["tool"]))
+    assert 0 < ok_rows < total
+    assert sum(m["agent/errors"] for m in records(runs["tool"])) > 0
+    assert sum(m["agent/tool_timeouts"] for m in records(runs["tool"])) > 0
 
 
 def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(runs, tmp_path, tiny_model_dir):
@@ -168,7 +198,6 @@ def test_config_refuses_what_the_stream_does_not_run():
     recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
     with pytest.raises(ConfigError, match="rollout.max_num_seqs=4 must be at least"):
         load_config(recipe, [*STREAM, "rollout.max_num_seqs=4"])
-    with pytest.raises(ConfigError, match="agent.loop='calculator' needs"):
-        load_config(recipe, [*STREAM, "agent.loop=calculator"])
+    assert load_config(recipe, [*STREAM, "agent.loop=calculator"]).agent.loop == "calculator"  # multi-turn groups
     with pytest.raises(ConfigError, match="workflow.stream_spare=-1.0 must be at least 0"):
         load_config(recipe, [*STREAM, "workflow.stream_spare=-1"])
