@@ -70,23 +70,26 @@ def _advantages(values, prompts, mask: torch.Tensor, seq_len: int) -> torch.Tens
     return _row_tensor(values).float().reshape(-1)[:, None] * mask
 
 
-def to_critic_micro_batch(batch, seq_len: int, pad_id: int, fixed_shape: bool = True) -> dict[str, torch.Tensor]:
-    """A TransferQueue ``Batch`` of critic rows (``values`` at rollout time, GAE ``returns``) as tensors."""
+def to_critic_micro_batch(batch, seq_len: int, pad_id: int, fixed_shape: bool = True, multiple: int = 8
+                          ) -> dict[str, torch.Tensor]:
+    """A TransferQueue ``Batch`` of critic rows (``values`` at rollout time, GAE ``returns``) as tensors (widths
+    rounded up to ``multiple`` unless ``fixed_shape``)."""
     prompts, responses = batch["prompt_ids"], batch["response_ids"]
     if not fixed_shape:
-        seq_len = fit_seq_len(prompts, responses, seq_len)
+        seq_len = fit_seq_len(prompts, responses, seq_len, multiple)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
     return {"tokens": tokens, "mask": mask, "old_values": place_per_token(batch["values"], prompts, seq_len),
             "returns": place_per_token(batch["returns"], prompts, seq_len),
             "row_tokens": torch.tensor(row_tokens(prompts, responses))}
 
 
-def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_shape: bool = True
-                   ) -> dict[str, torch.Tensor]:
-    """A TransferQueue ``Batch`` of actor rows as the tensors ``make_objective``'s loss reads."""
+def to_micro_batch(batch, seq_len: int, pad_id: int, train_version: int, fixed_shape: bool = True,
+                   multiple: int = 8) -> dict[str, torch.Tensor]:
+    """A TransferQueue ``Batch`` of actor rows as the tensors ``make_objective``'s loss reads (widths rounded up to
+    ``multiple`` unless ``fixed_shape``)."""
     prompts, responses = batch["prompt_ids"], batch["response_ids"]
     if not fixed_shape:
-        seq_len = fit_seq_len(prompts, responses, seq_len)
+        seq_len = fit_seq_len(prompts, responses, seq_len, multiple)
     tokens, mask = pack_tokens(prompts, responses, seq_len, pad_id)
     if "loss_mask" in batch:  # multi-turn: an agent loop's observation tokens are context, not actions
         mask = mask * place_per_token(batch["loss_mask"], prompts, seq_len)
@@ -110,25 +113,34 @@ def row_tokens(prompts, responses) -> list[int]:
     return [len(p) + len(r) for p, r in zip(prompts, responses)]
 
 
+MAX_PADDING = 1.1
+"""A packed micro-batch computes on at most this many times what its rows would each padded to their own width
+(their length rounded up to the kernels' multiple): rows of like length share one, and where lengths spread (a
+long tail) micro-batches get fewer rows instead of more padding."""
+
+
 def plan_micro_batches(lengths: list[int], token_budget: int, cap: int, multiple: int = 8) -> list[list[int]]:
     """Rows grouped into micro-batches of at most ``token_budget`` padded tokens each (rows x the group's longest
     row rounded up to ``multiple``, at most ``cap``); a row longer than the budget goes alone.
 
-    Rows are taken shortest first, so each micro-batch holds rows of like length and its padding stays small
-    (length-bucketed padding); the plan depends only on ``lengths``, so every model-parallel rank of a replica,
-    which reads the same rows, makes the same plan.
+    Rows are taken shortest first, so each micro-batch holds rows of like length (length-bucketed padding), and a
+    micro-batch is closed early rather than padded past ``MAX_PADDING`` times its rows' own widths; the plan depends
+    only on ``lengths``, so every model-parallel rank of a replica, which reads the same rows, makes the same plan.
     """
     if token_budget < 1:
         raise ValueError(f"token_budget must be at least 1, got {token_budget}")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
     plan: list[list[int]] = []
     current: list[int] = []
+    alone = 0  # what the rows of ``current`` would take each padded to its own width: rounding is not spread
     for i in order:
         width = min(cap, -(-lengths[i] // multiple) * multiple)  # the longest so far: rows come shortest first
-        if current and (len(current) + 1) * width > token_budget:
+        padded = (len(current) + 1) * width
+        if current and (padded > token_budget or padded > MAX_PADDING * (alone + width)):
             plan.append(current)
-            current = []
+            current, alone = [], 0
         current.append(i)
+        alone += width
     if current:
         plan.append(current)
     return plan

@@ -54,6 +54,7 @@ class TrainerService(TaskService):
         self.engine = self.make_engine(megatron_cfg, model_dir)
         self.seq_len, self.pad_id = seq_len, 0
         self.fixed_shape = self.engine.fixed_seq_len
+        self.multiple = self.engine.seq_multiple  # micro-batch widths round up to it (the kernels' alignment)
         self.token_budget = megatron_cfg.micro_batch_tokens  # 0: micro-batches of micro_batch_size rows
         self.moved = [0, 0]  # real and padded tokens through the engine since the last report
         # Rows of like length in one micro-batch (``row_order``); fixed shapes pad to the cap anyway.
@@ -166,7 +167,8 @@ class TrainerService(TaskService):
         for batch in self.stream(step, fields, chunk, task=task):
             with self.timeline.span(task or self.name, out_field, self.worker, rows=len(batch)) as span:
                 prompts, responses = batch["prompt_ids"], batch["response_ids"]
-                plan = plan_micro_batches(row_tokens(prompts, responses), self.token_budget, self.seq_len) \
+                lengths = row_tokens(prompts, responses)
+                plan = plan_micro_batches(lengths, self.token_budget, self.seq_len, self.multiple) \
                     if self.token_budget else [list(range(len(batch)))]
                 slices: list = [None] * len(batch)
                 t0 = time.perf_counter()
@@ -207,7 +209,7 @@ class TrainerService(TaskService):
             return [], []
         merged = merge_batches(batches)
         lengths = row_tokens(merged["prompt_ids"], merged["response_ids"])
-        plan = plan_micro_batches(lengths, self.token_budget, self.seq_len)
+        plan = plan_micro_batches(lengths, self.token_budget, self.seq_len, self.multiple)
         plan = split_to_count(plan, max(self.engine.gather_data_parallel([len(plan)])))
         micro = [build(merged.select(rows)) for rows in plan]
         for rows, mb in zip(plan, micro):
@@ -216,7 +218,7 @@ class TrainerService(TaskService):
 
     def seq_len_for(self, prompts, responses) -> int:
         """Micro-batch width: fixed under pipeline parallelism, the longest row otherwise."""
-        return self.seq_len if self.fixed_shape else fit_seq_len(prompts, responses, self.seq_len)
+        return self.seq_len if self.fixed_shape else fit_seq_len(prompts, responses, self.seq_len, self.multiple)
 
 
 def batch_fingerprint(batch) -> torch.Tensor:
@@ -359,7 +361,7 @@ class ActorService(TrainerService):
 
         def build(batch):
             lengths.extend(len(r) for r in batch["response_ids"])
-            return to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape)
+            return to_micro_batch(batch, self.seq_len, self.pad_id, version, self.fixed_shape, self.multiple)
 
         def first_pass():
             batches = iter(self.stream(step, self.fields, self.mbs, allow_partial=False))
@@ -452,7 +454,7 @@ class CriticService(TrainerService):
         fields = ["prompt_ids", "response_ids", "values", "returns"]
 
         def build(batch):
-            return to_critic_micro_batch(batch, self.seq_len, self.pad_id, self.fixed_shape)
+            return to_critic_micro_batch(batch, self.seq_len, self.pad_id, self.fixed_shape, self.multiple)
 
         def first_pass():
             for batch in self.stream(step, fields, self.mbs, task="critic", allow_partial=False):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from asyncflow.transfer_queue.batch import Batch, BatchMeta
-from asyncflow.workflow.batching import merge_batches, plan_micro_batches, split_to_count, to_micro_batch
+from asyncflow.workflow.batching import MAX_PADDING, merge_batches, plan_micro_batches, split_to_count, to_micro_batch
 
 
 def _padded(lengths, plan, cap, multiple=8):
@@ -73,3 +73,12 @@ def test_merge_and_select_give_the_micro_batch_of_the_same_rows():
 
 # The padding a packed step moves in a whole run: ``test_packed_run_trains_every_prompt_once_and_reports_its_padding``
 # of ``tests/workflow/test_loop.py`` (the loop's k=0 run is the packed one).
+
+
+def test_a_micro_batch_is_closed_rather_than_padded_past_the_bound():
+    # A short step whose lengths spread: the budget alone would put the 3 long rows with the 4 short ones (7 x 60
+    # tokens for 4 x 10 + 3 x 50 real: 2.2x); the bound closes the short rows' micro-batch first.
+    lengths = [10, 10, 10, 10, 50, 55, 60]
+    plan = plan_micro_batches(lengths, token_budget=1000, cap=64, multiple=1)
+    assert plan == [[0, 1, 2, 3], [4, 5, 6]]
+    assert _padded(lengths, plan, 64, multiple=1) / sum(lengths) <= MAX_PADDING

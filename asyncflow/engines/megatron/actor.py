@@ -9,7 +9,7 @@ import torch
 
 from asyncflow.config import MegatronEngineConfig
 from asyncflow.engines.base import Ranks, TrainEngine
-from asyncflow.engines.megatron import groups
+from asyncflow.engines.megatron import features, groups
 from asyncflow.engines.megatron.trainer import MegatronTrainer
 
 
@@ -54,6 +54,11 @@ class MegatronActor(TrainEngine):
     def fixed_seq_len(self) -> bool:
         """Pipeline stages exchange activations of one fixed shape (unless packing sends each one's shape)."""
         return self.trainer.cfg.pipeline_parallel > 1 and not self.trainer.cfg.micro_batch_tokens
+
+    @property
+    def seq_multiple(self) -> int:
+        """See ``TrainableEngine.seq_multiple`` (``features.seq_multiple``)."""
+        return features.seq_multiple(self.trainer.cfg)
 
     def gather_data_parallel(self, items: list) -> list:
         """See ``TrainableEngine.gather_data_parallel``."""

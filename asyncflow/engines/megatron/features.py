@@ -26,6 +26,7 @@ Engine) or the model (MoE), which only the trainer, or a recipe check for its cl
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from asyncflow.config import ConfigError, MegatronEngineConfig
@@ -90,6 +91,21 @@ def problems(cfg: MegatronEngineConfig, section: str = "trainer", *, is_moe: boo
     if cfg.moe_grouped_gemm and not te:
         bad("moe_grouped_gemm", "needs Transformer Engine's grouped linear (TEGroupedMLP); not on CPU")
     return found
+
+
+def seq_multiple(cfg: MegatronEngineConfig, cuda: bool | None = None) -> int:
+    """What a packed or length-fitted micro-batch's width is rounded up to: a multiple of the tensor-parallel size
+    under sequence parallelism (it splits the sequence over those ranks), of 8 on CUDA (tensor-core tiles). On CPU
+    without sequence parallelism nothing needs it, so rows are padded only to the longest. Context parallelism pads
+    its own chunks (``context_parallel``)."""
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    multiple = 8 if cuda else 1
+    if getattr(cfg, "sequence_parallel", False):  # the critic has none (CriticConfig)
+        multiple = math.lcm(multiple, cfg.tensor_parallel)
+    return multiple
 
 
 def transformer_kwargs(cfg: MegatronEngineConfig, is_moe: bool) -> dict[str, Any]:

@@ -34,3 +34,21 @@ def test_variable_sequence_lengths_only_for_packing_under_pipeline_parallelism()
     packed_pp = kwargs(micro_batch_tokens=64, pipeline_parallel=2)
     # Megatron refuses variable lengths with its default MoE dispatcher even in a dense model.
     assert packed_pp["variable_seq_lengths"] is True and packed_pp["moe_token_dispatcher_type"] == "alltoall"
+
+
+def test_micro_batch_widths_round_to_what_the_kernels_need():
+    assert features.seq_multiple(MegatronConfig(tensor_parallel=2), cuda=False) == 1  # CPU: the longest row alone
+    assert features.seq_multiple(MegatronConfig(tensor_parallel=2), cuda=True) == 8
+    # Sequence parallelism splits the width over the tensor-parallel ranks: 8 alone would not divide by 16.
+    assert features.seq_multiple(MegatronConfig(tensor_parallel=16, sequence_parallel=True), cuda=True) == 16
+    assert features.seq_multiple(MegatronConfig(tensor_parallel=4, sequence_parallel=True), cuda=True) == 8
+
+
+
+def test_a_fitted_micro_batch_is_its_longest_row_rounded_to_the_multiple():
+    from asyncflow.workflow.batching import fit_seq_len, pack_tokens
+
+    prompts, responses = [[1] * 6] * 3, [[2] * 23, [2] * 27, [2] * 24]  # rows of 29, 33 and 30 tokens
+    for multiple, width in ((1, 33), (8, 40)):
+        tokens, mask = pack_tokens(prompts, responses, fit_seq_len(prompts, responses, 256, multiple), 0)
+        assert tokens.shape == (3, width) and mask.sum() == 23 + 27 + 24
