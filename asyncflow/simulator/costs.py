@@ -77,8 +77,9 @@ class TrainCosts:
     ref_per_token_seq_s: float = 0.0
     """Reference forward per (padded) token and per token of its padded row (attention)."""
     grad_allreduce_s: float = 0.0
-    """One replica's gradients (bf16) over its data-parallel link, in seconds (bytes / link bandwidth); a ring
-    all-reduce over DP replicas costs ``2 (DP - 1) / DP`` of it per optimizer step (``allreduce_s``)."""
+    """One replica's gradients (in the dtype the trainer reduces them in) over its data-parallel link, in seconds
+    (bytes / link bandwidth); a ring all-reduce over DP replicas costs ``2 (DP - 1) / DP`` of it per optimizer
+    step (``allreduce_s``)."""
 
     def allreduce_s(self, data_parallel: int) -> float:
         """The gradient all-reduce of one optimizer step over ``data_parallel`` replicas (ring)."""
@@ -188,15 +189,23 @@ class SwitchCosts:
 
     offload_s: float = 0.0
     """The trainer's whole state (weights, gradients, optimizer) to host memory and back over one device's link;
-    a step pays it divided by the trainer's devices, over which the state is sharded (``step_s``)."""
+    a step pays it divided by the devices the state is sharded over (``step_s``)."""
+    state_shards: int = 0
+    """Devices the trainer's state is sharded over (hybrid sharding: FSDP's ``fsdp_size``, each device holding
+    ``1 / state_shards`` of it); 0: every trainer device."""
     sleep_wake_s: float = 0.0
     """The rollout engine's sleep and wake-up (weights off and on the device, KV cache re-allocated)."""
     reload_s: float = 0.0
     """The trained weights resharded into the rollout engine."""
 
+    def offload_step_s(self, trainer_devices: int = 1) -> float:
+        """Seconds per colocated step of the trainer's state to host memory and back, sharded over
+        ``state_shards`` devices or, when 0, over all ``trainer_devices``."""
+        return self.offload_s / (self.state_shards or trainer_devices)
+
     def step_s(self, trainer_devices: int = 1) -> float:
-        """Seconds of switching per colocated step, the trainer's state sharded over ``trainer_devices``."""
-        return self.offload_s / trainer_devices + self.sleep_wake_s + self.reload_s
+        """Seconds of switching per colocated step: ``offload_step_s``, the engine's sleep and wake, the reload."""
+        return self.offload_step_s(trainer_devices) + self.sleep_wake_s + self.reload_s
 
 
 @dataclasses.dataclass

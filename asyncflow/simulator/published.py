@@ -78,10 +78,9 @@ WAKE_S = 1.0
 vLLM blog reports for level 1 (module docstring)."""
 TP_COMM_EFFICIENCY = {1: 1.0, 2: 0.9, 4: 0.8, 8: 0.7}
 """Fraction of ideal TP speed-up left after the all-reduces (assumed, NVLink within a node)."""
-FSDP_TRAFFIC = 1.5
-"""A sharded trainer's bytes per optimizer step over a ring all-reduce's (``TrainCosts.allreduce_s`` prices
-``2 (DP - 1) / DP`` of ``grad_allreduce_s``): two all-gathers of the weights and one reduce-scatter of the
-gradients, each ``(DP - 1) / DP`` of the model, are three of them."""
+GRAD_BYTES = 2
+"""Bytes per gradient element a trainer reduces (bf16). A run whose trainer reduces in another dtype says so
+(``gpu_costs``' ``grad_bytes``: verl's FSDP workers reduce in fp32 unless configured otherwise)."""
 TRAINER_STATE_BYTES = 16
 """Bytes per parameter a colocated trainer offloads and reloads each step: bf16 weights and gradients, fp32
 master weights and two Adam moments (2 + 2 + 4 + 4 + 4), sharded over the trainer's devices."""
@@ -103,23 +102,47 @@ def _topk_share(arch: GPTArch) -> float:
     return arch.moe_router_topk / arch.num_experts if arch.is_moe else 1.0
 
 
-def switch_costs(arch: GPTArch, rollout_tp: int, gpu: Gpu = H100) -> SwitchCosts:
+def switch_costs(arch: GPTArch, rollout_tp: int, gpu: Gpu = H100, state_shards: int = 0) -> SwitchCosts:
     """A colocated step's switches on ``gpu``: the trainer's state offloaded and reloaded over PCIe (sharded over
-    the trainer's devices: ``SwitchCosts.step_s``), vLLM put to sleep and woken (its TP shard of the weights over
-    PCIe, both ways, plus ``WAKE_S``), and the new weights resharded from the trainer into vLLM over NVLink."""
+    ``state_shards`` devices, or all the trainer's: ``SwitchCosts.step_s``), vLLM put to sleep and woken (its TP
+    shard of the weights over PCIe, both ways, plus ``WAKE_S``), and the new weights resharded from the trainer
+    into vLLM over NVLink."""
     n_total = float(vllm_params(arch, 1))
     shard = 2 * n_total / rollout_tp
-    return SwitchCosts(offload_s=2 * TRAINER_STATE_BYTES * n_total / PCIE_BYTES_S,
+    return SwitchCosts(offload_s=2 * TRAINER_STATE_BYTES * n_total / PCIE_BYTES_S, state_shards=state_shards,
                        sleep_wake_s=WAKE_S + 2 * shard / PCIE_BYTES_S, reload_s=shard / gpu.nvlink_bytes_s)
 
 
+def fsdp_bytes(n_total: float, grad_bytes: int = GRAD_BYTES) -> float:
+    """Bytes a sharded (FSDP / ZeRO-3) trainer moves per GPU and optimizer step over a shard group of ``s``, before
+    the ``(s - 1) / s`` of each collective: two all-gathers of the bf16 weights (forward and backward) and one
+    reduce-scatter of the gradients, ``grad_bytes`` an element."""
+    return (2 * 2 + grad_bytes) * n_total
+
+
+def _hsdp_s(n_total: float, shard_devices: int, gpu: Gpu, grad_bytes: int = GRAD_BYTES) -> float:
+    """``TrainCosts.grad_allreduce_s`` of a hybrid-sharded trainer: ``fsdp_bytes`` within a node over NVLink, plus
+    a ring all-reduce of each GPU's ``1 / shard_devices`` of the gradients over its link. ``allreduce_s`` scales
+    the field by the ring's ``2 (DP - 1) / DP`` (about 2 at the DP sizes of a cluster), so it holds half of the
+    per-step seconds."""
+    within = fsdp_bytes(n_total, grad_bytes) * (shard_devices - 1) / shard_devices / gpu.nvlink_bytes_s
+    across = 2 * (grad_bytes * n_total / shard_devices) / LINK_BYTES_S
+    return (within + across) / 2
+
+
 def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, train_mfu: float = TRAIN_MFU,
-              rollout_tps=(1, 2, 4, 8), sharded: bool = False) -> CostFile:
+              rollout_tps=(1, 2, 4, 8), sharded: bool = False, shard_devices: int = 0,
+              grad_bytes: int = GRAD_BYTES) -> CostFile:
     """A cost file for ``arch`` in bf16 on ``gpu``: variant ``device-tp{N}`` per rollout TP (the trainer terms
     are per data-parallel replica of ``trainer_devices_per_replica`` GPUs). ``sharded``: the trainer shards every
     parameter over all its GPUs (FSDP / ZeRO-3, verl's FSDP2 trainer): each optimizer step gathers the bf16
-    weights for the forward and again for the backward and reduce-scatters the gradients, three times the model's
-    bytes per GPU (``FSDP_TRAFFIC``), against Megatron's all-reduce of one replica rank's gradient shard."""
+    weights for the forward and again for the backward and reduce-scatters the gradients (``fsdp_bytes``), against
+    Megatron's all-reduce of one replica rank's gradient shard.
+    ``shard_devices`` (hybrid sharding, FSDP's ``fsdp_size``): the parameters are sharded over groups of that many
+    GPUs within a node and replicated across groups, so the gathers and the reduce-scatter cross NVLink and only
+    each GPU's ``1 / shard_devices`` of the gradients is all-reduced over the inter-node link (``_hsdp_s``); a
+    colocated step then offloads and reloads only that group's ``1 / shard_devices`` of the trainer's state per
+    GPU (``SwitchCosts.state_shards``). ``grad_bytes``: bytes per gradient element reduced (``GRAD_BYTES``)."""
     n_total, n_active = float(vllm_params(arch, 1)), active_params(arch)
     n_dense = n_total - _expert_params(arch)
     attn = arch.num_layers * arch.num_attention_heads * arch.head_dim  # x 2 FLOPs per token per row token, causal
@@ -127,8 +150,10 @@ def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, 
     train = TrainCosts(per_micro_s=0.005, per_token_s=6 * n_active / replica, per_token_seq_s=6 * attn / replica,
                        optimizer_s=0.5, ref_per_call_s=0.005, ref_per_token_s=2 * n_active / replica,
                        ref_per_token_seq_s=2 * attn / replica,
-                       grad_allreduce_s=(FSDP_TRAFFIC * 2 * n_total if sharded
-                                         else 2 * n_total / trainer_devices_per_replica) / LINK_BYTES_S)
+                       grad_allreduce_s=(_hsdp_s(n_total, shard_devices, gpu, grad_bytes) if sharded and shard_devices
+                                         else (fsdp_bytes(n_total, grad_bytes) / 2 if sharded
+                                               else grad_bytes * n_total / trainer_devices_per_replica)
+                                         / LINK_BYTES_S))
     weight_bytes = 2 * n_total / trainer_devices_per_replica  # one exporting rank's bf16 shards
     variants = {}
     for tp in rollout_tps:
@@ -146,7 +171,7 @@ def gpu_costs(arch: GPTArch, trainer_devices_per_replica: int, gpu: Gpu = H100, 
                                         apply_fixed_s=0.05, apply_per_byte_s=1 / LINK_BYTES_S),
             queue=QueueCosts(per_request_s=1e-3, per_byte_s=1 / 5e9), weight_bytes=weight_bytes,
             rollout_weight_bytes=2 * n_total / tp,
-            switch=switch_costs(arch, tp, gpu))
+            switch=switch_costs(arch, tp, gpu, shard_devices if sharded else 0))
     variants["device"] = variants[f"device-tp{rollout_tps[0]}"]
     return CostFile(variants, {"kind": f"published {gpu.name} figures (prediction, not a measurement)",
                                "train_mfu": train_mfu})

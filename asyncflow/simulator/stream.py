@@ -114,11 +114,19 @@ def colocated(w: Workload, costs: CostModel, lengths: list[list[int]] | None = N
                   for share in shares if share)
         tl.add("rollout", "generate", t, t + gen, 0, {"step": step})
         switch = costs.switch.step_s(w.data_parallel * w.devices_per_replica)
-        tl.add("actor", "switch", t + gen, t + gen + switch, 0, {"step": step})
-        train = forward_s(w, costs, rows) if w.old_logprob else 0.0
-        train += sum(trainer_s(w, costs, rows[i:i + per_mini]) for i in range(0, len(rows), per_mini))
+        # The trainer's offload apart from the engine's sleep, wake and reload (verl times the first inside
+        # update_actor, the others inside gen).
+        offload = costs.switch.offload_step_s(w.data_parallel * w.devices_per_replica)
+        tl.add("actor", "offload", t + gen, t + gen + offload, 0, {"step": step})
+        tl.add("actor", "switch", t + gen + offload, t + gen + switch, 0, {"step": step})
+        start = t + gen + switch
+        old = forward_s(w, costs, rows) if w.old_logprob else 0.0
+        if old:
+            tl.add("actor", "old_logprob", start, start + old, 0, {"step": step})
+        train = sum(trainer_s(w, costs, rows[i:i + per_mini]) for i in range(0, len(rows), per_mini))
         train += _stage_s(costs)
-        tl.add("actor", "train", t + gen + switch, t + gen + switch + train, 0, {"step": step})
+        tl.add("actor", "train", start + old, start + old + train, 0, {"step": step})
+        train += old
         t += gen + switch + train
         busy["rollout"] += gen
         busy["trainer"] += train

@@ -92,3 +92,53 @@ def test_a_packed_reference_chunk_is_not_padded_to_its_longest_row():
     real = sum(4 + n for n in lengths[0])
     assert ref_engine_s(Workload(**{**w.__dict__, "packing": True})) == pytest.approx(1e-3 * real)
     assert ref_engine_s(w) > 2 * 1e-3 * real  # padded: 4 rows x the longest
+
+
+def test_a_hybrid_sharded_trainer_gathers_within_its_node_and_all_reduces_a_shard_across(arch7b):
+    """verl's fully-async scripts shard FSDP over 8 GPUs (``fsdp_size``) and replicate across nodes: the gathers
+    and the reduce-scatter cross NVLink, only 1/8 of the gradients crosses the inter-node link."""
+    full = pub.gpu_costs(arch7b, 4, pub.H20, sharded=True).variant("device-tp4").train
+    hybrid = pub.gpu_costs(arch7b, 4, pub.H20, sharded=True, shard_devices=8).variant("device-tp4").train
+    n = pub.active_params(arch7b)  # dense: every parameter
+    # Per optimizer step: two bf16 weight all-gathers and a bf16 gradient reduce-scatter within the node, a ring
+    # all-reduce of the GPU's eighth of the gradients across (grad_allreduce_s holds half: allreduce_s doubles it).
+    within = 3 * (2 * n) * 7 / 8 / pub.H20.nvlink_bytes_s
+    across = 2 * (2 * n / 8) / pub.LINK_BYTES_S
+    assert hybrid.grad_allreduce_s == pytest.approx((within + across) / 2)
+    assert full.grad_allreduce_s == pytest.approx(3 * (2 * n) / 2 / pub.LINK_BYTES_S)
+    assert hybrid.allreduce_s(16) < full.allreduce_s(16) / 5
+    assert hybrid.per_token_s == full.per_token_s  # only the traffic changes
+
+
+def test_verl_fsdp_reduces_fp32_gradients_and_a_colocated_step_offloads_its_shard_group(arch7b):
+    """verl's colocated scripts shard over 2 GPUs and offload the actor inside update_actor; its FSDP workers
+    reduce gradients in fp32: each GPU offloads half the trainer's state (not 1 / every GPU), and twice the
+    bf16 bytes of gradients cross the nodes."""
+    bf16 = pub.gpu_costs(arch7b, 4, pub.H20, sharded=True, shard_devices=2, rollout_tps=(4,)).variant("device-tp4")
+    fp32 = pub.gpu_costs(arch7b, 4, pub.H20, sharded=True, shard_devices=2, rollout_tps=(4,),
+                         grad_bytes=4).variant("device-tp4")
+    n = pub.active_params(arch7b)
+    assert fp32.train.grad_allreduce_s - bf16.train.grad_allreduce_s == pytest.approx(
+        (2 * n * 1 / 2 / pub.H20.nvlink_bytes_s + 2 * (2 * n / 2) / pub.LINK_BYTES_S) / 2)
+    switch = fp32.switch
+    assert switch.state_shards == 2
+    assert switch.offload_step_s(128) == pytest.approx(switch.offload_s / 2)
+    assert switch.step_s(128) == pytest.approx(switch.offload_s / 2 + switch.sleep_wake_s + switch.reload_s)
+    # Megatron's recipes (not sharded) keep the state spread over every trainer device.
+    megatron = pub.gpu_costs(arch7b, 4, pub.H20, rollout_tps=(4,)).variant("device-tp4").switch
+    assert megatron.state_shards == 0 and megatron.offload_step_s(128) == pytest.approx(megatron.offload_s / 128)
+
+
+def test_verl_runs_read_the_published_step_as_512_prompts_and_their_columns():
+    """A published fully-async step is one weight sync: 4 local updates of 4 x 32 prompts, the colocated step's 512
+    prompts x 16; its columns and its total-time columns are the README's."""
+    from asyncflow.simulator.published_runs import VERL
+
+    assert {(r.prompts, r.samples, r.mini_batches) for r in VERL} == {(512, 16, 16)}
+    assert all(r.old_logprob == (r.rollout_gpus == 0) and r.grad_bytes == 4 for r in VERL)
+    # fsdp_size: 2 in the colocated scripts, 8 in the fully-async ones.
+    assert {(r.rollout_gpus == 0, r.shard_devices) for r in VERL} == {(True, 2), (False, 8)}
+    async16 = next(r for r in VERL if r.name.endswith("16:16"))
+    assert async16.published_columns == (21.26, 0.0, 313.81)
+    # 7h 58m, 16h 21m, 1d 0h 53m, 1d 9h 26m: 287, 302, 307, 308 s a step.
+    assert [round(x) for x in async16.hundreds_s()] == [287, 302, 307, 308]

@@ -32,15 +32,16 @@ def test_profile_writes_a_valid_engine_only_cost_file(tmp_path):
     assert set(data["variants"]) == {"1"}
     for section in ("rollout", "train", "weight_sync", "queue", "light"):
         assert all(v >= 0 for v in data["variants"]["1"][section].values()), section
-    # What holds on any machine: a decode step costs something and costs more with more sequences, a micro-batch
-    # costs more with more tokens, a weight version and a queue request cost something, and the model has bytes.
+    # What holds on any machine, however loaded: a decode step and a micro-batch cost something, and more sequences
+    # or tokens never cost less (the fit's terms are non-negative). Whether they cost strictly more is a timing: on
+    # a loaded 2-core machine the noise can leave a small term at zero (seen: per_seq_s and per_ctx_token_s both 0).
     # Asked of the fitted costs at the profiled sizes, not of single terms: on a small grid the non-negative fit
     # may put a size's whole cost in one of two nearly collinear terms, and either split prices the calls alike.
     r, t = model.rollout, model.train
     for ctx in (8, 136):
-        assert r.step_s + r.per_seq_s + r.per_ctx_token_s * ctx > 0 and r.per_seq_s + r.per_ctx_token_s * ctx > 0
+        assert r.step_s + r.per_seq_s + r.per_ctx_token_s * ctx > 0 and r.per_seq_s + r.per_ctx_token_s * ctx >= 0
     for seq in (16, 64, 136):
-        assert 0 < t.micro_s(32 * seq, seq) < t.micro_s(64 * seq, seq), seq
+        assert 0 < t.micro_s(32 * seq, seq) <= t.micro_s(64 * seq, seq), seq
     assert model.weight_sync.apply_per_byte_s > 0 and model.queue.per_request_s > 0
     assert model.weight_bytes == pytest.approx((Path(costs.hardware["model"]) / "model.safetensors").stat().st_size,
                                                rel=0.2)

@@ -54,6 +54,21 @@ def test_colocated_deals_the_rows_evenly_over_every_engine_and_charges_the_switc
     train = stream.trainer_s(w, CostModel(train=TRAIN), [10] * 8)
     assert plain.step_time_s == pytest.approx(gen + train)
     assert switched.step_time_s == pytest.approx(gen + train + 3.5)
+    # The trainer's offload is its own span (verl times it inside update_actor), the engine's part another.
+    spans = {}
+    for e in switched.timeline.to_chrome_trace()["traceEvents"]:
+        if e.get("ph") == "X" and e["name"] in ("offload", "switch"):
+            spans.setdefault(e["name"], []).append(e["dur"] / 1e6)
+    assert spans["offload"] == pytest.approx([1.0] * 3) and spans["switch"] == pytest.approx([2.5] * 3)
+
+
+def test_colocated_times_the_old_log_probs_apart_from_the_training():
+    w = _w(mode="colocated", steps=3, prompts_per_step=2, samples_per_prompt=4, rollout_instances=2, mini_batches=1,
+           lengths="constant:10", max_new_tokens=10, old_logprob=True)
+    costs = CostModel(rollout=ROLLOUT, train=TrainCosts(per_token_s=1e-4, ref_per_token_s=5e-5))
+    spans = simulate(w, costs).spans_per_step()
+    assert spans["old_logprob"] == pytest.approx(stream.forward_s(w, costs, [10] * 8))
+    assert spans["train"] == pytest.approx(stream.trainer_s(w, costs, [10] * 8))
 
 
 def test_packed_trainer_balances_tokens_and_charges_the_bubble_and_the_all_reduce():
