@@ -41,19 +41,38 @@ _SHM_DIR = "/dev/shm/"
 _CPU_SHM_MARK = "-cpushm_"
 
 
-def _mapped_segments(pids) -> set[str]:
-    """The files under /dev/shm that processes ``pids`` map."""
-    found = set()
+def _mapped(pids) -> tuple[set[str], set[int]]:
+    """The files under /dev/shm that processes ``pids`` map, by path and by inode. The inode is what shows a
+    semaphore's creator: glibc's ``sem_open`` makes a semaphore under a temporary name, maps that and links it to
+    the real name, so the creator's mapping reads ``/dev/shm/sem.XXXXXX (deleted)`` and only the inode matches."""
+    paths, inodes = set(), set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as maps:
                 for line in maps:
                     parts = line.split(None, 5)  # address, perms, offset, device, inode, path (when a file)
                     if len(parts) == 6 and parts[5].startswith(_SHM_DIR):
-                        found.add(parts[5].rstrip("\n"))
+                        paths.add(parts[5].rstrip("\n"))
+                        inodes.add(int(parts[4]))
         except OSError:  # gone meanwhile, or not ours to read
             continue
-    return found
+    return paths, inodes
+
+
+def _mapped_segments(pids) -> set[str]:
+    """The files under /dev/shm that processes ``pids`` map (by path)."""
+    return _mapped(pids)[0]
+
+
+def _inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _in(path: str, mapped: tuple[set[str], set[int]]) -> bool:
+    return path in mapped[0] or _inode(path) in mapped[1]
 
 
 def _worker_segments() -> set[str]:
@@ -72,8 +91,8 @@ def _unlink_unused(segments: set[str]) -> None:
     left = {path for path in segments if os.path.exists(path)}
     if not left:
         return
-    in_use = _mapped_segments(int(p) for p in os.listdir("/proc") if p.isdigit())
-    for path in left - in_use:
+    in_use = _mapped(int(p) for p in os.listdir("/proc") if p.isdigit())
+    for path in (path for path in left if not _in(path, in_use)):
         try:
             os.unlink(path)
         except FileNotFoundError:  # a worker's own cleanup got there first
@@ -86,18 +105,17 @@ def _unlink_unused(segments: set[str]) -> None:
 # /dev/shm. So each engine process that made segments lists them in a ledger of its own, and every engine that
 # starts or closes on the host unlinks those of dead processes (the restarted instance does it for its predecessor).
 _LEDGERS = Path(tempfile.gettempdir()) / "asyncflow-vllm-segments"
-_SEMAPHORE = "/sem.mp-"
 
 
-def _own_segments() -> set[str]:
-    """The files under /dev/shm that this process and its descendants map."""
+def _own_segments() -> tuple[set[str], set[int]]:
+    """The files under /dev/shm that this process and its descendants map (``_mapped``)."""
     import psutil
 
     try:
         pids = [os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))]
     except psutil.Error:
-        return set()
-    return _mapped_segments(pids)
+        return set(), set()
+    return _mapped(pids)
 
 
 def _record_segments(made: set[str]) -> None:
@@ -184,8 +202,11 @@ class VllmRollout(RolloutEngine):
         self._request_ids = itertools.count()
         if os.path.isdir(_SHM_DIR):
             made = {_SHM_DIR + name for name in set(os.listdir(_SHM_DIR)) - shm_before}
-            # A multiprocessing semaphore is mapped only while a process has it open: its name says whose it is.
-            _record_segments({path for path in made if _SEMAPHORE in path} | (made & _own_segments()))
+            # Only what this process or its descendants map (a semaphore's creator by its inode): another engine
+            # starting on the host at the same time makes segments too, and its semaphores unlinked at this
+            # engine's close would break its workers' start (FileNotFoundError in SemLock._rebuild).
+            own = _own_segments()
+            _record_segments({path for path in made if _in(path, own)})
             remove_stale_segments()
 
     def generate(

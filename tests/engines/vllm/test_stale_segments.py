@@ -51,3 +51,31 @@ def test_the_segments_of_a_killed_engine_process_are_removed_and_a_live_ones_kep
             proc.wait(30)
     rollout.remove_stale_segments()  # the live one's, now that it is dead too
     assert not os.path.exists(live_path) and not (rollout._LEDGERS / f"{live.pid}.json").exists()
+
+
+SEMAPHORE_MAKER = """
+import multiprocessing as mp, time
+lock = mp.get_context("spawn").Lock()  # a named semaphore, kept for a spawned child to open
+print(lock._semlock.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_another_processes_semaphore_is_neither_listed_nor_unlinked():
+    """Two engines starting at once on one host: a semaphore another process made meanwhile is not this engine's
+    (its creator maps it under a deleted temporary name; only the inode matches), so it is neither recorded in
+    this engine's ledger nor unlinked by a sweep while its creator lives; once the creator is dead it goes."""
+    maker = subprocess.Popen([sys.executable, "-c", SEMAPHORE_MAKER], stdout=subprocess.PIPE, text=True)
+    try:
+        path = "/dev/shm/sem." + maker.stdout.readline().strip().lstrip("/")
+        assert os.path.exists(path)
+        assert path not in rollout._mapped([maker.pid])[0]  # not by its name: the inode tells
+        assert rollout._in(path, rollout._mapped([maker.pid]))
+        assert not rollout._in(path, rollout._mapped([os.getpid()]))  # not this process's
+        rollout._unlink_unused({path})
+        assert os.path.exists(path)  # its creator still maps it
+    finally:
+        maker.kill()
+        maker.wait(30)
+    rollout._unlink_unused({path})
+    assert not os.path.exists(path)
