@@ -279,6 +279,51 @@ rc_stop() {
     return 1
 }
 
+# The INT and TERM traps until the driver starts: ignore further signals at once (a second one, e.g. scancel's to the
+# process group and then the batch script's, would otherwise end the cleanup half-way and leave Ray running), then
+# exit through rc_cleanup.
+rc_stopping() {
+    trap '' INT TERM
+    exit "$1"
+}
+
+# The INT and TERM traps while the driver runs. The driver checkpoints at its next step boundary and exits (75 after
+# a signal, see docs/fault_tolerance.md); it may have had the signal itself (Ctrl-C, scancel and preemptions signal
+# the whole process group). rc_wait_for_driver collects its code; a watchdog sends SIGKILL after the grace time.
+rc_on_signal() {
+    trap '' INT TERM
+    RC_SIGNALLED=$1
+    rc_log "stopping the training driver (pid $RC_TRAIN_PID; up to ${TRAIN_STOP_GRACE_S}s to checkpoint)"
+    kill -TERM "$RC_TRAIN_PID" 2>/dev/null || true
+    (
+        for _ in $(seq "$TRAIN_STOP_GRACE_S"); do
+            kill -0 "$RC_TRAIN_PID" 2>/dev/null || exit 0
+            sleep 1 </dev/null >/dev/null 2>&1
+        done
+        rc_log "the driver (pid $RC_TRAIN_PID) ignored SIGTERM for $TRAIN_STOP_GRACE_S s; sending SIGKILL"
+        kill -KILL "$RC_TRAIN_PID" 2>/dev/null
+    ) &
+}
+
+# Wait for the driver; return its code, which becomes the launcher's (the sbatch template requeues on 75). Polled,
+# not one blocking `wait`: a trap that runs while bash waits for a child can lose that child's exit status when the
+# child exits meanwhile (bash 5.2: a later `wait` for it never returns). A builtin `read` with a timeout on a FIFO
+# of its own is the poll's clock: no child process, and a trap runs at once.
+rc_wait_for_driver() {
+    local tick code=0
+    mkfifo "$LAUNCH_DIR/tick.$$"
+    exec {tick}<>"$LAUNCH_DIR/tick.$$"
+    rm -f "$LAUNCH_DIR/tick.$$"
+    while kill -0 "$RC_TRAIN_PID" 2>/dev/null; do
+        read -rt 0.5 -u "$tick" _ || true
+    done
+    exec {tick}<&-
+    wait "$RC_TRAIN_PID" || code=$?
+    RC_TRAIN_DONE=1
+    (( code == 0 )) || rc_log "the training driver exited with code $code"
+    return "$code"
+}
+
 rc_cleanup() {
     local status=$?
     # Ignore further signals while stopping (scancel and `timeout` signal the whole process group, this
@@ -286,10 +331,8 @@ rc_cleanup() {
     trap - EXIT
     trap '' INT TERM
     set +e
-    if [[ -n "${RC_TRAIN_PID:-}" ]]; then
-        # The driver checkpoints at its next step boundary and exits (75 after a signal, see
-        # docs/fault_tolerance.md); its code becomes the launcher's, so the sbatch template can requeue on it.
-        # It may have had the signal itself (Ctrl-C, scancel and preemptions signal the whole process group).
+    if [[ -n "${RC_TRAIN_PID:-}" && -z "${RC_TRAIN_DONE:-}" ]]; then
+        # The launcher fails while the driver runs: stop the driver the same way (its code becomes the launcher's).
         local killed=0 code
         if kill -0 "$RC_TRAIN_PID" 2>/dev/null; then
             rc_log "stopping the training driver (pid $RC_TRAIN_PID; up to ${TRAIN_STOP_GRACE_S}s to checkpoint)"
@@ -373,8 +416,8 @@ rc_main() {
     mkdir -p "$LAUNCH_DIR" "$RAY_TMPDIR"
     : >"$LAUNCH_DIR/started.txt"
     trap rc_cleanup EXIT
-    trap 'exit 130' INT
-    trap 'exit 143' TERM
+    trap 'rc_stopping 130' INT
+    trap 'rc_stopping 143' TERM
     rc_log "$RC_MODE: ${RC_HOSTS[*]}; trainer $TRAINER_DEVICES + rollout $ROLLOUT_DEVICES of" \
         "$((NODES * DEVICES_PER_NODE)) $DEVICE_RESOURCE; records in $LAUNCH_DIR"
     rc_start_cluster
@@ -390,8 +433,8 @@ rc_main() {
         "${RC_OVERRIDES[@]}" "${RC_ROOTS[@]}" "${RC_RESUME[@]}" &
     RC_TRAIN_PID=$!
     echo "$RC_TRAIN_PID" >"$LAUNCH_DIR/train.pid"
-    trap 'exit 130' INT
-    trap 'exit 143' TERM
-    [[ -z "$held" ]] || exit "$held"
-    wait "$RC_TRAIN_PID"
+    trap 'rc_on_signal 130' INT
+    trap 'rc_on_signal 143' TERM
+    [[ -z "$held" ]] || rc_on_signal "$held"
+    rc_wait_for_driver
 }
