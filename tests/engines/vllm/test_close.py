@@ -45,9 +45,13 @@ def test_close_removes_the_segments_of_workers_vllm_had_to_kill(tiny_model_dir):
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_engine, args=(str(tiny_model_dir), child))
     proc.start()
+    child.close()  # the engine process holds the only other end: if it dies, recv() ends at once (EOFError)
     try:
         assert parent.poll(600), "the engine process never answered"
-        out = json.loads(parent.recv())
+        try:
+            out = json.loads(parent.recv())
+        except EOFError:
+            raise AssertionError(f"the engine process died before it answered (exit {proc.join(60) or proc.exitcode})")
     finally:
         proc.join(60)
         if proc.is_alive():
