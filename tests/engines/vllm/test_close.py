@@ -51,7 +51,8 @@ def test_close_removes_the_segments_of_workers_vllm_had_to_kill(tiny_model_dir):
         try:
             out = json.loads(parent.recv())
         except EOFError:
-            raise AssertionError(f"the engine process died before it answered (exit {proc.join(60) or proc.exitcode})")
+            proc.join(60)
+            raise AssertionError(f"the engine process died before it answered (exit {proc.exitcode})") from None
     finally:
         proc.join(60)
         if proc.is_alive():
