@@ -545,7 +545,10 @@ def cost_pair(args, model: Path, spares: int, seed: int, name: str) -> dict:
     healthy_s, killed_s = (steps_wall(logged) for logged in after)
     released = events[0]["released_rows"]
     extra_s = killed_s - healthy_s
+    # Every sample of the killed run trained once, in its step (the rows of the dead instance generated again).
+    counts = account(json.loads((killed.out / "summary.json").read_text()), [], args.cost_steps)
     return {"steps": args.cost_steps, "spares": spares, "seed": seed, "killed_after_step": logged_at_kill,
+            **counts,
             "healthy_s": healthy_s, "killed_s": killed_s, "extra_s": extra_s, "released_rows": released,
             "per_row_s": per_row, "regen_s": released * per_row,
             "ratio": extra_s / (released * per_row) if released and per_row else None,
@@ -605,11 +608,20 @@ def cost_table(cost: dict) -> str:
              row("rows handed out again", "released_rows", ".0f"),
              row("generation time per row, s", "per_row_s", ".3f"),
              row("their regeneration time, s", "regen_s", ".1f"),
-             row("ratio (target < 2)", "ratio", ".2f")]
+             row("ratio (target < 2)", "ratio", ".2f"),
+             "| samples lost / trained twice / corrupted, killed runs summed | " + " | ".join(
+                 " / ".join(str(sum(r.get(k, 0) for r in cost["pairs"][h] if "error" not in r))
+                            for k in ("lost", "twice", "corrupted")) for h in cols) + " |"]
     for h in cols:
         ratios = ", ".join(_num2(r.get("ratio")) if "error" not in r else "failed" for r in cost["pairs"][h])
         lines.append(f"\n{head[h]}: ratio of each pair: {ratios}")
     return "\n".join(lines)
+
+
+def cost_exact(cost: dict) -> bool:
+    """No sample lost, trained twice or corrupted in any killed run of the rollout-cost pairs."""
+    return all(not (r.get("lost") or r.get("twice") or r.get("corrupted"))
+               for runs in cost["pairs"].values() for r in runs if "error" not in r)
 
 
 def _num2(value) -> str:
@@ -676,7 +688,7 @@ def main() -> None:
         cost = rollout_cost(args, model)
         (args.out / "rollout_cost.json").write_text(json.dumps(cost, indent=1))
         print(cost_table(cost))
-        sys.exit(0 if cost["medians"] else 1)
+        sys.exit(0 if cost["medians"] and cost_exact(cost) else 1)
     if args.mode in ("host", "host-rollout"):
         record, totals = (host_fault if args.mode == "host" else host_rollout_fault)(args, model)
         (args.out / f"{args.mode}.json").write_text(json.dumps({"fault": record, "totals": totals}, indent=1))
@@ -699,7 +711,7 @@ def main() -> None:
              for k in ("lost", "twice", "corrupted"))
     for record, run_totals in ((host, host_totals), (host_rollout, host_rollout_totals)):  # no cluster here: skipped
         ok = ok and (bool(run_totals) or record.get("error", "").startswith("no two-host cluster"))
-    sys.exit(0 if ok and "lost" in totals and len(faults) >= args.faults else 1)
+    sys.exit(0 if ok and cost_exact(cost) and "lost" in totals and len(faults) >= args.faults else 1)
 
 
 if __name__ == "__main__":
