@@ -186,8 +186,10 @@ class Supervisor:
         self._died(name, i, handle, exc)
         return None
 
-    def _died(self, name: str, i: int, handle, exc: BaseException) -> None:
-        """Worker ``i`` of ``name`` died (``exc``): count it, then leave it out, stop the run, or start it again."""
+    def _died(self, name: str, i: int, handle, exc: BaseException, down_since: float | None = None) -> None:
+        """Worker ``i`` of ``name`` died (``exc``): count it, then leave it out, stop the run, or start it again.
+        ``down_since``: when it first died, where it died again before it answered (the bounds on its restart count
+        from there)."""
         detected = time.time()
         what = {"rollout": f"rollout instance {i}", "reference": f"reference rank {i}"}.get(name, f"{name} worker {i}")
         count = self.restarts.get(name, 0) + 1
@@ -212,7 +214,7 @@ class Supervisor:
         start = max(self.reporter.reported.get((name, i), -1) + 1, self.reporter.trained_steps)
         event = {"service": name, "worker": i, "restart": count, "error": type(exc).__name__, "detected_at": detected,
                  "recovered_at": None, "released_rows": released, "rolled_back_puts": rolled_back,
-                 "resumed_at_step": start, "how": "process restarted"}
+                 "resumed_at_step": start, "how": "process restarted", "down_since": down_since or detected}
         self.starting[handle.ping.remote()] = (name, i, handle, what, event)
         print(f"{what} died; starting it again ({count} of at most {self.limit}), {released} of its rows handed out "
               f"again, going on from step {start}", flush=True)
@@ -231,13 +233,14 @@ class Supervisor:
                 try:
                     ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:  # Ray is still starting it: ask again
-                    if time.time() - event["detected_at"] > self.cfg.workflow.step_timeout_s:
+                    if time.time() - event.get("down_since", event["detected_at"]) > self.cfg.workflow.step_timeout_s:
                         raise ServiceLostError(f"{what} died and did not start again within "
                                                "workflow.step_timeout_s", name, i) from None
                     self.starting[handle.ping.remote()] = (name, i, handle, what, event)
                     continue
-                except ray.exceptions.RayActorError as err:  # it died again before it answered
-                    self._died(name, i, handle, err)
+                except ray.exceptions.RayActorError as err:  # it died again before it answered (e.g. Ray placed
+                    # it on a lost host's node before it marked that node dead): still down since its first death
+                    self._died(name, i, handle, err, down_since=event.get("down_since"))
                     continue
                 event["recovered_at"] = time.time()
                 if name == "rollout":  # a promoted spare's process Ray started again is built as a spare: no slot
@@ -262,7 +265,7 @@ class Supervisor:
         bound = self.cfg.workflow.restart_timeout_s
         bound = self.cfg.workflow.step_timeout_s if bound is None else bound
         for ref, (name, i, handle, what, event) in list(self.starting.items()):
-            if time.time() - event["detected_at"] <= bound:
+            if time.time() - event.get("down_since", event["detected_at"]) <= bound:
                 continue
             self.starting.pop(ref)
             if name != "rollout" or not self._running("rollout"):
