@@ -398,7 +398,8 @@ class WorkflowConfig:
     """How long the supervisor waits for a worker that died to be started again (Ray placing its process, the
     process answering) before it gives up: a rollout instance is then left out while others run, any other worker
     is lost as past ``max_service_restarts``. Ray waits without bound for devices it cannot place, e.g. those of a
-    lost host. None: ``step_timeout_s``."""
+    lost host. Counted from the first death where a replacement dies again before it answers. None:
+    ``step_timeout_s``."""
     rollout_spares: int = 0
     """Warm spare rollout instances: started with the run (engine built, model loaded), idle (no rows, no weights)
     until a rollout instance dies, when one takes the dead instance's place at once instead of waiting for its
