@@ -308,8 +308,13 @@ class StreamRollout:
         self._granted(want, granted)
         puts: dict[str, list] = {}  # partition -> its groups, in claim order
         for (gid, group), (verdict, step, slot) in zip(finished, verdicts):
-            # "full": every step has its groups (the run is ending); "dup": a copy of its prompt has its slot.
-            if verdict in ("full", "dup"):
+            # "dup": a copy of its prompt has its slot. "full": every step has its groups for now; its prompt goes
+            # back into the stream, as a stale one's does (not counted stale): under dynamic sampling a group the
+            # advantage task drops later reopens its step, and the driver feeds by prompts fed minus claimed.
+            if verdict == "dup":
+                continue
+            if verdict == "full":
+                puts.setdefault(STREAM_PARTITION, []).append((gid, group, None, -1))
                 continue
             stats = self.stats.setdefault(step, _StepStats()) if step not in self.posted else _StepStats()
             if verdict == "stale":

@@ -117,7 +117,8 @@ class StreamLedger:
         reservation; ``gid``, ``holder``: its prompt's group id and who claims it). Returns ``(verdict, step, open
         step after the claim)``, the verdict ``"ok"``: put it into ``step`` (at ``bound[gid]``'s slot);
         ``"stale"``: the open step ``step`` is beyond its bound, re-feed its prompt; ``"full"``: every step has its
-        groups; ``"dup"``: another copy of the prompt has its slot, drop this one."""
+        groups for now, re-feed its prompt (a drop by dynamic sampling may reopen a step); ``"dup"``: another copy
+        of the prompt has its slot, drop this one."""
         if reserved:
             self.release(1, holder)
         if gid in self.bound:

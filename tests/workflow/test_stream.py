@@ -39,7 +39,10 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
                               f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0"),
         "long_tail_cont": run_fake(tmp, tiny_model_dir, "long_tail_cont", *STREAM, *SMALL, LONG_TAIL[0],
                                    f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0"),
-        "dapo": run_fake(tmp, tiny_model_dir, "dapo", *STREAM, "workflow.steps=4", recipe="dapo_async.yaml"),
+        # The reward lags behind rollout: the last step's claims are made before its drops, the groups that finish
+        # meanwhile find every step full, and the step each drop reopens needs their prompts back in the stream.
+        "dapo": run_fake(tmp, tiny_model_dir, "dapo", *STREAM, "workflow.steps=4",
+                         "algorithm.reward=tests.rewards.slow_add1:make_slow_add1", recipe="dapo_async.yaml"),
         # Multi-turn groups under partial rollout: a trajectory's turns span versions.
         "tool": run_fake(tmp, tiny_model_dir, "tool", *STREAM, *TOOL_RUN),
     }
