@@ -29,6 +29,8 @@ RUNS = {"chunked": [*RUN, *BUSY, *SPARE],
         "stream": [*test_restart_stream.RUN, "trainer.engine=tests.fakes.slowed.GatedTrainer", *SPARE]}
 
 pytestmark = pytest.mark.loop
+AHEAD = 4
+"""Train steps the gate allows past those logged until the kill; then it holds there until the pool is refilled."""
 
 
 def _restarts(out) -> list[dict]:
@@ -61,13 +63,17 @@ def test_a_spare_takes_a_killed_instances_place_and_the_pool_is_refilled(tmp_pat
     from tests.fakes.slowed import GATE, Gate
 
     gate = ray.remote(Gate).options(name=GATE).remote()
-    ray.get(gate.open.remote(4))
+    ray.get(gate.open.remote(AHEAD))
     out, killed = tmp_path / "spare", []
 
     def kill() -> None:
         give_up = time.monotonic() + 300  # a run that never logs or never refills: the assertions say so
         try:
-            while _logged(out) < 2 and time.monotonic() < give_up:
+            # The gate stays AHEAD steps past the steps logged, so the trainer never waits at it before the kill
+            # and rollout, the bottleneck, keeps generating: a trainer held at the gate would let both instances
+            # fill their window and idle, and the one killed would hold no rows (seen on a loaded machine).
+            while (logged := _logged(out)) < 2 and time.monotonic() < give_up:
+                ray.get(gate.open.remote(logged + AHEAD))
                 time.sleep(0.05)
             running = _running_instances()
             if not running:
