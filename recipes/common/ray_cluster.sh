@@ -20,6 +20,8 @@
 # NET_IF names the network interface of the run: Ray's node addresses (and so the TransferQueue's and the
 # weight relay's), NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME all follow it.
 # shellcheck shell=bash
+# shellcheck source=recipes/common/wait_child.sh
+source "$(dirname "${BASH_SOURCE[0]}")/wait_child.sh"
 
 rc_log() { echo "launch[$RC_NAME]: $*" >&2; }
 rc_die() { echo "launch[$RC_NAME]: error: $*" >&2; exit 2; }
@@ -305,20 +307,11 @@ rc_on_signal() {
     ) &
 }
 
-# Wait for the driver; return its code, which becomes the launcher's (the sbatch template requeues on 75). Polled,
-# not one blocking `wait`: a trap that runs while bash waits for a child can lose that child's exit status when the
-# child exits meanwhile (bash 5.2: a later `wait` for it never returns). A builtin `read` with a timeout on a FIFO
-# of its own is the poll's clock: no child process, and a trap runs at once.
+# Wait for the driver; return its code, which becomes the launcher's (the sbatch template requeues on 75). Polled
+# (wait_child.sh): a trap runs at once, and the driver's code is not lost to it.
 rc_wait_for_driver() {
-    local tick code=0
-    mkfifo "$LAUNCH_DIR/tick.$$"
-    exec {tick}<>"$LAUNCH_DIR/tick.$$"
-    rm -f "$LAUNCH_DIR/tick.$$"
-    while kill -0 "$RC_TRAIN_PID" 2>/dev/null; do
-        read -rt 0.5 -u "$tick" _ || true
-    done
-    exec {tick}<&-
-    wait "$RC_TRAIN_PID" || code=$?
+    local code=0
+    TMPDIR=$LAUNCH_DIR wait_child "$RC_TRAIN_PID" || code=$?
     RC_TRAIN_DONE=1
     (( code == 0 )) || rc_log "the training driver exited with code $code"
     return "$code"
