@@ -76,11 +76,12 @@ class Feeder:
             self.pipe.seal(step)
 
     def wait(self, refs: list, collect, ahead=None, sync: bool = False, until=None, recover=None,
-             more=None) -> list:
+             more=None, wake=None) -> list:
         """Wait for ``refs`` (service loops or phases), feeding, topping up and collecting reports meanwhile, or
         until ``until()`` holds (a stop on a signal); returns the refs not done. ``recover(ref, exc)``: the ref
         that replaces a failed one (a restarted service loop; None: none does), or it raises. ``more()``: refs to wait
-        on too from now on (service loops started meanwhile: rollout instances added on request)."""
+        on too from now on (service loops started meanwhile: rollout instances added on request); ``wake()``: refs
+        whose answer ends a wait early, so that ``more`` sees it at once (workers being started again)."""
         import ray
 
         while refs and not (until is not None and until()):
@@ -89,7 +90,12 @@ class Feeder:
             self.top_up()
             if more is not None:
                 refs = refs + more()
-            done, refs = ray.wait(refs, timeout=0.2)
+            woken = wake() if wake is not None else []
+            ready, _ = ray.wait(refs + woken, num_returns=1, timeout=0.2)
+            if ready:  # every loop that is done, not only the one that woke the wait
+                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            finished = set(ready)
+            done, refs = ready, [r for r in refs if r not in finished]
             results = []
             for ref in done:
                 try:

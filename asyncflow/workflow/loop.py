@@ -208,7 +208,7 @@ def _run_stream(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, sta
 
     supervisor = Supervisor(cfg, pipe, reporter)
     wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
-                             more=supervisor.poll, ahead=lambda: 0)
+                             more=supervisor.poll, wake=supervisor.pending, ahead=lambda: 0)
     running = wait(supervisor.start(start, cfg.workflow.steps), until=lambda: signals.requested)
     if running:
         _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
@@ -224,7 +224,8 @@ def _run_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, star
     supervisor = Supervisor(cfg, pipe, reporter)
     # Prompts go in one step ahead of what rollout may generate under the staleness bound.
     wait = functools.partial(feeder.wait, collect=reporter.collect, recover=supervisor.recover,
-                             more=supervisor.poll, ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
+                             more=supervisor.poll, wake=supervisor.pending,
+                             ahead=lambda: reporter.trained_steps + wf.max_staleness + 2)
     running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
     if running:
         _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))

@@ -156,6 +156,8 @@ class Supervisor:
         self.removed: dict[tuple[str, int], dict] = {}  # workers stopped on request -> their record
         self.starting: dict = {}  # ping ref of a worker Ray is starting again -> (its name, its restart record)
         self.warming: dict = {}  # ping ref of a spare started to refill the pool -> (its handle, its record)
+        self.promoted: set = set()  # the first ping of each promoted spare, while it waits (``pending``)
+        self.refilled: set[int] = set()  # ids of the promotion events whose refill spare was started (``_refill``)
         self.request = Path(cfg.observability.output_dir) / SCALE_FILE
         self.events: list[dict] = []
         """One record per restart (``summary.json``'s ``service_restarts``, and a line of ``restarts.jsonl``)."""
@@ -230,6 +232,7 @@ class Supervisor:
             up, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
             for ref in up:
                 name, i, handle, what, event = self.starting.pop(ref)
+                self.promoted.discard(ref)
                 try:
                     ray.get(ref)
                 except ray.exceptions.ActorUnavailableError:  # Ray is still starting it: ask again
@@ -240,6 +243,7 @@ class Supervisor:
                     continue
                 except ray.exceptions.RayActorError as err:  # it died again before it answered (e.g. Ray placed
                     # it on a lost host's node before it marked that node dead): still down since its first death
+                    self._refill(event)
                     self._died(name, i, handle, err, down_since=event.get("down_since"))
                     continue
                 event["recovered_at"] = time.time()
@@ -253,6 +257,7 @@ class Supervisor:
                                         "metrics": {"supervisor/restarts": 1.0}, "spans": []}])
                 print(f"{what} is {'replaced by a spare' if event['how'] == 'spare promoted' else 'up again'} "
                       f"({event['recovered_at'] - event['detected_at']:.1f} s after its death)", flush=True)
+                self._refill(event)
             self._overdue()
         return started + self.scale()
 
@@ -391,15 +396,32 @@ class Supervisor:
         event = {"service": "rollout", "worker": i, "restart": count, "error": type(exc).__name__,
                  "detected_at": detected, "recovered_at": None, "released_rows": released,
                  "rolled_back_puts": rolled_back, "resumed_at_step": start, "how": "spare promoted"}
-        self.starting[spare.ping.remote()] = ("rollout", i, spare, what, event)
+        ping = spare.ping.remote()
+        self.starting[ping] = ("rollout", i, spare, what, event)
+        self.promoted.add(ping)
+        print(f"{what} died; a spare takes its place ({count} of at most {self.limit}), {released} of its rows "
+              f"handed out again, going on from step {start}", flush=True)
+
+    def _refill(self, event: dict) -> None:
+        """Start a new spare for the one ``event`` promoted, once that one answered or died: a process start (an
+        import of torch, seconds of CPU) next to the promotion would slow it where they share a host's cores.
+        Nothing waits for the new spare (``_warmed`` notes when it answers)."""
+        if event.get("how") != "spare promoted" or id(event) in self.refilled:
+            return
+        self.refilled.add(id(event))
         refill = self.pipe.workers.spares(1)[0]
         self.pipe.spares.append(refill)
         self.warming[refill.ping.remote()] = (refill, {"service": "rollout spare", "worker": None, "restart": None,
                                                        "error": "spare started", "detected_at": time.time(),
                                                        "recovered_at": None, "released_rows": 0,
-                                                       "resumed_at_step": None, "replaces": i})
-        print(f"{what} died; a spare takes its place ({count} of at most {self.limit}), {released} of its rows "
-              f"handed out again, going on from step {start}; a new spare is starting", flush=True)
+                                                       "resumed_at_step": None, "replaces": event["worker"]})
+        print("a new spare rollout instance is starting", flush=True)
+
+    def pending(self) -> list:
+        """The answers the driver's wait wakes for besides the service loops (``Feeder.wait``): the first ping of
+        each promoted spare, so its loop starts as soon as it answers. Not the pings of processes Ray starts again:
+        those answer at once with ``ActorUnavailableError`` until it is up, and are asked again at the wait's pace."""
+        return [ref for ref in self.starting if ref in self.promoted]
 
     def _warmed(self) -> None:
         """Note the refilling spares that answer (``restarts.jsonl``: ``spare started``, with the time it took);
