@@ -81,7 +81,7 @@ class Feeder:
         until ``until()`` holds (a stop on a signal); returns the refs not done. ``recover(ref, exc)``: the ref
         that replaces a failed one (a restarted service loop; None: none does), or it raises. ``more()``: refs to wait
         on too from now on (service loops started meanwhile: rollout instances added on request); ``wake()``: refs
-        whose answer ends a wait early, so that ``more`` sees it at once (workers being started again)."""
+        whose answer ends a wait early, so that ``more`` sees it at once (a promoted spare's first answer)."""
         import ray
 
         while refs and not (until is not None and until()):
