@@ -404,8 +404,9 @@ class WorkflowConfig:
     """Warm spare rollout instances: started with the run (engine built, model loaded), idle (no rows, no weights)
     until a rollout instance dies, when one takes the dead instance's place at once instead of waiting for its
     process to start again; a new spare is then started in the background. Each spare holds what an instance holds
-    (cores, memory; a device on a cluster) while idle. Only where rollout instances are restarted (``async`` or
-    ``stream`` mode with ``max_service_restarts`` above 0), on CPU layouts (docs/fault_tolerance.md)."""
+    (cores, memory; on devices ``rollout.tensor_parallel`` devices of its own, counted in ``ROLLOUT_DEVICES``) while
+    idle. Only where rollout instances are restarted (``async`` or ``stream`` mode with ``max_service_restarts``
+    above 0; docs/fault_tolerance.md)."""
     max_restarts: int = 2
     """How many times the whole run is started again from its newest complete checkpoint after a trainer rank
     (actor or critic) dies, or a TransferQueue storage unit or controller dies with rows the run still needs: every

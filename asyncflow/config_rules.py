@@ -181,7 +181,8 @@ def failures(cfg: AsyncFlowConfig) -> list[str]:
 
 def spares(cfg: AsyncFlowConfig) -> list[str]:
     """Spare rollout instances stand in for dead ones: only where rollout instances are restarted in place
-    (``workflow.supervisor.restartable``), and only on CPU layouts (the placement group reserves no device for them)."""
+    (``workflow.supervisor.restartable``). On devices each holds ``rollout.tensor_parallel`` devices of its own
+    (``workflow.placement``)."""
     wf, n = cfg.workflow, cfg.workflow.rollout_spares
     if n == 0:
         return []
@@ -192,9 +193,6 @@ def spares(cfg: AsyncFlowConfig) -> list[str]:
     if not restarted:
         return [f"workflow.rollout_spares={n} needs rollout instances that are restarted: workflow.mode async or "
                 "stream (without algorithm.dynamic_sampling) and workflow.max_service_restarts above 0; set it to 0"]
-    if cfg.ray.accelerator is not None:
-        return [f"workflow.rollout_spares={n} with ray.accelerator={cfg.ray.accelerator}: the run's placement group "
-                "reserves no devices for spares; set it to 0"]
     return []
 
 

@@ -208,6 +208,11 @@ def _check_trainer(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec |
     return problems + (_check_features(name, "trainer", tr, arch) if features else [])
 
 
+def rollout_engines(cfg: AsyncFlowConfig) -> int:
+    """Rollout engines that hold devices of their own: the instances and the warm spares."""
+    return cfg.workflow.rollout_instances + cfg.workflow.rollout_spares
+
+
 def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec | None) -> list[str]:
     """Rollout TP against the model, and against the device split of ``cluster`` (a recipe's)."""
     rtp = cfg.rollout.tensor_parallel
@@ -217,11 +222,14 @@ def _check_rollout(name: str, cfg: AsyncFlowConfig, arch, cluster: ClusterSpec |
     elif not _divides(rtp, cluster.rollout_devices):
         problems.append(f"{name}: ROLLOUT_DEVICES={cluster.rollout_devices} is not divisible by "
                         f"rollout.tensor_parallel={rtp}")
-    engines = cfg.workflow.rollout_instances * rtp
+    engines = rollout_engines(cfg) * rtp
     if cluster is not None and engines != cluster.rollout_devices:
+        wf = cfg.workflow
+        keys, counts = "workflow.rollout_instances", f"{wf.rollout_instances}"
+        if wf.rollout_spares:  # warm spares hold devices of their own
+            keys, counts = f"({keys} + workflow.rollout_spares)", f"({counts} + {wf.rollout_spares})"
         problems.append(f"{name}: rollout devices: ROLLOUT_DEVICES={cluster.rollout_devices} in cluster.env but "
-                        f"workflow.rollout_instances x rollout.tensor_parallel = "
-                        f"{cfg.workflow.rollout_instances} x {rtp} = {engines}")
+                        f"{keys} x rollout.tensor_parallel = {counts} x {rtp} = {engines}")
     if cluster is not None and not _divides(rtp, cluster.devices_per_node):
         problems.append(f"{name}: rollout.tensor_parallel={rtp} does not divide DEVICES_PER_NODE="
                         f"{cluster.devices_per_node} (a vLLM engine would span two nodes)")
@@ -371,7 +379,7 @@ def check_layout(name: str, cfg: AsyncFlowConfig, arch) -> list[str]:
     cluster, acc, sync = None, cfg.ray.accelerator, cfg.workflow.mode == "sync"
     if acc is not None and cfg.ray.address is None and cfg.ray.local_devices is not None:
         # Colocated sync gives rollout engines no devices of their own (asyncflow.workflow.placement).
-        rollout = 0 if sync else cfg.workflow.rollout_instances * cfg.rollout.tensor_parallel
+        rollout = 0 if sync else rollout_engines(cfg) * cfg.rollout.tensor_parallel
         # Bundles of ray.device_fraction of a device: 1 / fraction of them fit on each device.
         slots = int(cfg.ray.local_devices / cfg.ray.device_fraction + 1e-9)
         cluster = ClusterSpec(nodes=1, devices_per_node=slots, trainer_devices=world_size(cfg.trainer),

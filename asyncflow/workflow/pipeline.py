@@ -151,6 +151,9 @@ class Pipeline:
                 states = ray.get([h.relay_state.remote() for h in handles], timeout=10)
                 rows = [{**row, "weights": state} for row, state in zip(rows, states)]
             layout[name] = rows
+        if self.spares:  # the idle spares that answer (one still starting is left out)
+            ready, _ = ray.wait([h.where.remote() for h in self.spares], num_returns=len(self.spares), timeout=5)
+            layout["rollout_spares"] = ray.get(ready)
         layout["transfer_queue"] = network.tq_layout(self.tq, self.client, self.services)
         out = Path(self.cfg.observability.output_dir)
         out.mkdir(parents=True, exist_ok=True)

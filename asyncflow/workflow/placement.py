@@ -6,11 +6,11 @@ Two layouts:
   the others, pinned so side-by-side workers stay off each other's cores; ``sync`` (colocated) puts every
   worker in one bundle of all cores, taking turns.
 - Devices (``ray.accelerator: GPU``, or ``NPU`` and other custom Ray resources): one bundle per trainer
-  rank (one device each) and, in ``async``, one per rollout engine (``rollout.tensor_parallel`` devices,
-  one node). The reference (``trainer.reference_placement`` ``colocated`` or ``offload``) and, when its
-  parallel sizes match the actor's, the critic share the actor's devices (fractions of each device: the
-  Megatron groups take turns on them); a reference placed ``own`` and a critic of another shape get
-  devices of their own. In ``sync`` (the colocated baseline) rollout engines have no devices of their
+  rank (one device each) and, in ``async`` and ``stream``, one per rollout engine (``rollout.tensor_parallel``
+  devices, one node), warm spares included. The reference (``trainer.reference_placement`` ``colocated`` or
+  ``offload``) and, when its parallel sizes match the actor's, the critic share the actor's devices (fractions
+  of each device: the Megatron groups take turns on them); a reference placed ``own`` and a critic of another
+  shape get devices of their own. In ``sync`` (the colocated baseline) rollout engines have no devices of their
   own either: engine i takes turns on trainer devices i*TP .. i*TP+TP-1 (``rollout_devices``).
   Ranks are given bundles node by node from the placement group's bundle-to-node map
   (``ranks_by_node``), so the consecutive ranks of a tensor-parallel (TP x EP) group always share a node,
@@ -116,8 +116,9 @@ class Placement:
             # (vLLM asleep while Megatron trains, Megatron offloaded while vLLM generates); the counts match
             # (``config_rules.sync_on_devices``).
             rollout, sharers = [], sharers + ["rollout"]
-        else:
-            rollout = [{acc: cfg.rollout.tensor_parallel, "CPU": cpd}] * cfg.workflow.rollout_instances
+        else:  # one bundle per instance, then one per warm spare (``workflow.rollout_spares``)
+            engines = cfg.workflow.rollout_instances + cfg.workflow.rollout_spares
+            rollout = [{acc: cfg.rollout.tensor_parallel, "CPU": cpd}] * engines
         self.first = {name: len(rollout) for name in sharers}
         self.first["rollout"] = 0
         extra: list[dict] = []
@@ -224,15 +225,29 @@ class Placement:
                 opts["resources"] = {self.acc: devices}
         return opts
 
+    def spare_bundles(self) -> list[int]:
+        """The rollout bundles of the warm spares (devices, ``async`` and ``stream``: those after the instances'; a
+        spare that takes a dead instance's slot keeps its own, and the dead one's goes to the spare that refills
+        the pool). None on the CPU layout: spares share rollout's core there."""
+        if self.acc is None or self.colocated:
+            return []
+        n = self.cfg.workflow.rollout_instances
+        return list(range(n, n + self.cfg.workflow.rollout_spares))
+
+    def rollout_node(self, bundle: int) -> str:
+        """The Ray node id of the rollout engine in ``bundle`` (``rollout``'s ``bundle``)."""
+        return self.node_of(0 if self.acc is None else bundle)
+
     # ----------------------------------------------------------------- workers
-    def rollout(self, instance: int) -> tuple[dict, list[int] | None]:
-        """Options and pinned cores (CPU layout) of rollout engine ``instance``."""
+    def rollout(self, instance: int, bundle: int | None = None) -> tuple[dict, list[int] | None]:
+        """Options and pinned cores (CPU layout) of rollout engine ``instance`` (-1: a warm spare). ``bundle``: on
+        devices, the rollout bundle it takes (default: ``instance``'s own; a spare's from ``spare_bundles``)."""
         if self.acc is None:
             cpus = list(range(self.cores)) if self.colocated else [0]
             return self._options(0, 1 if instance == 0 else 0), cpus
         if self.colocated:  # a share of the first of its devices; rollout_devices names all of them
             return self._options(self._rollout_bundle(instance), 1, self.fraction["rollout"]), None
-        return self._options(instance, 1, self.cfg.rollout.tensor_parallel), None
+        return self._options(instance if bundle is None else bundle, 1, self.cfg.rollout.tensor_parallel), None
 
     def light(self) -> dict:
         """Options of the light CPU tasks (reward, advantage): beside rollout 0 (CPU layout: the trainer side)."""

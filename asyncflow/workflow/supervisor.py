@@ -33,7 +33,7 @@ no weights). A rollout instance that dies within the bound is not started again:
 its rows are handed back as above, and a spare takes its slot (``_promote``: its index, its TransferQueue tag, its
 holder name on the stream's ledger), applies the newest weights at its first step and runs its loop from the step a
 restart would resume at; a new spare is started in the background to refill the pool (``poll`` notes when it
-answers). With no spare left, the dead instance is started again as above.
+answers). With no spare left on the dead instance's node, the dead instance is started again as above.
 
 Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
 happen), rollout in ``stream`` mode under dynamic sampling (a step takes any number of groups: no fixed slots), and
@@ -206,8 +206,9 @@ class Supervisor:
             # Past the bound in place: with checkpoints on, the run restarts from its newest one (``loop.train``).
             raise ServiceLostError(f"{what} died; {name} workers died {count} times, more than "
                                    f"workflow.max_service_restarts={self.limit}", name, i) from exc
-        if name == "rollout" and self.pipe.spares:
-            self._promote(handle, i, what, count, detected, exc)
+        spare = self._spare_for(handle) if name == "rollout" else None
+        if spare is not None:
+            self._promote(handle, spare, i, what, count, detected, exc)
             return
         # Its process is dead: nothing can read or ack the rows it held, so they go back now, and the others (or
         # its next incarnation) take them while Ray starts it again; its loop runs again once it answers (``poll``).
@@ -372,7 +373,16 @@ class Supervisor:
         print(f"{what} died; rollout workers died {count} times, more than workflow.max_service_restarts="
               f"{self.limit}: the run goes on with the other {self._running('rollout')} instance(s)", flush=True)
 
-    def _promote(self, dead, i: int, what: str, count: int, detected: float, exc: BaseException) -> None:
+    def _spare_for(self, dead):
+        """The spare to take dead rollout instance ``dead``'s slot: one on its node (a slot's weight route, shared
+        memory or its host's relay mirror, is its host's), an answering one before one still starting. None: no
+        spare there, and Ray starts the dead one again instead."""
+        node = self.pipe.workers.rollout_node(dead)
+        there = [h for h in self.pipe.spares if self.pipe.workers.rollout_node(h) == node]
+        ready = [h for h in there if all(h is not w for w, _ in self.warming.values())]
+        return (ready or there or [None])[0]
+
+    def _promote(self, dead, spare, i: int, what: str, count: int, detected: float, exc: BaseException) -> None:
         """Rollout instance ``i`` died and a spare is at hand: kill the dead actor for good (Ray would start it
         again), hand its rows back, put the spare in its slot (``RolloutService.take_slot``: the dead one's tag,
         which ``_hand_back`` fenced, is the spare's from now on) and start its loop once it answers (``poll``: at
@@ -384,11 +394,10 @@ class Supervisor:
             ray.kill(dead)
         except Exception:  # already gone for good
             pass
+        self.pipe.workers.release(dead)  # its devices hold the spare that refills the pool (``_refill``)
         rolled_back, released = self._hand_back("rollout", i)
         self.reporter.collect()  # the reports it posted before it died say where it got to
         start = max(self.reporter.reported.get(("rollout", i), -1) + 1, self.reporter.trained_steps)
-        ready = [h for h in self.pipe.spares if all(h is not w for w, _ in self.warming.values())]
-        spare = (ready or self.pipe.spares)[0]  # one still starting beats a process not started yet
         self.pipe.spares.remove(spare)
         self.warming = {ref: (h, rec) for ref, (h, rec) in self.warming.items() if h is not spare}
         self.pipe.groups["rollout"][i] = spare

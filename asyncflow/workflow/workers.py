@@ -53,6 +53,9 @@ class WorkerGroups:
         self.persist = dict(checkpoint={"root": str(checkpoint_root(cfg)), "interval": cfg.checkpoint.interval,
                                         "steps": wf.steps, "every_minutes": cfg.checkpoint.every_minutes},
                             resume_dir=None if resume_dir is None else str(resume_dir), start_version=start_step)
+        # The bundle of each rollout actor, and the rollout bundles no actor holds (devices only: ``spares``).
+        self.rollout_bundles: dict = {}
+        self.free_bundles: list[int] = where.spare_bundles()
 
     def _place(self, cls, opts: dict, **kwargs):
         if getattr(cls, "name", None) in self.restart:  # Ray starts it again in its bundle when its process dies
@@ -86,21 +89,40 @@ class WorkerGroups:
     def spares(self, count: int) -> list:
         """``count`` warm spare rollout instances (``workflow.rollout_spares``): built as instances are, engine and
         model loaded, with no loop and no weights until one takes a dead instance's place
-        (``RolloutService.take_slot``). Each is placed as an instance beyond the first is (no core reserved)."""
-        return [self.rollout_instance(-1, place=max(1, self.cfg.workflow.rollout_instances)) for _ in range(count)]
+        (``RolloutService.take_slot``). On the CPU layout each is placed as an instance beyond the first is (no
+        core reserved); on devices each takes a rollout bundle no actor holds (``release``)."""
+        if self.where.acc is not None and len(self.free_bundles) < count:
+            raise RuntimeError(f"{count} spare rollout instance(s) wanted but the placement group has "
+                               f"{len(self.free_bundles)} free rollout bundle(s)")
+        return [self.rollout_instance(-1, bundle=self.free_bundles.pop(0) if self.free_bundles else None)
+                for _ in range(count)]
 
-    def rollout_instance(self, i: int, evaluation=None, place: int | None = None):
-        """Rollout instance ``i`` (also one added while the run goes on: ``Supervisor.scale``; -1: a spare, placed
-        as instance ``place``)."""
+    def release(self, handle) -> None:
+        """A rollout actor was killed for good: its bundle (devices) may hold a new spare."""
+        bundle = self.rollout_bundles.pop(handle, None)
+        if bundle is not None and self.where.acc is not None:
+            self.free_bundles.append(bundle)
+
+    def rollout_node(self, handle) -> str | None:
+        """The Ray node id of rollout actor ``handle`` (None: not one of this run's)."""
+        bundle = self.rollout_bundles.get(handle)
+        return None if bundle is None else self.where.rollout_node(bundle)
+
+    def rollout_instance(self, i: int, evaluation=None, bundle: int | None = None):
+        """Rollout instance ``i`` (also one added while the run goes on: ``Supervisor.scale``; -1: a spare, in
+        ``bundle`` on devices)."""
         cfg, wf = self.cfg, self.cfg.workflow
-        opts, cpus = self.where.rollout(i if place is None else place)
-        return self._place(
+        bundle = max(i, 0) if bundle is None else bundle
+        opts, cpus = self.where.rollout(i, bundle)
+        handle = self._place(
             services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
             max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
             budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
             agent=cfg.agent, visible_devices=self.where.rollout_devices(i),
             stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers,
             evaluation=evaluation, **self.common)
+        self.rollout_bundles[handle] = bundle
+        return handle
 
     def reward(self) -> list:
         """The reward function's task: ``reward.workers`` actors taking chunks of the same steps."""

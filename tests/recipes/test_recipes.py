@@ -142,6 +142,15 @@ def test_device_counts_must_match_parallel_sizes(tmp_path):
     _one_problem_with(problems, "ROLLOUT_DEVICES=8", "4 x 1 = 4")
 
 
+def test_warm_spares_count_in_the_rollout_devices(tmp_path):
+    # qwen2.5-7b: 8 rollout devices, 4 instances of TP 2. A spare holds TP devices of its own, of the rollout's.
+    spares = _copy(tmp_path / "a", "qwen2.5-7b", config={"workflow.rollout_spares": 2})
+    _one_problem_with(check_recipe(spares), "ROLLOUT_DEVICES=8",
+                      "(workflow.rollout_instances + workflow.rollout_spares)", "(4 + 2) x 2 = 12")
+    fits = _copy(tmp_path / "b", "qwen2.5-7b", config={"workflow.rollout_spares": 1, "workflow.rollout_instances": 3})
+    assert check_recipe(fits) == []
+
+
 def test_batch_must_split_over_replicas(tmp_path):
     recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3})
     _one_problem_with(check_recipe(recipe), "config.yaml", "9 rows", "micro_batch_size x trainer.data_parallel = 1 x 4")

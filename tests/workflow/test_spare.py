@@ -7,7 +7,9 @@ refills the pool is up, so the run cannot end before it.
 Checked: the spare took over (the restart is recorded as ``spare promoted``, the dead process was not started
 again: the run's last layout has a new process in the dead one's slot and no Ray restart), the pool was refilled
 (``spare started`` recorded once its process answered), every prompt of every step was trained once in its own step
-with its whole group, the staleness bound held, and no actor (the new spare included) outlived the run.
+with its whole group, the staleness bound held, and no actor (the new spare included) outlived the run. The chunked
+run lays rollout out on declared GPUs (``ray.accelerator``): the spare has a device of its own, keeps it when it takes
+the slot, and the new spare gets the dead instance's (the only one free).
 """
 
 import json
@@ -25,7 +27,9 @@ from tests.workflow.test_restart import GROUP, PROMPTS, RUN, STEPS, _logged
 from tests.workflow.test_restart_continuous import BUSY
 
 SPARE = ["workflow.rollout_instances=2", "workflow.max_service_restarts=2", "workflow.rollout_spares=1"]
-RUNS = {"chunked": [*RUN, *BUSY, *SPARE],
+# Four declared GPUs (the shared Ray's): the trainer's one, the two instances' and the spare's.
+DEVICES = ["ray.accelerator=GPU", "ray.local_devices=4", "ray.num_cpus=4", "ray.cpus_per_device=1"]
+RUNS = {"chunked-gpu": [*RUN, *BUSY, *SPARE, *DEVICES],
         "stream": [*test_restart_stream.RUN, "trainer.engine=tests.fakes.slowed.GatedTrainer", *SPARE]}
 
 pytestmark = pytest.mark.loop
@@ -55,7 +59,7 @@ def _running_instances() -> list[int]:
     return sorted(running)
 
 
-@pytest.mark.parametrize("mode", ["chunked", "stream"])
+@pytest.mark.parametrize("mode", ["chunked-gpu", "stream"])
 def test_a_spare_takes_a_killed_instances_place_and_the_pool_is_refilled(tmp_path, tiny_model_dir, shared_ray,
                                                                           mode):
     import ray
@@ -112,6 +116,10 @@ def test_a_spare_takes_a_killed_instances_place_and_the_pool_is_refilled(tmp_pat
     layout = json.loads((summary["_out"] / "layout.json").read_text())
     pids = [row["pid"] for row in layout["rollout"]]
     assert len(pids) == 2 and killed[0] not in pids, (pids, killed)
+    if mode == "chunked-gpu":  # on devices: the promoted spare kept its own, the refill took the dead one's
+        devices = [tuple(row["devices"]["GPU"]) for row in layout["rollout"] + layout["rollout_spares"]]
+        trainer = {tuple(row["devices"]["GPU"]) for row in layout["actor"]}
+        assert len(devices) == 3 and len(set(devices)) == 3 and not set(devices) & trainer, layout
     assert sum(r.get("supervisor/restarts", 0.0) for r in rows) == 1.0
     actors, groups, servers = ray_leftovers()  # the spare that refilled the pool is stopped with the rest
     assert not (actors or groups or servers), (actors, groups, servers)
@@ -121,7 +129,7 @@ def test_a_spare_takes_a_killed_instances_place_and_the_pool_is_refilled(tmp_pat
     ({"mode": "sync"}, "needs rollout instances that are restarted"),
     ({"max_service_restarts": 0}, "needs rollout instances that are restarted"),
     ({"mode": "stream", "dynamic_sampling": True}, "needs rollout instances that are restarted"),
-    ({"accelerator": "GPU"}, "reserves no devices for spares"),
+    ({"accelerator": "GPU"}, None),
     ({"rollout_spares": -1}, "workflow.rollout_spares=-1 must be at least 0"),
     ({}, None),
     ({"mode": "stream"}, None),
