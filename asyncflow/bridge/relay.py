@@ -13,6 +13,14 @@
 - **The trainer never waits.** ``notify(version)`` only wakes the sender thread; if that thread is still busy
   with an older version it later sends only the newest. The receivers run their own threads, so a rollout
   busy generating never delays the broadcast either.
+- **Groups re-form when a receiving host drops out.** A group lives for one *generation*: the sender and the
+  receivers it names (``g<n>/members`` on the store). When a broadcast fails (a receiver's process died, or its
+  host went silent for the group's timeout) the sender drops the group, which fails the other receivers' waits
+  too, and each asks into the next generation (``g<n+1>/want/<receiver>``). The sender forms it from those that
+  asked within ``REFORM_WINDOW_S`` and sends its newest version again. A receiver that starts later (its rollout
+  instance restarted on that host) asks into the generation after the current one; the sender moves everyone
+  there before its next send, or within a second while idle. So a lost host costs the others one version, not
+  every later one.
 - **Torn versions are dropped, not applied.** The sender reads the slot without locking it: it broadcasts
   the slot's header, the data, then the header again. A receiver that sees two different headers (the
   trainer rewrote the slot meanwhile) leaves that mirror slot marked empty; the next version follows.
@@ -26,6 +34,7 @@ from __future__ import annotations
 
 import datetime
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -36,6 +45,11 @@ from asyncflow.bridge.shards import MRank
 from asyncflow.bridge.staging import SLOTS, StagingWriter, _Slots, segment_bytes, source_key
 from asyncflow.ports import local_address_towards
 from asyncflow.transfer_queue.shm import Arena
+
+REFORM_WINDOW_S = 5.0
+"""How long the sender waits, once a generation broke, for the receivers still alive to ask into the next one (each
+notices within a moment: its group fails with the sender's). One that asks later joins the generation after."""
+POLL_S = 0.2
 
 MIN_CHUNK_MB = 1.0
 """Smallest relay chunk: ``bucket_mb`` may be tiny (tests use one fused group per bucket), and a broadcast of a
@@ -59,11 +73,18 @@ class RelayStore:
                 "rollout_hosts": list(rollout_hosts), "chunk_mb": max(chunk_mb, MIN_CHUNK_MB), "transport": transport}
 
 
-def _group(spec: dict, src: MRank, rank: int, size: int) -> dist.ProcessGroup:
-    """Source ``src``'s group of ``size``: the source is rank 0, receiver i is rank i + 1."""
+def _store(spec: dict, src: MRank) -> dist.Store:
+    """Source ``src``'s part of the run's relay store (its generations' members, wants and groups)."""
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
     store = dist.TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
-    prefix = dist.PrefixStore(f"relay/{source_key(src)}", store)
+    return dist.PrefixStore(f"relay/{source_key(src)}", store)
+
+
+def _group(spec: dict, src: MRank, rank: int, size: int, generation: int = 0,
+           store: dist.Store | None = None) -> dist.ProcessGroup:
+    """Source ``src``'s group of ``size`` in ``generation``: the source is rank 0, the members are ranks 1.."""
+    timeout = datetime.timedelta(seconds=spec["timeout_s"])
+    prefix = dist.PrefixStore(f"g{generation}", _store(spec, src) if store is None else store)
     if spec["backend"] == "nccl":  # pragma: no cover - CUDA only, untested on this project
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = timeout
@@ -111,8 +132,18 @@ class _Loop:
             raise RuntimeError(f"weight relay failed: {type(self.error).__name__}: {self.error}") from self.error
 
 
+STOP, REFORM = -2, -3
+"""Header versions that are not versions: the sender stops (end of the run), or moves its receivers to the next
+generation (one asked to join)."""
+
+
+def _members(text: str) -> list[int]:
+    return [int(r) for r in text.split(",") if r]
+
+
 class RelaySender:
-    """Trainer side: broadcasts the newest staged version of ``writer``'s slots to ``receivers`` receivers."""
+    """Trainer side: broadcasts the newest staged version of ``writer``'s slots to the receivers of its ``receivers``
+    remote rollout hosts that are up (the current generation's members, module docstring)."""
 
     def __init__(self, writer: StagingWriter, spec: dict, receivers: int):
         self.writer, self.spec, self.receivers = writer, spec, receivers
@@ -120,15 +151,16 @@ class RelaySender:
         self.chunk = chunk_numel(spec, data.numel(), data.dtype)
         self.buffer_bytes = self.chunk * data.element_size()
         self.sent_bytes = 0  # broadcast by this rank (headers and data, each byte once whatever the receivers)
-        self.failed: str | None = None  # why the broadcast stopped, once it has
+        self.failed: str | None = None  # why the relay stopped, once an error of its own thread stopped it
+        self.generation, self.members = 0, list(range(receivers))  # generation 0: every remote host's receiver
+        self.ended: list[str] = []  # why each generation before the current one ended
         self._newest, self._cond = -1, threading.Condition()
         self._loop = _Loop(f"relay-send-{source_key(writer.rank)}", self._run)
 
     def notify(self, version: int) -> None:
-        """``version`` was just staged (returns at once). Once the broadcast has failed (a receiving host was lost:
-        its processes died, or it went silent for the group's timeout) this rank relays nothing more and the trainer
-        goes on: a lost rollout host must not stop training. The failure is printed once and kept in ``failed``;
-        rollout hosts that still expected this rank's weights get no newer version (docs/fault_tolerance.md)."""
+        """``version`` was just staged (returns at once). A receiving host that drops out never stops training: the
+        group re-forms without it. Only an error of the sender's own thread ends the relay; it is printed once and
+        kept in ``failed``, and rollout hosts that read this rank through the relay get no newer version."""
         if self._loop.error is not None:
             if self.failed is None:
                 self.failed = f"{type(self._loop.error).__name__}: {self._loop.error}"
@@ -140,29 +172,90 @@ class RelaySender:
             self._cond.notify()
 
     def _run(self) -> None:
-        group = _group(self.spec, self.writer.rank, 0, self.receivers + 1)
-        device, sent = _device(self.spec), -1
-        slots = self.writer._slots
+        store = _store(self.spec, self.writer.rank)
+        device, slots = _device(self.spec), self.writer._slots
         buffer = torch.empty(self.chunk, dtype=slots.data[0].dtype, device=device)  # the only data buffer
+        store.set("g0/members", ",".join(map(str, self.members)))
+        store.set("generation", "0")
+        try:
+            group, sent = _group(self.spec, self.writer.rank, 0, self.receivers + 1, 0, store), -1
+        except Exception as exc:  # noqa: BLE001 - a receiver died before the first group formed
+            why = f"{type(exc).__name__}: {exc}"
+        else:
+            why = None
+        if why is not None:
+            group, sent = self._next(store, why), -1
         while True:
-            with self._cond:
-                while not (self._newest > sent or self._loop.stopping.is_set()):
-                    self._cond.wait()
-                if self._loop.stopping.is_set():  # tell the receivers to stop too
-                    group.broadcast(torch.tensor([0, -2], dtype=torch.int64, device=device), 0).wait()
-                    return
+            with self._cond:  # a second at most: a receiver that starts later asks to join while nothing is sent
+                self._cond.wait_for(lambda g=group, s=sent: (g is not None and self._newest > s)
+                                    or self._loop.stopping.is_set(), timeout=1.0)
                 version = self._newest
-            slot = version % SLOTS
-            header = slots.headers[slot].clone()
-            data = slots.data[slot]
-            group.broadcast(header.to(device), 0).wait()
-            for start, n in _chunks(data.numel(), self.chunk):
-                buffer[:n].copy_(data[start:start + n])
-                group.broadcast(buffer[:n], 0).wait()
-                self.sent_bytes += n * buffer.element_size()
-            group.broadcast(slots.headers[slot].clone().to(device), 0).wait()  # unchanged, or the copy is torn
-            self.sent_bytes += 2 * header.numel() * header.element_size()
-            sent = version
+            stopping = self._loop.stopping.is_set()
+            joining = not stopping and self._asked(store, self.generation + 1)
+            if group is not None and (stopping or joining):
+                try:
+                    self._header(group, [0, STOP if stopping else REFORM], device)
+                except Exception:  # noqa: BLE001 - a receiver already gone: the others fail with the group below
+                    pass
+            if stopping:
+                return
+            why = "a receiver asked to join" if joining else None
+            if group is not None and why is None and version > sent:
+                try:
+                    self._send(group, buffer, slots, version, device)
+                    sent = version
+                    continue
+                except Exception as exc:  # noqa: BLE001 - a receiving host dropped out: re-form without it
+                    why = f"{type(exc).__name__}: {exc}"
+            if why is not None:
+                # Dropped here, outside the handler (the exception's frames hold it): the receivers still waiting
+                # in it fail at once and ask into the next generation.
+                group = None
+                group, sent = self._next(store, why), -1
+
+    def _header(self, group, header: list[int], device) -> None:
+        group.broadcast(torch.tensor(header, dtype=torch.int64, device=device), 0).wait()
+
+    def _send(self, group, buffer: torch.Tensor, slots, version: int, device) -> None:
+        slot = version % SLOTS
+        header = slots.headers[slot].clone()
+        data = slots.data[slot]
+        group.broadcast(header.to(device), 0).wait()
+        for start, n in _chunks(data.numel(), self.chunk):
+            buffer[:n].copy_(data[start:start + n])
+            group.broadcast(buffer[:n], 0).wait()
+            self.sent_bytes += n * buffer.element_size()
+        group.broadcast(slots.headers[slot].clone().to(device), 0).wait()  # unchanged, or the copy is torn
+        self.sent_bytes += 2 * header.numel() * header.element_size()
+
+    def _asked(self, store, generation: int) -> list[int]:
+        """The receivers that asked into ``generation``."""
+        return [r for r in range(self.receivers) if store.check([f"g{generation}/want/{r}"])]
+
+    def _next(self, store, why: str):
+        """The next generation's group: the receivers that ask into it within ``REFORM_WINDOW_S`` of its start (all
+        of them, or every one that asked by then), else the first that asks after. None once the relay stops."""
+        while not self._loop.stopping.is_set():
+            self.ended.append(why)
+            self.generation += 1
+            n, began = self.generation, time.monotonic()
+            print(f"weight relay from trainer rank {source_key(self.writer.rank)}: generation {n - 1} ended "
+                  f"({why[:200]}); re-forming with the receiving hosts still up", flush=True)
+            while not self._loop.stopping.is_set():
+                asked = self._asked(store, n)
+                if len(asked) == self.receivers or (asked and time.monotonic() - began >= REFORM_WINDOW_S):
+                    break
+                time.sleep(POLL_S)
+            else:
+                return None
+            self.members = asked
+            store.set(f"g{n}/members", ",".join(map(str, asked)))
+            store.set("generation", str(n))
+            try:
+                return _group(self.spec, self.writer.rank, 0, len(asked) + 1, n, store)
+            except Exception as exc:  # noqa: BLE001 - a member died before the group formed
+                why = f"{type(exc).__name__}: {exc}"
+        return None
 
     def close(self) -> None:
         """Stop the thread (the receivers stop with it)."""
@@ -175,7 +268,9 @@ class RelaySender:
 class RelayReceiver:
     """Rollout side, one per remote source on each rollout host: mirrors the source's slots into a local
     segment, calling ``on_version(version, source_key, segment)`` once a complete, untorn version is mirrored.
-    ``receiver`` is this host's index among the source's ``receivers`` (``routes.remote_hosts``)."""
+    ``receiver`` is this host's index among the source's ``receivers`` (``routes.remote_hosts``): a receiver
+    started again on that host (its rollout instance restarted) takes the same index and asks into the sender's
+    next generation."""
 
     def __init__(self, plan: SyncPlan, src: MRank, spec: dict, receiver: int, receivers: int, segment: str,
                  on_version: Callable[[int, str, str], None]):
@@ -187,13 +282,45 @@ class RelayReceiver:
         data = self._slots.data[0]
         self.chunk = chunk_numel(spec, data.numel(), plan.dtype)
         self.buffer_bytes = self.chunk * data.element_size()
-        # Bytes that came over the network into this mirror (headers and data, torn versions included) and the
-        # complete versions mirrored: written by the thread only, read by the owner (``layout.json``).
-        self.received_bytes, self.versions = 0, 0
+        # Bytes that came over the network into this mirror (headers and data, torn versions included), the
+        # complete versions mirrored and the generations joined: written by the thread only, read by the owner
+        # (``layout.json``).
+        self.received_bytes, self.versions, self.generations = 0, 0, []
         self._loop = _Loop(f"relay-recv-{source_key(src)}", self._run)
 
     def _run(self) -> None:
-        group = _group(self.spec, self.src, self.receiver + 1, self.receivers + 1)
+        store = _store(self.spec, self.src)
+        if not self._wait(store, "generation"):
+            return
+        n = int(store.get("generation"))
+        while not self._loop.stopping.is_set():
+            if not self._wait(store, f"g{n}/members"):
+                return
+            members = _members(store.get(f"g{n}/members").decode())
+            # Once per generation and receiver: a receiver started again on this host asks into the next one.
+            if self.receiver in members and store.add(f"g{n}/joined/{self.receiver}", 1) == 1:
+                try:
+                    group = _group(self.spec, self.src, members.index(self.receiver) + 1, len(members) + 1, n,
+                                   store)
+                    self.generations.append(n)
+                    if self._mirror(group) == STOP:
+                        return
+                except Exception:  # noqa: BLE001 - the generation broke (the sender or another host dropped out)
+                    if self._loop.stopping.is_set():
+                        return
+                group = None
+            n += 1
+            store.set(f"g{n}/want/{self.receiver}", "1")
+
+    def _wait(self, store, key: str) -> bool:
+        """Wait for ``key`` on the store until the receiver stops (False then)."""
+        while not store.check([key]):
+            if self._loop.stopping.wait(POLL_S):
+                return False
+        return True
+
+    def _mirror(self, group) -> int:
+        """Mirror the versions ``group`` sends until the sender stops (``STOP``) or moves on (``REFORM``)."""
         device = _device(self.spec)
         head, tail = torch.zeros(2, dtype=torch.int64, device=device), torch.zeros(2, dtype=torch.int64, device=device)
         buffer = torch.empty(self.chunk, dtype=self.plan.dtype, device=device)  # the only data buffer
@@ -201,21 +328,24 @@ class RelayReceiver:
             group.broadcast(head, 0).wait()
             self.received_bytes += head.numel() * head.element_size()
             seq, version = (int(x) for x in head.cpu())
-            if version == -2:
-                return
+            if version in (STOP, REFORM):
+                return version
             slot = version % SLOTS
             mirror, target = self._slots.headers[slot], self._slots.data[slot]
             mirror[0] += 1  # odd: readers of this mirror slot start over
             mirror[1] = -1
-            for start, n in _chunks(target.numel(), self.chunk):
-                group.broadcast(buffer[:n], 0).wait()
-                target[start:start + n].copy_(buffer[:n])
-                self.received_bytes += n * buffer.element_size()
-            group.broadcast(tail, 0).wait()
-            self.received_bytes += tail.numel() * tail.element_size()
-            complete = torch.equal(head.cpu(), tail.cpu()) and seq % 2 == 0 and version >= 0
-            mirror[1] = version if complete else -1
-            mirror[0] += 1
+            complete = False
+            try:
+                for start, n in _chunks(target.numel(), self.chunk):
+                    group.broadcast(buffer[:n], 0).wait()
+                    target[start:start + n].copy_(buffer[:n])
+                    self.received_bytes += n * buffer.element_size()
+                group.broadcast(tail, 0).wait()
+                self.received_bytes += tail.numel() * tail.element_size()
+                complete = torch.equal(head.cpu(), tail.cpu()) and seq % 2 == 0 and version >= 0
+            finally:  # even: readers may read it again (empty when the group broke mid-version)
+                mirror[1] = version if complete else -1
+                mirror[0] += 1
             if complete:
                 self.versions += 1
                 self.on_version(version, source_key(self.src), self.segment)

@@ -289,7 +289,8 @@ class RolloutService(TaskService):
                 "read_bytes": dict(self.weight_bytes), "read_by_source": {k: dict(v) for k, v in
                                                                           self.weight_sources.items()},
                 "relay_received_bytes": sum(r.received_bytes for r in self.receivers),
-                "relay_versions": sum(r.versions for r in self.receivers)}
+                "relay_versions": sum(r.versions for r in self.receivers),
+                "relay_generations": sorted({n for r in self.receivers for n in r.generations})}
 
     def _count_read(self, staging: dict, stats: dict) -> dict[str, int]:
         """Add this version's bytes (every vLLM rank's, by source) to the counters; returns them by way."""

@@ -338,8 +338,11 @@ class ActorService(TrainerService):
 
     def relay_state(self) -> dict:
         """This rank's part of the weight path: its host key, the rollout hosts it relays to, its relay
-        buffer's bytes and the bytes it broadcast so far (empty on ranks that export nothing)."""
-        return {**self.routes, **({"relay_sent_bytes": self.relay.sent_bytes} if self.relay is not None else {})}
+        buffer's bytes, the bytes it broadcast so far and its relay group's generation and members (the indices of
+        the hosts it sends to now; empty on ranks that export nothing)."""
+        relay = self.relay
+        return {**self.routes, **({"relay_sent_bytes": relay.sent_bytes, "relay_generation": relay.generation,
+                                   "relay_members": list(relay.members)} if relay is not None else {})}
 
     def shutdown(self) -> None:
         """Remove this rank's staging segment too."""

@@ -1,7 +1,8 @@
 """The fake engines' weight path over the relay between hosts (``bridge/relay.py`` with gloo on loopback): a fake
 trainer's staging segment is mirrored by the real relay sender and receiver, and the fake rollout engine reads the
 mirror as it reads the trainer's own segment. What lets a fake rollout instance run on another host than its
-trainer (``tests/cluster/test_host_loss.py``)."""
+trainer (``tests/cluster/test_host_loss.py``). The relay group re-forms without a receiving host whose process was
+SIGKILLed, and with a receiver started again for it."""
 
 from __future__ import annotations
 
@@ -58,56 +59,90 @@ def test_a_fake_trainers_table_reaches_a_mirror_on_another_host_through_the_rela
     assert not os.path.exists(f"/dev/shm/{receiver.segment}") and not os.path.exists(f"/dev/shm/{writer.segment}")
 
 
-def _receive(spec: dict, shape: list[int], segment: str, versions) -> None:
+def _receive(spec: dict, shape: list[int], segment: str, versions, receiver: int, receivers: int) -> None:
     from asyncflow.bridge.relay import RelayReceiver
 
     plan = FakePlan(shape)
-    RelayReceiver(plan, plan.rank, spec, 0, 1, segment, lambda version, key, seg: versions.put(version))
+    RelayReceiver(plan, plan.rank, spec, receiver, receivers, segment,
+                  lambda version, key, seg: versions.put((receiver, segment, version)))
     time.sleep(600)  # until it is killed
 
 
-def test_a_lost_receiving_host_stops_the_relay_not_the_trainer():
-    """The receiving side's process is SIGKILLed (its host lost): the sender's broadcast fails, and every later
-    ``notify`` returns (the trainer goes on staging versions) with the failure kept in ``failed``."""
+def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_it_restarts():
+    """Two receiving hosts, each a process of its own. One is SIGKILLed (its host lost): the sender's broadcast fails,
+    the group re-forms with the other, which goes on getting every later version; the trainer's ``notify`` never
+    waits or raises. A receiver started again for the lost host's index joins the next generation and gets the
+    newest version, exactly as staged."""
     import multiprocessing
+    import queue
     import signal
 
     from asyncflow.bridge.relay import RelaySender, RelayStore
 
-    table = torch.randn(3, 11, 11)
+    table = torch.zeros(3, 11, 11)
     tag = uuid.uuid4().hex[:8]
     writer = FakeStagingWriter(table, f"afq-{os.getpid()}-wfake{tag}-{SOURCE}")
     store = RelayStore("127.0.0.1", timeout_s=60)
-    spec = store.spec(["host-b"])
+    spec = store.spec(["host-b", "host-c"])
     ctx = multiprocessing.get_context("spawn")
-    versions = ctx.Queue()
-    mirror = f"afq-{os.getpid()}-wrfake{tag}-{SOURCE}"  # named after this process: removed here below
-    receiver = ctx.Process(target=_receive, args=(spec, list(table.shape), mirror, versions))
-    receiver.start()
-    sender = RelaySender(writer, spec, 1)
-    try:
-        writer.stage(1)
-        sender.notify(1)
-        assert versions.get(timeout=60) == 1
-        os.kill(receiver.pid, signal.SIGKILL)
-        receiver.join(timeout=30)
-        deadline = time.time() + 60
-        version = 1
-        while sender.failed is None and time.time() < deadline:
+    got = ctx.Queue()
+    mirrors = [f"afq-{os.getpid()}-wrfake{tag}-{name}-{SOURCE}" for name in ("b", "c", "b2")]  # removed below
+    procs = [ctx.Process(target=_receive, args=(spec, list(table.shape), mirrors[r], got, r, 2)) for r in (0, 1)]
+    for proc in procs:
+        proc.start()
+    sender = RelaySender(writer, spec, 2)
+    version, seen = 0, {}  # mirror -> versions it reported
+
+    def stage_until(done) -> None:
+        nonlocal version
+        deadline = time.time() + 90
+        while not done() and time.time() < deadline:
             version += 1
+            table.fill_(float(version))
             writer.stage(version)
-            sender.notify(version)  # never raises: the trainer goes on
-            time.sleep(0.1)
-        assert sender.failed is not None and version > 2
-        writer.stage(version + 1)
-        sender.notify(version + 1)
-        torch.testing.assert_close(read_staged(writer.segment, list(table.shape), version + 1), table, rtol=0, atol=0)
+            sender.notify(version)  # returns at once: the trainer never waits for the relay
+            try:
+                while True:
+                    _, mirror, v = got.get(timeout=0.2)
+                    seen.setdefault(mirror, []).append(v)
+            except queue.Empty:
+                pass
+        assert done(), (version, seen, sender.generation, sender.ended)
+
+    try:
+        stage_until(lambda: all(seen.get(m) for m in mirrors[:2]))
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].join(timeout=30)
+        lost_at = version
+        stage_until(lambda: max(seen[mirrors[1]]) >= lost_at + 3)  # the other host goes on
+        assert sender.generation >= 1 and sender.members == [1] and sender.failed is None, sender.ended
+        procs.append(ctx.Process(target=_receive, args=(spec, list(table.shape), mirrors[2], got, 0, 2)))
+        procs[-1].start()
+        stage_until(lambda: seen.get(mirrors[2]))
+        assert sender.members == [0, 1] and sender.failed is None
+        # Nothing is staged after ``version``: both mirrors get it, the new one exactly as the trainer staged it.
+        deadline = time.time() + 30
+        while not all(version in seen.get(m, []) for m in mirrors[1:]) and time.time() < deadline:
+            _, mirror, v = got.get(timeout=30)
+            seen.setdefault(mirror, []).append(v)
+        assert all(version in seen[m] for m in mirrors[1:]), (version, seen)
+        torch.testing.assert_close(read_staged(mirrors[2], list(table.shape), version),
+                                   torch.full_like(table, float(version)), rtol=0, atol=0)
+        assert min(seen[mirrors[2]]) > lost_at
+        # Versions only grow in each mirror, the lost host's mirror reported none after its death.
+        assert all(a < b for vs in seen.values() for a, b in zip(vs, vs[1:])), seen
+        assert max(seen[mirrors[0]]) <= lost_at
     finally:
         sender.close()
         writer.close()
-        if receiver.is_alive():
-            receiver.kill()
-        try:
-            os.unlink(f"/dev/shm/{mirror}")
-        except FileNotFoundError:
-            pass
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=10)
+        got.close()
+        got.join_thread()
+        for mirror in mirrors:
+            try:
+                os.unlink(f"/dev/shm/{mirror}")
+            except FileNotFoundError:
+                pass

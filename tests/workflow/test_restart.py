@@ -11,6 +11,7 @@ without it. The trainer is slowed down
 """
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -102,6 +103,23 @@ def test_killed_rollout_instances_are_replaced_then_left_out_and_the_run_goes_on
     assert all(e["rolled_back_puts"] in (0, 1) for e in events), events
     actors, groups, servers = ray_leftovers()  # the instance left out is stopped with the rest
     assert not (actors or groups or servers), (actors, groups, servers)
+
+
+def test_a_killed_rollout_instance_fed_by_the_relay_rejoins_it(tmp_path, tiny_model_dir, shared_ray):
+    # Every pair relays (weight_sync.transport=relay): the one rollout instance owns its host's receiver. Its death
+    # breaks the relay group; the instance Ray starts again asks into the next generation and gets the newest
+    # version through it, and the run trains every prompt once.
+    summary, killer = _run_with_kills(tmp_path, tiny_model_dir, "relay", "rollout", [2],
+                                      "weight_sync.transport=relay", "workflow.max_service_restarts=1")
+    assert len(killer.killed) == 1, "the run ended before the kill"
+    check_staleness_and_exactly_once(summary, 1, STEPS, PROMPTS, GROUP)
+    assert [(e["service"], e["restart"]) for e in summary["service_restarts"]] == [("rollout", 1)]
+    layout = json.loads((summary["_out"] / "layout.json").read_text())
+    [sender] = [row["weights"] for row in layout["actor"] if row["weights"].get("sends_to")]
+    assert sender["relay_generation"] >= 1 and sender["relay_members"] == [0], sender
+    [rollout] = [row["weights"] for row in layout["rollout"]]
+    assert rollout["relay_versions"] > 0 and min(rollout["relay_generations"]) >= 1, rollout  # the new receiver's
+    assert rollout["read_bytes"]["relay"] > 0 and rollout["read_bytes"]["shm"] == 0, rollout
 
 
 def test_a_death_past_the_bound_restarts_the_run_from_its_checkpoint(tmp_path, tiny_model_dir, shared_ray, capsys):
