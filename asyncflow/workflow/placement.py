@@ -228,7 +228,7 @@ class Placement:
     def spare_bundles(self) -> list[int]:
         """The rollout bundles of the warm spares (devices, ``async`` and ``stream``: those after the instances'; a
         spare that takes a dead instance's slot keeps its own, and the dead one's goes to the spare that refills
-        the pool). None on the CPU layout: spares share rollout's core there."""
+        the pool). Empty on the CPU layout: spares share rollout's core there."""
         if self.acc is None or self.colocated:
             return []
         n = self.cfg.workflow.rollout_instances
