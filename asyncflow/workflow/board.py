@@ -39,6 +39,7 @@ class VersionBoard:
         self._plan: dict | None = None  # the SyncPlan as plain data, and the exporting ranks
         self._cond: asyncio.Condition | None = None
         self._reports: list[dict] = []
+        self._evaluated = -1  # the newest version whose evaluation was reported (``evaluated``)
         self._sampling: dict[int, tuple[int, int]] = {}  # step -> (kept rows, judged rows), dynamic sampling
         self._rollout: dict[int, dict] = {}  # rollout instance -> {"serving": v, "applying": v | None}
         self._aborted: str | None = None
@@ -170,7 +171,17 @@ class VersionBoard:
 
     async def report(self, item: dict) -> None:
         """A worker's per-step metrics and timeline spans."""
+        from asyncflow.observability import keys
+
         self._reports.append(item)
+        version = item.get("metrics", {}).get(keys.EVAL_VERSION)
+        if version is not None:
+            self._evaluated = max(self._evaluated, int(version))
+
+    async def evaluated(self) -> int:
+        """The newest version whose evaluation a rollout instance reported (-1: none): a new incarnation of
+        instance 0 does not evaluate it again."""
+        return self._evaluated
 
     async def take_reports(self) -> list[dict]:
         """Every report since the last call."""

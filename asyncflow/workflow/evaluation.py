@@ -112,11 +112,12 @@ def _restarted_actor() -> bool:
 class Evaluator:
     """Runs in rollout instance 0: decides when an evaluation is due and runs it on the instance's engine."""
 
-    def __init__(self, spec: EvalSpec, model_dir: str, restarted: bool | None = None):
+    def __init__(self, spec: EvalSpec, model_dir: str, restarted: bool | None = None, evaluated: int = -1):
         """``restarted``: this instance is a new incarnation of one that died (default: ask Ray whether this actor
         was started again). The evaluations before the death were made: it evaluates next at the first multiple of
         ``spec.every`` from the first version it admits (the version of an evaluation cut short by the death, when
-        still admitted), not at once as ``spec.before`` has a first incarnation do."""
+        still admitted), not at once as ``spec.before`` has a first incarnation do, and never at or below
+        ``evaluated``, the newest version whose evaluation was reported (``VersionBoard.evaluated``)."""
         from asyncflow.models.tokenizer import load_tokenizer
         from asyncflow.rewards import RewardScorer, make_reward_fn
 
@@ -128,12 +129,14 @@ class Evaluator:
         restarted = _restarted_actor() if restarted is None else restarted
         self.next_due = None if restarted else 0 if spec.before else (spec.every or None)
         self.resuming = restarted and bool(spec.every)
+        self.evaluated = evaluated
 
     def due(self, version: int) -> bool:
         """Whether the weights of ``version`` (just admitted) are to be evaluated."""
         if self.resuming:  # the first version a restarted instance admits fixes its next evaluation
             self.resuming = False
-            self.next_due = -(-version // self.spec.every) * self.spec.every
+            first = max(version, self.evaluated + 1)
+            self.next_due = -(-first // self.spec.every) * self.spec.every
         return self.next_due is not None and version >= self.next_due
 
     def _score(self, prompts: list[list[int]], samples: list, answers: list) -> list[float]:

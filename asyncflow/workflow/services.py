@@ -211,7 +211,7 @@ class RolloutService(TaskService):
         if evaluation is not None:
             from asyncflow.workflow.evaluation import Evaluator
 
-            self.evaluator = Evaluator(evaluation, model_dir)
+            self.evaluator = Evaluator(evaluation, model_dir, evaluated=self._evaluated())
 
     def take_slot(self, worker: int, evaluation=None) -> int:
         """A spare instance (built idle: no loop, no weights) takes the place of dead instance ``worker``: its
@@ -229,8 +229,14 @@ class RolloutService(TaskService):
         if evaluation is not None and self.evaluator is None:
             from asyncflow.workflow.evaluation import Evaluator
 
-            self.evaluator = Evaluator(evaluation, self.model_dir, restarted=True)
+            self.evaluator = Evaluator(evaluation, self.model_dir, restarted=True, evaluated=self._evaluated())
         return worker
+
+    def _evaluated(self) -> int:
+        """The newest version whose evaluation was reported in this run (the board's; -1: none)."""
+        import ray
+
+        return ray.get(self.board.evaluated.remote())
 
     def shutdown(self) -> None:
         """Stop the engine first: its workers may be separate processes (vLLM at TP > 1)."""

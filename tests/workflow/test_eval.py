@@ -107,10 +107,32 @@ def test_a_restarted_instance_evaluates_at_the_next_multiple_not_version_0_again
         again = Evaluator(spec, str(tiny_model_dir), restarted=True)
         assert [again.due(version), again.due(4)] == due, version
         again.close()
+    # The newest evaluation reported before the death (the board's) is not made again: v4 was, so v6 is next.
+    reported = Evaluator(spec, str(tiny_model_dir), restarted=True, evaluated=4)
+    assert [reported.due(4), reported.due(5), reported.due(6)] == [False, False, True]
+    reported.close()
     none_after = Evaluator(dataclasses.replace(spec, every=0), str(tiny_model_dir), restarted=True)
     assert not none_after.due(0) and not none_after.due(5)  # only ``before``, which the first incarnation made
     for evaluator in (first, none_after):
         evaluator.close()
+
+
+def test_the_board_keeps_the_newest_evaluation_reported():
+    import asyncio
+
+    from asyncflow.observability import keys
+    from asyncflow.workflow.board import VersionBoard
+
+    async def reports() -> list[int]:
+        board, seen = VersionBoard(), []
+        seen.append(await board.evaluated())
+        for metrics in ({"rollout/rows": 8.0}, {keys.EVAL_VERSION: 2.0}, {keys.EVAL_VERSION: 4.0},
+                        {keys.EVAL_VERSION: 2.0}):
+            await board.report({"step": 0, "metrics": metrics})
+            seen.append(await board.evaluated())
+        return seen
+
+    assert asyncio.run(reports()) == [-1, -1, 2, 4, 4]
 
 
 def _load(*overrides):

@@ -120,8 +120,8 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
         assert m["actor/rows"] == PROMPTS * GROUP  # no validation response was trained
     evals = [m for m in metrics if "eval/version" in m]
     assert [m["eval/version"] for m in evals[:2]] in ([0, 2], [0, 3]) and evals[0]["step"] == 0
-    # After the kill the new incarnation evaluates at version 4 or later, never version 0 again. When the kill came
-    # after the dead instance's evaluation of version 4, the new one evaluates its first version (e.g. 5) once more.
+    # After the kill the new incarnation evaluates at version 4 or later, never version 0 again, and never a version
+    # whose evaluation the dead one reported (the board's record): the versions only grow.
     versions = [m["eval/version"] for m in evals]
     assert all(v >= 4 for v in versions[2:]) and all(a < b for a, b in zip(versions, versions[1:])), evals
     assert all(m["eval/prompts"] == 3 for m in evals)
