@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 
+from asyncflow.observability.keys import EVAL_VERSION
+
 
 def admitted_version(step: int, max_staleness: int) -> int:
     """The oldest weight version allowed to generate the samples of ``step``."""
@@ -171,10 +173,8 @@ class VersionBoard:
 
     async def report(self, item: dict) -> None:
         """A worker's per-step metrics and timeline spans."""
-        from asyncflow.observability import keys
-
         self._reports.append(item)
-        version = item.get("metrics", {}).get(keys.EVAL_VERSION)
+        version = item.get("metrics", {}).get(EVAL_VERSION)
         if version is not None:
             self._evaluated = max(self._evaluated, int(version))
 
