@@ -112,13 +112,18 @@ def _chunks(numel: int, step: int):
         yield start, min(step, numel - start)
 
 class _Loop:
-    """A daemon thread running ``body`` until ``stop``; its first error is kept and re-raised by ``check``."""
+    """A daemon thread running ``body`` until ``stop``; its first error is kept and re-raised by ``check``.
+    Started by ``start`` once the owner holds it: ``body`` reads ``owner._loop``, and a thread started in the
+    constructor can get there before the assignment does (seen on a loaded machine)."""
 
     def __init__(self, name: str, body: Callable[[], None]):
         self.error: BaseException | None = None
         self.stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(body,), name=name, daemon=True)
+
+    def start(self) -> _Loop:
         self._thread.start()
+        return self
 
     def _run(self, body) -> None:
         try:
@@ -156,6 +161,7 @@ class RelaySender:
         self.ended: list[str] = []  # why each generation before the current one ended
         self._newest, self._cond = -1, threading.Condition()
         self._loop = _Loop(f"relay-send-{source_key(writer.rank)}", self._run)
+        self._loop.start()
 
     def notify(self, version: int) -> None:
         """``version`` was just staged (returns at once). A receiving host that drops out never stops training: the
@@ -287,6 +293,7 @@ class RelayReceiver:
         # (``layout.json``).
         self.received_bytes, self.versions, self.generations = 0, 0, []
         self._loop = _Loop(f"relay-recv-{source_key(src)}", self._run)
+        self._loop.start()
 
     def _run(self) -> None:
         store = _store(self.spec, self.src)

@@ -51,6 +51,8 @@ def test_relay_mirrors_each_version_chunk_by_chunk_through_a_fixed_buffer():
     def wait_for(version):
         deadline = time.time() + 60
         while time.time() < deadline:
+            for receiver in receivers:
+                receiver.check()  # a receiver thread's own error fails the test with its cause
             with lock:
                 if all(len(mirrored[r].get(version, {})) == len(writers) for r in (0, 1)):
                     return {r: dict(mirrored[r][version]) for r in (0, 1)}
