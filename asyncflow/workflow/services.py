@@ -132,12 +132,16 @@ class TaskService:
         return self.name
 
     def where(self) -> dict:
-        """This worker's node and the accelerator ids Ray assigned to it (for placement checks and logs)."""
+        """This worker's node, the accelerator ids Ray assigned to it and its process (for placement checks and
+        logs)."""
         import ray
+
+        from asyncflow.workflow import priority
 
         ctx = ray.get_runtime_context()
         return {"node": ctx.get_node_id(), "devices": {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v},
                 "node_ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+                "cpu_policy": priority.policy(),
                 "master_addr": os.environ.get("MASTER_ADDR"), "master_port": os.environ.get("MASTER_PORT"),
                 "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
@@ -219,8 +223,10 @@ class RolloutService(TaskService):
         a restarted process of it would have them (``Supervisor._promote``); ``evaluation``: instance 0's
         validation set, evaluated from the next due version as a restarted instance 0 does. Returns ``worker``."""
         from asyncflow.bridge import routes
+        from asyncflow.workflow import priority
         from asyncflow.workflow.supervisor import writer_of
 
+        priority.foreground()  # a refill spare warmed up in the CPU's background; it serves as the others do
         self.worker = worker
         self.tq.writer = writer_of(self.name, worker)
         if self.relay is not None:

@@ -414,11 +414,12 @@ class Supervisor:
     def _refill(self, event: dict) -> None:
         """Start a new spare for the one ``event`` promoted, once that one answered or died: a process start (an
         import of torch, seconds of CPU) next to the promotion would slow it where they share a host's cores.
-        Nothing waits for the new spare (``_warmed`` notes when it answers)."""
+        Nothing waits for the new spare (``_warmed`` notes when it answers); it starts in the CPU's background
+        (``asyncflow.workflow.priority``): where it shares cores it takes only what the run leaves idle."""
         if event.get("how") != "spare promoted" or id(event) in self.refilled:
             return
         self.refilled.add(id(event))
-        refill = self.pipe.workers.spares(1)[0]
+        refill = self.pipe.workers.spares(1, background=True)[0]
         self.pipe.spares.append(refill)
         self.warming[refill.ping.remote()] = (refill, {"service": "rollout spare", "worker": None, "restart": None,
                                                        "error": "spare started", "detected_at": time.time(),

@@ -86,15 +86,18 @@ class WorkerGroups:
 
         return evaluation_spec(self.cfg, self.model_dir) if i == 0 else None
 
-    def spares(self, count: int) -> list:
+    def spares(self, count: int, background: bool = False) -> list:
         """``count`` warm spare rollout instances (``workflow.rollout_spares``): built as instances are, engine and
         model loaded, with no loop and no weights until one takes a dead instance's place
         (``RolloutService.take_slot``). On the CPU layout each is placed as an instance beyond the first is (no
-        core reserved); on devices each takes a rollout bundle no actor holds (``release``)."""
+        core reserved); on devices each takes a rollout bundle no actor holds (``release``). ``background``: a
+        refill started while the run goes on, on CPU time no other process wants until promoted
+        (``asyncflow.workflow.priority``)."""
         if self.where.acc is not None and len(self.free_bundles) < count:
             raise RuntimeError(f"{count} spare rollout instance(s) wanted but the placement group has "
                                f"{len(self.free_bundles)} free rollout bundle(s)")
-        return [self.rollout_instance(-1, bundle=self.free_bundles.pop(0) if self.free_bundles else None)
+        return [self.rollout_instance(-1, bundle=self.free_bundles.pop(0) if self.free_bundles else None,
+                                      background=background)
                 for _ in range(count)]
 
     def release(self, handle) -> None:
@@ -108,12 +111,20 @@ class WorkerGroups:
         bundle = self.rollout_bundles.get(handle)
         return None if bundle is None else self.where.rollout_node(bundle)
 
-    def rollout_instance(self, i: int, evaluation=None, bundle: int | None = None):
+    def rollout_instance(self, i: int, evaluation=None, bundle: int | None = None, background: bool = False):
         """Rollout instance ``i`` (also one added while the run goes on: ``Supervisor.scale``; -1: a spare, in
-        ``bundle`` on devices)."""
+        ``bundle`` on devices; ``background``: see ``spares``)."""
+        from asyncflow.workflow import priority
+
         cfg, wf = self.cfg, self.cfg.workflow
         bundle = max(i, 0) if bundle is None else bundle
         opts, cpus = self.where.rollout(i, bundle)
+        if background:
+            # Ray runs a worker's setup hook before it imports the actor's class, but takes one from the job's
+            # runtime_env only (ray.init); an actor's own is given through the variable the worker reads.
+            from ray._private.ray_constants import WORKER_PROCESS_SETUP_HOOK_ENV_VAR
+
+            opts = {**opts, "runtime_env": {"env_vars": {WORKER_PROCESS_SETUP_HOOK_ENV_VAR: priority.HOOK}}}
         handle = self._place(
             services.RolloutService, opts, vllm_cfg=cfg.rollout, model_dir=self.model_dir,
             max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,

@@ -6,7 +6,8 @@ refills the pool is up, so the run cannot end before it.
 
 Checked: the spare took over (the restart is recorded as ``spare promoted``, the dead process was not started
 again: the run's last layout has a new process in the dead one's slot and no Ray restart), the pool was refilled
-(``spare started`` recorded once its process answered), every prompt of every step was trained once in its own step
+(``spare started`` recorded once its process answered, in the CPU's background (``SCHED_IDLE``) while the
+instances serve normally), every prompt of every step was trained once in its own step
 with its whole group, the staleness bound held, and no actor (the new spare included) outlived the run. The chunked
 run lays rollout out on declared GPUs (``ray.accelerator``): the spare has a device of its own, keeps it when it takes
 the slot, and the new spare gets the dead instance's (the only one free).
@@ -120,6 +121,13 @@ def test_a_spare_takes_a_killed_instances_place_and_the_pool_is_refilled(tmp_pat
         devices = [tuple(row["devices"]["GPU"]) for row in layout["rollout"] + layout["rollout_spares"]]
         trainer = {tuple(row["devices"]["GPU"]) for row in layout["actor"]}
         assert len(devices) == 3 and len(set(devices)) == 3 and not set(devices) & trainer, layout
+    # The refill spare warms up in the CPU's background where it can leave it again (as root, in CI); the promoted
+    # spare, a refill itself in the chunked run or not, serves as the other instance does.
+    from asyncflow.workflow import priority
+
+    assert [row["cpu_policy"] for row in layout["rollout"]] == ["normal", "normal"], layout["rollout"]
+    assert [row["cpu_policy"] for row in layout["rollout_spares"]] == [
+        "idle" if priority.can_leave_idle() else "normal"], layout["rollout_spares"]
     assert sum(r.get("supervisor/restarts", 0.0) for r in rows) == 1.0
     actors, groups, servers = ray_leftovers()  # the spare that refilled the pool is stopped with the rest
     assert not (actors or groups or servers), (actors, groups, servers)
