@@ -4,12 +4,13 @@ rollout instances dead next to the healthy run's.
     python bench/chaos.py [--faults 10] [--steps 300] [--seed 0] [--out DIR] [--rate-steps 16] [--cost-steps 40]
                           [--host-steps 12] [--host-rollout-steps 40] [--restart-timeout 10]
                           [--mode all|rollout-cost|host|host-rollout] [--spares 1] [--cost-repeats 3]
+                          [--token-s 0.02]
 
 The workflow runs on the fake engines (``asyncflow.engines.fake``: the models are a table; Ray, its actor
 processes, the TransferQueue's server processes, the version board, the driver and its run checkpoints are real),
 as ``asyncflow train`` subprocesses on this one host: GRPO on the add-one task, async, max_staleness 1, two rollout
-instances, a checkpoint every step. Rollout is the slow side on purpose (``ASYNCFLOW_FAKE_TOKEN_S``: a fixed time
-per engine step, a sleep), so that the throughput comparison measures the rollout instances.
+instances, a checkpoint every step. Rollout is the slow side on purpose (``ASYNCFLOW_FAKE_TOKEN_S``, ``--token-s``:
+a fixed time per engine step, a sleep), so that the throughput comparison measures the rollout instances.
 
 Faults, in turn, each at a random time once the run has logged a step since the previous one:
 
@@ -513,7 +514,8 @@ def rollout_cost(args, model: Path) -> dict:
                             for key in ("healthy_s", "killed_s", "extra_s", "detect_s", "restart_s", "released_rows",
                                         "per_row_s", "regen_s", "ratio", "healthy_samples_per_s")
                             if any(r[key] is not None for r in good)}
-    return {"steps": args.cost_steps, "spares": args.spares, "pairs": pairs, "medians": medians}
+    return {"steps": args.cost_steps, "spares": args.spares, "token_s": args.token_s, "pairs": pairs,
+            "medians": medians}
 
 
 def cost_pair(args, model: Path, spares: int, seed: int, name: str) -> dict:
@@ -596,18 +598,19 @@ def cost_table(cost: dict) -> str:
         return f"| {label} | " + " | ".join("-" if med[h].get(key) is None else format(med[h][key], fmt)
                                             for h in cols) + " |"
 
-    lines = ["| rollout-instance death, fake engines, median of pairs | " + " | ".join(
+    lines = [f"| rollout-instance death, fake engines ({cost.get('token_s', 0.02)} s per engine step), median of "
+             "pairs | " + " | ".join(
                  f"{head[h]}, {n[h]} pair(s)" for h in cols) + " |", "|---|" + "---|" * len(cols),
              row(f"healthy run, steps from the kill (step ~{cost['steps'] // 3}) to {cost['steps'] - 1}, s",
                  "healthy_s", ".1f"),
              row("healthy run's throughput over those steps, samples/s", "healthy_samples_per_s", ".1f"),
              row("same steps, one of two instances SIGKILLed, s", "killed_s", ".1f"),
-             row("extra wall time the death cost, s", "extra_s", ".1f"),
+             row("extra wall time the death cost, s", "extra_s", ".2f"),
              row("SIGKILL to the driver seeing the death, s", "detect_s", ".2f"),
              row("death seen to the slot's loop running again, s", "restart_s", ".2f"),
              row("rows handed out again", "released_rows", ".0f"),
              row("generation time per row, s", "per_row_s", ".3f"),
-             row("their regeneration time, s", "regen_s", ".1f"),
+             row("their regeneration time, s", "regen_s", ".2f"),
              row("ratio (target < 2)", "ratio", ".2f"),
              "| samples lost / trained twice / corrupted, killed runs summed | " + " | ".join(
                  " / ".join(str(sum(r.get(k, 0) for r in cost["pairs"][h] if "error" not in r))
@@ -668,6 +671,8 @@ def main() -> None:
     parser.add_argument("--spares", type=int, default=1,
                         help="warm spare rollout instances of the rollout-cost pairs run with spares (0: none)")
     parser.add_argument("--cost-repeats", type=int, default=3, help="rollout-cost pairs of each kind")
+    parser.add_argument("--token-s", type=float, default=0.02,
+                        help="the fake rollout engines' time per engine step (ASYNCFLOW_FAKE_TOKEN_S), seconds")
     parser.add_argument("--host-rollout-steps", type=int, default=40)
     parser.add_argument("--restart-timeout", type=float, default=10.0,
                         help="workflow.restart_timeout_s of the host-rollout run")
@@ -679,6 +684,7 @@ def main() -> None:
     args = parser.parse_args()
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
+    ENV["ASYNCFLOW_FAKE_TOKEN_S"] = str(args.token_s)
     from asyncflow.tiny_model import make_tiny_model
 
     model = args.out / "model"
