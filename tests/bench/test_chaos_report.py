@@ -36,11 +36,12 @@ def test_the_cost_of_a_death_is_the_extra_step_time_against_the_regeneration_tim
             "released_rows": 12, "per_row_s": 0.5, "regen_s": 6.0, "ratio": 0.5, "healthy_samples_per_s": 40.0,
             "lost": 0, "twice": 0, "corrupted": 0}
     spare = {**pair, "killed_s": 8.5, "extra_s": 0.5, "restart_s": 0.1, "ratio": 0.5 / 6.0, "twice": 4}
-    cost = {"steps": 30, "spares": 1, "pairs": {"restart": [pair, {"error": "the run failed"}], "spare": [spare]},
+    cost = {"steps": 30, "spares": 1, "token_s": 0.05,
+            "pairs": {"restart": [pair, {"error": "the run failed"}], "spare": [spare]},
             "medians": {"restart": pair, "spare": spare}}
     table = cost_table(cost)
-    assert table.splitlines()[0] == ("| rollout-instance death, fake engines, median of pairs | no spare (restarted), "
-                                     "1 pair(s) | 1 warm spare(s) (promoted), 1 pair(s) |")
+    assert table.splitlines()[0] == ("| rollout-instance death, fake engines (0.05 s per engine step), median of pairs "
+                                     "| no spare (restarted), 1 pair(s) | 1 warm spare(s) (promoted), 1 pair(s) |")
     assert "| healthy run, steps from the kill (step ~10) to 29, s | 8.0 | 8.0 |" in table
     assert "| death seen to the slot's loop running again, s | 2.50 | 0.10 |" in table
     assert "| ratio (target < 2) | 0.50 | 0.08 |" in table
