@@ -22,6 +22,9 @@ def _environment(cfg: VllmConfig, cpus: list[int] | None, visible_devices: list[
     if visible_devices:  # before CUDA starts in this process: vLLM's TP workers inherit it
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_devices)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
+    rpc = os.environ.get("VLLM_RPC_BASE_PATH")
+    if rpc is None or Path(rpc).parent == _IPC:  # unset, or a parent engine process's (inherited): this one's own
+        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
     if cfg.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     tp = cfg.tensor_parallel
@@ -164,6 +167,41 @@ def remove_stale_segments() -> list[str]:
     return removed
 
 
+# vLLM's message queues and engine sockets are ZeroMQ ``ipc://`` sockets, files under ``VLLM_RPC_BASE_PATH`` (the
+# temporary directory by default). A socket's file goes when the socket closes; a SIGKILLed engine process (a
+# rollout instance's death) never closes its own or its workers', and their files would stay in /tmp. So each engine
+# process gives vLLM a directory of its own, named after it, and every engine that starts or closes on the host
+# removes those of dead processes (``remove_stale_ipc``), as for the shared-memory segments above.
+_IPC = Path(tempfile.gettempdir()) / "asyncflow-vllm-ipc"
+
+
+def ipc_dir() -> Path:
+    """This process's directory for vLLM's ``ipc://`` sockets (made here; its children inherit the variable)."""
+    import psutil
+
+    me = psutil.Process()
+    path = _IPC / f"{me.pid}-{me.create_time():.3f}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def remove_stale_ipc() -> list[Path]:
+    """Remove the ``ipc_dir`` of every engine process that is gone, with what its engine left there; returns them."""
+    import shutil
+
+    removed = []
+    for path in sorted(_IPC.iterdir()) if _IPC.is_dir() else []:
+        pid, _, started = path.name.partition("-")
+        try:
+            alive = _process_lives(int(pid), float(started))
+        except ValueError:  # not one of ours
+            continue
+        if not alive:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 class VllmRollout(RolloutEngine):
     """Owns one vLLM ``LLM``; every call is synchronous and made from the owning process."""
 
@@ -208,6 +246,7 @@ class VllmRollout(RolloutEngine):
             own = _own_segments()
             _record_segments({path for path in made if _in(path, own)})
             remove_stale_segments()
+        remove_stale_ipc()
 
     def generate(
         self,
@@ -393,6 +432,7 @@ class VllmRollout(RolloutEngine):
             if not any(os.path.exists(path) for path in made):
                 ledger.unlink(missing_ok=True)  # else the rest goes once this process has exited
         remove_stale_segments()
+        remove_stale_ipc()
 
     def served_versions(self) -> list[int]:
         """The weight version each vLLM rank reports."""

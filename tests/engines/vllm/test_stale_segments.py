@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 from asyncflow.engines.vllm import rollout
 
@@ -79,3 +80,42 @@ def test_another_processes_semaphore_is_neither_listed_nor_unlinked():
         maker.wait(30)
     rollout._unlink_unused({path})
     assert not os.path.exists(path)
+
+
+IPC_HOLDER = """
+import os, sys, time
+import zmq
+from asyncflow.engines.vllm import rollout
+rollout._environment(rollout.VllmConfig(), None, None)
+from vllm.utils.network_utils import get_open_zmq_ipc_path  # where vLLM puts its message queues and engine sockets
+sock = zmq.Context().socket(zmq.PUB)
+sock.bind(get_open_zmq_ipc_path())
+print(sock.getsockopt_string(zmq.LAST_ENDPOINT)[len("ipc://"):], flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_ipc_sockets_of_a_killed_engine_process_are_removed_and_a_live_ones_kept():
+    """vLLM's ``ipc://`` sockets go to a directory of the engine process's own (``VLLM_RPC_BASE_PATH``), not to /tmp:
+    a SIGKILLed process's socket file stays there until a sweep (``remove_stale_ipc``) removes the directory; a live
+    process's is kept. A process that inherited another engine process's directory takes one of its own."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd(), VLLM_RPC_BASE_PATH=str(rollout.ipc_dir()))  # this one's, inherited
+    procs = [subprocess.Popen([sys.executable, "-c", IPC_HOLDER], stdout=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    try:
+        dead_socket, live_socket = (Path(proc.stdout.readline().strip()) for proc in procs)
+        for proc, socket in zip(procs, (dead_socket, live_socket)):
+            assert socket.is_socket() and socket.parent.parent == rollout._IPC, socket
+            assert socket.parent.name.startswith(f"{proc.pid}-")  # its own directory, not the inherited one
+        os.kill(procs[0].pid, signal.SIGKILL)
+        procs[0].wait(30)
+        assert dead_socket.is_socket()  # nobody closed it
+        removed = rollout.remove_stale_ipc()
+        assert dead_socket.parent in removed and not dead_socket.parent.exists()
+        assert live_socket.is_socket()  # its owner lives
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(30)
+    rollout.remove_stale_ipc()
+    assert not live_socket.parent.exists()
