@@ -8,8 +8,9 @@ instance's slot (``foreground``). A process may always move to ``SCHED_IDLE`` bu
 ``CAP_SYS_NICE`` (root) or an ``RLIMIT_NICE`` that allows its niceness: where it could not leave, it never enters
 (``background`` does nothing), so a promoted spare never serves in the background.
 
-Linux keeps the policy per thread: both functions set every thread of the process (``/proc/self/task``); threads
-started later inherit their creator's.
+Linux keeps the policy per thread, and a thread or process started later inherits its creator's: both functions set
+every thread of the process (``/proc/<pid>/task``), and ``foreground`` also those of its descendants (a vLLM engine's
+core and workers, which the spare started while it was in the background).
 """
 
 from __future__ import annotations
@@ -23,12 +24,20 @@ HOOK = f"{__name__}.background"
 _background = False
 
 
-def _threads() -> list[int]:
-    return [int(tid) for tid in os.listdir("/proc/self/task")]
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:  # the process ended meanwhile
+        return []
 
 
-def _set(policy: int) -> None:
-    for tid in _threads():
+def _set(policy: int, descendants: bool = False) -> None:
+    import psutil
+
+    pids = [os.getpid()]
+    if descendants:
+        pids += [child.pid for child in psutil.Process().children(recursive=True)]
+    for tid in (tid for pid in pids for tid in _threads(pid)):
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
         except ProcessLookupError:  # the thread ended meanwhile
@@ -57,8 +66,8 @@ def background() -> None:
 
 
 def foreground() -> None:
-    """Back to the normal policy (nothing where ``background`` did nothing)."""
+    """Back to the normal policy, with every process started meanwhile (nothing where ``background`` did nothing)."""
     global _background
     if _background:
-        _set(os.SCHED_OTHER)
+        _set(os.SCHED_OTHER, descendants=True)
         _background = False

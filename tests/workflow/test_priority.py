@@ -1,5 +1,6 @@
 """A refill spare's CPU policy (``asyncflow.workflow.priority``), in a process of its own: every thread goes to
-``SCHED_IDLE`` and back, the threads started before and after included."""
+``SCHED_IDLE`` and back, the threads started before and after included, and so does a child process started in the
+background (as a vLLM engine's core and workers are)."""
 
 import subprocess
 import sys
@@ -9,11 +10,11 @@ import pytest
 from asyncflow.workflow import priority
 
 SCRIPT = """
-import os, threading, time
+import os, subprocess, sys, threading, time
 from asyncflow.workflow import priority
 
-def policies():
-    return sorted({os.sched_getscheduler(int(t)) for t in os.listdir('/proc/self/task')})
+def policies(pid='self'):
+    return sorted({os.sched_getscheduler(int(t)) for t in os.listdir(f'/proc/{pid}/task')})
 
 stop = threading.Event()
 threading.Thread(target=stop.wait, daemon=True).start()  # a thread older than the call
@@ -21,9 +22,15 @@ assert priority.policy() == 'normal' and policies() == [os.SCHED_OTHER]
 priority.background()
 threading.Thread(target=stop.wait, daemon=True).start()  # started in the background: inherits it
 assert priority.policy() == 'idle' and policies() == [os.SCHED_IDLE], policies()
+child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'], stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)  # started in the background
+time.sleep(0.2)
+assert policies(child.pid) == [os.SCHED_IDLE]
 priority.background()  # twice is once
 priority.foreground()
 assert priority.policy() == 'normal' and policies() == [os.SCHED_OTHER], policies()
+assert policies(child.pid) == [os.SCHED_OTHER], policies(child.pid)
+child.kill()
 priority.foreground()
 print('ok')
 """
