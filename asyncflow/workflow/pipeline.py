@@ -138,8 +138,9 @@ class Pipeline:
         return exc
 
     def record_layout(self) -> dict:
-        """Where every worker runs (node, address, devices) and its part of the weight path (host key, relay
-        receivers and mirrors), written to ``layout.json`` in the output directory."""
+        """Where every worker runs (node, address, devices, process) and its part of the weight path (host key,
+        relay receivers and mirrors), written to ``layout.json`` in the output directory once every worker is up
+        and again at the end (the rows of restarted or added workers change)."""
         import json
 
         import ray
@@ -262,6 +263,7 @@ def start_pipeline(cfg: AsyncFlowConfig, model_dir: Path, max_prompt_len: int, b
                         owns_ray, workers.spares(cfg.workflow.rollout_spares))
     try:
         _wait_until_up(pipeline, workers, startup)
+        pipeline.record_layout()  # while the run goes on too (``close`` writes it again, with what changed)
     except BaseException:
         pipeline.close()
         raise

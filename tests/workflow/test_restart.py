@@ -58,12 +58,20 @@ class Killer(threading.Thread):
 
     def _pid(self) -> int | None:
         """The pid of the worker's process, as Ray's actor table has it (the public state API needs the dashboard,
-        which the tests' Ray does not start)."""
+        which the tests' Ray does not start). A rollout instance other than the first is found by its index in the
+        ``layout.json`` the run writes once it is up: the order of the pids is not the instances' (Ray hands out
+        the worker processes it started in any order)."""
         import ray
 
         name = {"reward": "RewardService", "rollout": "RolloutService", "actor": "ActorService"}[self.service]
         pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
                       if a["ActorClassName"] == name and a["State"] == "ALIVE")
+        if self.service == "rollout" and self.instance:
+            try:
+                pid = json.loads((self.out / "layout.json").read_text())["rollout"][self.instance]["pid"]
+            except (OSError, ValueError, KeyError, IndexError):  # not written yet, or being written
+                return None
+            return pid if pid in pids else None
         return pids[min(self.instance, len(pids) - 1)] if pids else None
 
 
