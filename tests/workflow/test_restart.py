@@ -32,9 +32,11 @@ RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.Slo
 class Killer(threading.Thread):
     """SIGKILLs the process of one worker of ``service`` each time the run has logged the steps in ``after``."""
 
-    def __init__(self, out, service: str, after: list[int], instance: int = 0):
+    def __init__(self, out, service: str, after: list[int], instance: int = 0, exact: bool = False):
+        """``instance``: the rank of the worker's pid among the live ones (any instance but one), or with ``exact``
+        rollout instance ``instance`` itself (``_pid``)."""
         super().__init__(daemon=True)
-        self.out, self.service, self.after, self.instance = out, service, after, instance
+        self.out, self.service, self.after, self.instance, self.exact = out, service, after, instance, exact
         self.killed: list[int] = []  # pids, in kill order
         self.stop = False
 
@@ -58,7 +60,7 @@ class Killer(threading.Thread):
 
     def _pid(self) -> int | None:
         """The pid of the worker's process, as Ray's actor table has it (the public state API needs the dashboard,
-        which the tests' Ray does not start). A rollout instance other than the first is found by its index in the
+        which the tests' Ray does not start). With ``exact``, the rollout instance is found by its index in the
         ``layout.json`` the run writes once it is up: the order of the pids is not the instances' (Ray hands out
         the worker processes it started in any order)."""
         import ray
@@ -66,7 +68,7 @@ class Killer(threading.Thread):
         name = {"reward": "RewardService", "rollout": "RolloutService", "actor": "ActorService"}[self.service]
         pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
                       if a["ActorClassName"] == name and a["State"] == "ALIVE")
-        if self.service == "rollout" and self.instance:
+        if self.exact:
             try:
                 pid = json.loads((self.out / "layout.json").read_text())["rollout"][self.instance]["pid"]
             except (OSError, ValueError, KeyError, IndexError):  # not written yet, or being written

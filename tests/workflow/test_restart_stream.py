@@ -51,7 +51,7 @@ def test_killed_stream_rollout_instance_and_reward_worker_restart_and_every_prom
     # Instance 1 is killed (restarted), the reward worker too; then the run is scaled to 3 instances and back to 1
     # (instances 2 and 1 removed: what they held goes back as a dead instance's does).
     out, stop = tmp_path / "stream", threading.Event()
-    rollout = Killer(out, "rollout", [2], instance=1)
+    rollout = Killer(out, "rollout", [2], instance=1, exact=True)  # the one ``_scale`` waits for
     reward = Killer(out, "reward", [5])
     threads = [rollout, reward, threading.Thread(target=_scale, args=(out, [(3, 3), (6, 1)], stop), daemon=True)]
     for thread in threads:
