@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-.PHONY: venv demo demo-slice test test-fast lint bench-e2e bench-tq bench-weight-sync gpu-check clean-venv
+.PHONY: venv demo demo-slice test test-fast test-faults lint bench-e2e bench-tq bench-weight-sync gpu-check clean-venv
 
 $(STAMP): setup.py $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,9 +40,13 @@ lint: venv
 test: venv lint
 	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
-# The edit-test loop: unit tests and the workflow tests on fake engines (every test not marked slow).
+# The edit-test loop: unit tests and the workflow tests on fake engines (neither slow nor faults).
 test-fast: venv
-	$(PY) -m pytest tests $(XDIST) -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(XDIST) -m "not slow and not faults" $(PYTEST_ARGS)
+
+# The fault-injection runs on fake engines (SIGKILLs, SIGTERMs, restarts): after a change to the fault handling.
+test-faults: venv
+	$(PY) -m pytest tests $(XDIST) -m faults $(PYTEST_ARGS)
 
 bench-e2e: venv
 	$(PY) bench/e2e.py

@@ -19,7 +19,7 @@ import pytest
 ONE_FILE_FIXTURES = {"demo_run"}
 
 SHM = Path("/dev/shm")
-SLOW_S = 10.0  # a test over this (set-up included) is marked slow: make test-fast runs the others
+SLOW_S = 10.0  # a test over this (set-up included) is marked slow (or faults): make test-fast runs the others
 _FAST_SECONDS: dict[str, float] = {}
 FILE_SECONDS_KEY = "asyncflow/file_seconds"  # in pytest's cache (.pytest_cache): each file's seconds, last run
 _FILE_SECONDS: dict[str, float] = {}
@@ -194,7 +194,7 @@ def pytest_runtest_logreport(report):
     summary of unmarked tests over ``SLOW_S`` (on the controller: xdist forwards the workers' reports)."""
     file = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[file] = _FILE_SECONDS.get(file, 0.0) + report.duration
-    if "slow" not in report.keywords:
+    if "slow" not in report.keywords and "faults" not in report.keywords:  # what make test-fast runs
         _FAST_SECONDS[report.nodeid] = _FAST_SECONDS.get(report.nodeid, 0.0) + report.duration
 
 

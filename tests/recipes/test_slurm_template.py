@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.faults
+
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATE = ROOT / "recipes/slurm/asyncflow.sbatch"
 RECIPE = ROOT / "recipes/qwen2.5-7b"

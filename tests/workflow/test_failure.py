@@ -19,6 +19,8 @@ from asyncflow.workflow.errors import WeightApplyError
 from tests.recipe_runs import FAKE, REPO, SMALL, ray_leftovers, run_fake
 from tests.workflow.processes import run_in_session
 
+pytestmark = pytest.mark.faults
+
 
 def test_failed_run_reports_the_error_and_stops_every_process(tmp_path, tiny_model_dir):
     cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/dapo_async.yaml"),

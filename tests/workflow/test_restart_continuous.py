@@ -22,7 +22,7 @@ import pytest
 from tests.recipe_runs import check_staleness_and_exactly_once, records, run_fake
 from tests.workflow.test_restart import GROUP, PROMPTS, RUN, STEPS, Killer, _logged, scaling
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 
 BUSY = ["rollout.engine=tests.fakes.slower.BusyTokens", "rollout.max_num_seqs=4",
         "trainer.engine=tests.fakes.slowed.GatedTrainer"]

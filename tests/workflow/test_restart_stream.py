@@ -18,7 +18,7 @@ from asyncflow.workflow.stream_ledger import StreamLedger
 from tests.recipe_runs import GROUP, PROMPTS, SMALL, check_stream, records, run_fake
 from tests.workflow.test_restart import Killer, _logged
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 
 STEPS = 10
 # Rollout is the bottleneck (``BusyTokens``, two groups in each engine), so the instance killed holds prompts in its

@@ -26,7 +26,7 @@ import pytest
 from tests.recipe_runs import FAKE, REPO
 from tests.workflow.processes import kill_session
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 
 GROUP = 4
 # (recipe, steps, prompts per step, checkpoint interval, overrides)

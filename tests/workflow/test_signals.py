@@ -18,7 +18,7 @@ from asyncflow.workflow.signals import EX_TEMPFAIL
 from tests.recipe_runs import FAKE, REPO
 from tests.workflow.processes import reap_session, session_processes
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 
 STEPS, PROMPTS, GROUP = 8, 8, 4
 SIZES = [f"workflow.steps={STEPS}", f"workflow.prompts_per_step={PROMPTS}", f"workflow.samples_per_prompt={GROUP}",

@@ -33,7 +33,7 @@ DEVICES = ["ray.accelerator=GPU", "ray.local_devices=4", "ray.num_cpus=4", "ray.
 RUNS = {"chunked-gpu": [*RUN, *BUSY, *SPARE, *DEVICES],
         "stream": [*test_restart_stream.RUN, "trainer.engine=tests.fakes.slowed.GatedTrainer", *SPARE]}
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 AHEAD = 4
 """Train steps the gate allows past those logged until the kill; then it holds there until the pool is refilled."""
 

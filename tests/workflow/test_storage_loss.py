@@ -20,6 +20,8 @@ import pytest
 from tests.recipe_runs import check_staleness_and_exactly_once, ray_leftovers, run_fake
 from tests.workflow.test_trainer_restart import GROUP, PROMPTS, RUN, STEPS
 
+pytestmark = pytest.mark.faults
+
 KILL_AFTER = 3
 """Steps logged before the kill: the feeder keeps prompts of the steps after them in the TransferQueue."""
 

@@ -25,6 +25,8 @@ from asyncflow.workflow.supervisor import restartable
 from tests.recipe_runs import REPO, SMALL, check_staleness_and_exactly_once, ray_leftovers, run_fake
 from tests.workflow.test_restart import Killer, _run_with_kills
 
+pytestmark = pytest.mark.faults
+
 STEPS, PROMPTS, GROUP = 6, 8, 4
 RUN = [*SMALL, f"workflow.steps={STEPS}", "trainer.engine=tests.fakes.slowed.SlowTrainer", "algorithm.kl_coef=0",
        "checkpoint.interval=2"]

@@ -11,6 +11,8 @@ import pytest
 from asyncflow.workflow.errors import WorkerDiedError
 from tests.recipe_runs import SMALL, ray_leftovers, run_fake
 
+pytestmark = pytest.mark.faults
+
 
 def test_rollout_killed_while_applying_stops_the_run_naming_it(tmp_path, tiny_model_dir, shared_ray):
     with pytest.raises(Exception) as failed:
