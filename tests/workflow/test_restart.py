@@ -21,7 +21,7 @@ import pytest
 
 from tests.recipe_runs import SMALL, check_staleness_and_exactly_once, ray_leftovers, records, run_fake
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 
 STEPS, PROMPTS, GROUP = 8, 8, 4
 # The default put lease (120 s): a put a killed worker prepared and never committed is rolled back by the supervisor
@@ -63,11 +63,7 @@ class Killer(threading.Thread):
         which the tests' Ray does not start). With ``exact``, the rollout instance is found by its index in the
         ``layout.json`` the run writes once it is up: the order of the pids is not the instances' (Ray hands out
         the worker processes it started in any order)."""
-        import ray
-
-        name = {"reward": "RewardService", "rollout": "RolloutService", "actor": "ActorService"}[self.service]
-        pids = sorted(a["Pid"] for a in ray._private.state.actors().values()
-                      if a["ActorClassName"] == name and a["State"] == "ALIVE")
+        pids = self._alive()
         if self.exact:
             try:
                 pid = json.loads((self.out / "layout.json").read_text())["rollout"][self.instance]["pid"]
@@ -75,6 +71,14 @@ class Killer(threading.Thread):
                 return None
             return pid if pid in pids else None
         return pids[min(self.instance, len(pids) - 1)] if pids else None
+
+    def _alive(self) -> list[int]:
+        """The pids of the service's live workers, in order."""
+        import ray
+
+        name = {"reward": "RewardService", "rollout": "RolloutService", "actor": "ActorService"}[self.service]
+        return sorted(a["Pid"] for a in ray._private.state.actors().values()
+                      if a["ActorClassName"] == name and a["State"] == "ALIVE")
 
 
 def _run_with_kills(tmp_path, model_dir, name: str, service: str, after: list[int], *extra: str, run=RUN):

@@ -7,9 +7,10 @@ whole, within the staleness bound per token."""
 import pytest
 
 from tests.recipe_runs import GROUP, PROMPTS, SMALL, check_stream, records, run_fake
+from tests.workflow.stream_tool_loop import waiting_pids
 from tests.workflow.test_restart import Killer
 
-pytestmark = pytest.mark.loop
+pytestmark = [pytest.mark.loop, pytest.mark.faults]
 
 STEPS = 6
 # Two groups in each engine at a time (a group is admitted into free slots; a trajectory waiting for its tool frees
@@ -21,10 +22,24 @@ RUN = [*SMALL, "workflow.mode=stream", f"workflow.steps={STEPS}", "workflow.roll
        "transfer_queue.put_lease_s=20", "transfer_queue.row_lease_s=20"]
 
 
+class ToolWaitKiller(Killer):
+    """Kills a rollout instance that has a tool call waiting at that moment (``SlowTools`` marks each wait), so the
+    instance killed holds rows whatever the machine's load (by pid order alone, an instance that had just handed
+    in its groups could be the one)."""
+
+    def __init__(self, out, model_dir):
+        super().__init__(out, "rollout", [2])
+        self.model_dir = model_dir
+
+    def _pid(self) -> int | None:
+        waiting = [pid for pid in self._alive() if pid in waiting_pids(self.model_dir)]
+        return waiting[0] if waiting else None
+
+
 def test_a_stream_instance_killed_while_its_trajectories_wait_for_tools_gives_their_prompts_back(
         tmp_path, tiny_model_dir, shared_ray):
     out = tmp_path / "tools"
-    killer = Killer(out, "rollout", [2], instance=1)
+    killer = ToolWaitKiller(out, tiny_model_dir)
     killer.start()
     try:
         summary = run_fake(tmp_path, tiny_model_dir, "tools", *RUN)
