@@ -187,8 +187,9 @@ def inject(run: Run, kind: str, rng: random.Random) -> dict:
     if kind in ("rollout", "reward"):
         event = wait_for(lambda: run.restarts()[seen:] or (run.proc.poll() is not None), 300)
         if isinstance(event, list):
-            record.update(detected_s=event[0]["detected_at"] - t0, recovered_s=event[0]["recovered_at"] - t0,
-                          how="restarted")
+            up = event[0]["recovered_at"]  # None: still starting when the run ended
+            record.update(detected_s=event[0]["detected_at"] - t0, recovered_s=None if up is None else up - t0,
+                          how="restarted" if up is not None else "restart not done when the run ended")
             return record
     if kind == "trainer":
         event = wait_for(lambda: run.restarts()[seen:] or (run.proc.poll() is not None), 300)

@@ -212,7 +212,7 @@ def _run_stream(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, sta
     running = wait(supervisor.start(start, cfg.workflow.steps), until=lambda: signals.requested)
     if running:
         _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
-    reporter.extra_summary["service_restarts"] = supervisor.events
+    reporter.extra_summary["service_restarts"] = supervisor.finish()
 
 
 def _run_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, start: int) -> None:
@@ -229,7 +229,7 @@ def _run_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, feeder, signals, star
     running = wait(supervisor.start(start, wf.steps), until=lambda: signals.requested)
     if running:
         _stop_async(cfg, pipe, ckpt, reporter, signals, start, functools.partial(wait, running))
-    reporter.extra_summary["service_restarts"] = supervisor.events
+    reporter.extra_summary["service_restarts"] = supervisor.finish()
 
 
 def _stop_async(cfg: AsyncFlowConfig, pipe, ckpt, reporter, signals, start: int, wait) -> None:

@@ -344,6 +344,14 @@ class Supervisor:
             return "adding rollout instances needs free devices in the run's placement group, which has none"
         return None
 
+    def finish(self) -> list[dict]:
+        """At the end of the run: record the deaths whose worker was still being started again (a restart that
+        outlasted the rest of the run leaves a record too, with ``recovered_at`` None); returns every record."""
+        for _name, _i, _handle, _what, event in self.starting.values():
+            self._record({**event, "how": f"{event['how']}; not up again when the run ended"})
+        self.starting.clear()
+        return self.events
+
     def _record(self, event: dict) -> None:
         """Keep ``event`` for the summary and append it to ``restarts.jsonl`` in the output directory at once (a
         run that fails later keeps the record)."""
