@@ -19,6 +19,14 @@ from tests.bridge.vllm_loader_worker import compare_rank
 pytestmark = pytest.mark.slow
 
 
+@pytest.fixture(autouse=True)
+def _ipc_in_tmp(tmp_path, monkeypatch):
+    """vLLM's parallel state opens ZeroMQ ``ipc://`` sockets under ``VLLM_RPC_BASE_PATH`` (``/tmp`` by default) and
+    leaves their files behind: the spawned ranks inherit a folder of the test's own."""
+    (tmp_path / "ipc").mkdir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path / "ipc"))
+
+
 def _run(world, model_dirs, out_dir):
     out_dir.mkdir()
     mp.start_processes(
