@@ -8,6 +8,8 @@ load full Hugging Face tensors, and every parameter is compared with ``vllm_layo
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 
 import pytest
 import torch.multiprocessing as mp
@@ -20,11 +22,14 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(autouse=True)
-def _ipc_in_tmp(tmp_path, monkeypatch):
+def _ipc_folder(monkeypatch):
     """vLLM's parallel state opens ZeroMQ ``ipc://`` sockets under ``VLLM_RPC_BASE_PATH`` (``/tmp`` by default) and
-    leaves their files behind: the spawned ranks inherit a folder of the test's own."""
-    (tmp_path / "ipc").mkdir()
-    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(tmp_path / "ipc"))
+    leaves their files behind: the spawned ranks inherit a folder of the test's own, removed after it. A short one:
+    a socket's path must fit in 107 bytes (``tmp_path`` under pytest-xdist does not)."""
+    folder = tempfile.mkdtemp(prefix="afipc-")
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", folder)
+    yield
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(world, model_dirs, out_dir):

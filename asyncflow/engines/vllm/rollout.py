@@ -24,7 +24,9 @@ def _environment(cfg: VllmConfig, cpus: list[int] | None, visible_devices: list[
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gib))
     rpc = os.environ.get("VLLM_RPC_BASE_PATH")
     if rpc is None or Path(rpc).parent == _IPC:  # unset, or a parent engine process's (inherited): this one's own
-        os.environ["VLLM_RPC_BASE_PATH"] = str(ipc_dir())
+        path = str(ipc_dir())
+        if len(path) <= IPC_BASE_MAX:  # else (a long TMPDIR) vLLM's default, whose sockets it may still fit
+            os.environ["VLLM_RPC_BASE_PATH"] = path
     if cfg.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     tp = cfg.tensor_parallel
@@ -173,6 +175,9 @@ def remove_stale_segments() -> list[str]:
 # process gives vLLM a directory of its own, named after it, and every engine that starts or closes on the host
 # removes those of dead processes (``remove_stale_ipc``), as for the shared-memory segments above.
 _IPC = Path(tempfile.gettempdir()) / "asyncflow-vllm-ipc"
+IPC_BASE_MAX = 107 - 37
+"""Longest ``VLLM_RPC_BASE_PATH`` this sets: a socket's path, the base then ``/<uuid4>``, must fit in the 107 bytes of
+``sockaddr_un.sun_path`` (ZeroMQ refuses a longer one)."""
 
 
 def ipc_dir() -> Path:

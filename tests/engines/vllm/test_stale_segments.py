@@ -119,3 +119,25 @@ def test_the_ipc_sockets_of_a_killed_engine_process_are_removed_and_a_live_ones_
             proc.wait(30)
     rollout.remove_stale_ipc()
     assert not live_socket.parent.exists()
+
+
+def test_a_base_path_too_long_for_a_socket_is_not_set(monkeypatch, tmp_path):
+    """Under a long temporary directory a socket's path (the base, ``/``, a uuid) would pass the 107 bytes of
+    ``sun_path``: vLLM is left its own default there; under a short one the engine process's own folder is set."""
+    from asyncflow.config import VllmConfig
+
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_RPC_BASE_PATH"}
+    monkeypatch.setattr(os, "environ", env)
+    monkeypatch.setattr(rollout, "_IPC", tmp_path / ("x" * 80))
+    rollout._environment(VllmConfig(), None, None)
+    assert "VLLM_RPC_BASE_PATH" not in env
+    short = Path("/tmp") / f"afipc-test-{os.getpid()}"
+    monkeypatch.setattr(rollout, "_IPC", short)
+    try:
+        rollout._environment(VllmConfig(), None, None)
+        assert Path(env["VLLM_RPC_BASE_PATH"]).parent == short
+        assert len(env["VLLM_RPC_BASE_PATH"]) + len(f"/{uuid.uuid4()}") <= 107
+    finally:
+        import shutil
+
+        shutil.rmtree(short, ignore_errors=True)
