@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.zygote import configure_environment as configure_fork_server
+
 # Session fixtures too costly to build once per worker: each may be used by one test file only. xdist's own
 # ``loadgroup`` marks cannot keep several files on one worker under pytest 9 (its worker renames ``item._nodeid``,
 # which pytest 9 no longer reads), so files sharing such a fixture are merged instead.
@@ -33,6 +35,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 _REPO = str(Path(__file__).resolve().parents[1])
 if _REPO not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_REPO, os.environ.get("PYTHONPATH")]))
+# The shared Ray's workers are forked from a server that imported what they need (tests/zygote): its socket's path.
+configure_fork_server()
 
 
 @pytest.fixture(autouse=True)
@@ -91,7 +95,7 @@ def shared_ray():
     _SHARED_RAY = SharedRay()
     _SHARED_RAY.up()
     yield _SHARED_RAY
-    _SHARED_RAY.down()
+    _SHARED_RAY.close()
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures: a module fixture may start its own Ray

@@ -67,18 +67,24 @@ class SharedRay:
     modules (agent loops and engines named by dotted path) through ``PYTHONPATH``, set before Ray starts."""
 
     def __init__(self):
+        from tests.zygote import ForkServer
+
         self.started = False
+        self.forks = ForkServer()
 
     def up(self) -> None:
-        """Start it, unless this process is already connected to it."""
+        """Start it, unless this process is already connected to it. Its workers are forked from a server that
+        imported what they need (``tests.zygote``)."""
         import ray
 
         if self.started and ray.is_initialized():
             return
         if str(REPO) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # tests/conftest.py sets it first
             os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        ray.init(address="local", num_cpus=4, num_gpus=4, resources={"NPU": 4}, namespace="asyncflow-tests",
-                 include_dashboard=False, log_to_driver=False)
+        self.forks.start()
+        with self.forks.worker_command():
+            ray.init(address="local", num_cpus=4, num_gpus=4, resources={"NPU": 4}, namespace="asyncflow-tests",
+                     include_dashboard=False, log_to_driver=False)
         self.started = True
 
     def down(self) -> None:
@@ -88,6 +94,11 @@ class SharedRay:
         if self.started and ray.is_initialized():
             ray.shutdown()
         self.started = False
+
+    def close(self) -> None:
+        """Shut it down and stop its fork server (the session's end)."""
+        self.down()
+        self.forks.stop()
 
 
 def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_async.yaml") -> dict:

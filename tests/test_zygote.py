@@ -1,0 +1,71 @@
+"""The shared Ray's fork server (``tests.zygote``): its workers are forked children of the server that run Ray's
+own worker with their own environment, and each dies with the process the raylet started for it (the client), or
+alone, as a worker started the normal way would."""
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.zygote import enabled
+
+pytestmark = pytest.mark.skipif(not enabled(), reason="ASYNCFLOW_TEST_ZYGOTE=0 turns the fork server off")
+
+
+def _probe(shared_ray, **options):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def facts(self):
+            import sys
+
+            return {"pid": os.getpid(), "ppid": os.getppid(), "argv0": sys.argv[0], "x": os.environ.get("X"),
+                    "client": int(os.environ["ASYNCFLOW_TEST_ZYGOTE_CLIENT"]), "torch": "torch" in sys.modules}
+
+    actor = Probe.options(**options).remote()
+    return actor, ray.get(actor.facts.remote(), timeout=60)
+
+
+def _gone(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_worker_is_a_forked_ray_worker_with_its_own_environment(shared_ray):
+    import ray
+
+    actor, facts = _probe(shared_ray, runtime_env={"env_vars": {"X": "from the actor's runtime_env"}})
+    assert facts["ppid"] == shared_ray.forks.proc.pid  # forked by the server, not started by the raylet
+    assert facts["argv0"].endswith(os.path.join("ray", "_private", "workers", "default_worker.py"))
+    assert facts["x"] == "from the actor's runtime_env"
+    assert facts["torch"]  # imported before the fork
+    assert facts["client"] != facts["pid"] and psutil.Process(facts["client"]).is_running()
+    ray.kill(actor)
+    assert _gone(facts["pid"]) and _gone(facts["client"])
+
+
+def test_a_worker_killed_by_its_pid_is_dead_to_ray_and_its_client_exits(shared_ray):
+    import ray
+
+    actor, facts = _probe(shared_ray)
+    os.kill(facts["pid"], signal.SIGKILL)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.facts.remote(), timeout=60)
+    assert _gone(facts["client"])
+
+
+def test_a_worker_whose_client_is_killed_exits(shared_ray):
+    import ray
+
+    actor, facts = _probe(shared_ray)
+    os.kill(facts["client"], signal.SIGKILL)  # what the raylet does to a worker process it kills
+    assert _gone(facts["pid"])
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actor.facts.remote(), timeout=60)

@@ -1,0 +1,170 @@
+"""The fork server behind ``tests.zygote.ForkServer``: import what a worker of a fake-engine run needs, then fork one
+child per request from ``tests/zygote/client.py`` and report how each child ended.
+
+    python -m tests.zygote.server SOCKET_PATH
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import ctypes.util
+import importlib
+import json
+import os
+import runpy
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+
+PRELOAD = ("torch", "transformers", "asyncflow.workflow.workers", "asyncflow.engines.fake",
+           "asyncflow.transfer_queue.client", "asyncflow.models.tokenizer", "asyncflow.rewards",
+           "asyncflow.algorithms.advantages")
+"""What a worker of a fake-engine run imports (a module not here is imported by the child, as by a worker started
+the normal way). Not Ray: its C++ core reads the environment when it loads (the job id, the auth mode), and a
+worker's environment is only known at the fork."""
+HEADER = struct.Struct("!I")
+PR_SET_PDEATHSIG = 1
+
+
+def _preload() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import transformers
+
+    transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - resolve the lazy imports
+
+
+def _die_with_parent() -> None:
+    """The server lives as long as the pytest process that started it, even one that is killed."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() == 1:
+        sys.exit(0)
+
+
+def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
+    """One request: a length-prefixed JSON object and the client's three standard streams."""
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+    while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
+        more = conn.recv(1 << 20)
+        if not more:
+            raise ConnectionError("the client closed before its request was complete")
+        data += more
+    (size,) = HEADER.unpack_from(data)
+    return json.loads(data[HEADER.size:HEADER.size + size]), list(fds)
+
+
+def _watch_client(conn: socket.socket) -> None:
+    """In the child: end as a killed worker would once the client (the process the raylet started) is gone."""
+    try:
+        while conn.recv(64):
+            pass
+    except OSError:
+        pass
+    os._exit(137)
+
+
+def _become_worker(conn: socket.socket, request: dict, fds: list[int]) -> int:
+    """Run ``default_worker.py`` as the client would have run it; its exit code."""
+    for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    os.setsid()
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    import numpy as np
+
+    np.random.seed()  # as a fresh process would be (Python's own random reseeds itself at a fork)
+    argv = request["argv"]
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    threading.Thread(target=_watch_client, args=(conn,), daemon=True, name="zygote-client-watch").start()
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+        return 0
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:  # noqa: BLE001 - reported as the worker would report it
+        import traceback
+
+        traceback.print_exc()
+        return 1
+
+
+def _child(owned: list, conn: socket.socket, request: dict, fds: list[int]) -> None:
+    """In the forked child: drop the server's descriptors, run the worker, exit with its code."""
+    code = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        for item in owned:
+            item.close() if hasattr(item, "close") else os.close(item)
+        code = _become_worker(conn, request, fds)
+        atexit._run_exitfuncs()  # a worker's exit handlers (Ray's among them), as at a normal interpreter exit
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Preload, then fork a worker per client until SIGTERM."""
+    _die_with_parent()
+    _preload()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select (through the wake-up descriptor)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    children: dict[int, socket.socket] = {}
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    while not stop:
+        for key, _ in sel.select():
+            if key.fileobj is not listener:
+                os.read(wake_r, 4096)
+                continue
+            conn, _ = listener.accept()
+            try:
+                request, fds = _recv_request(conn)
+            except (OSError, ValueError, ConnectionError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child([sel, listener, wake_r, wake_w, *children.values()], conn, request, fds)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(HEADER.pack(pid))
+            children[pid] = conn
+        while children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(HEADER.pack(status))
+                except OSError:  # the client is gone already
+                    pass
+                conn.close()
+    listener.close()
+    os.unlink(path)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
