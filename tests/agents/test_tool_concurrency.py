@@ -159,7 +159,7 @@ def test_slow_tool_does_not_stall_the_others_and_a_hung_one_is_cut_off(tmp_path,
                  "workflow.task=tests.agents.slow_tool_loop:make_prompts",
                  "algorithm.reward=tests.agents.slow_tool_loop:make_reward", "algorithm.kl_coef=0",
                  "agent.loop=tests.agents.slow_tool_loop:make_loop", f"agent.max_turns={turns}",
-                 "agent.tool_timeout_s=6", "rollout.max_new_tokens=8")
+                 "agent.tool_timeout_s=4", "rollout.max_new_tokens=8")
     assert s["steps"] == 1
     (r,) = records(s)
     assert r["rollout/rows"] == rows and r["agent/tool_timeouts"] == 1 and r["agent/errors"] == 0

@@ -1,11 +1,11 @@
-"""The add-one reward, 10 ms a row: the reward and advantage tasks lag behind rollout, so the sample stream claims a
+"""The add-one reward, 5 ms a row: the reward and advantage tasks lag behind rollout, so the sample stream claims a
 step's groups before dynamic sampling judges them (``tests/workflow/test_stream.py``'s DAPO run)."""
 
 import time
 
 from asyncflow.rewards.registry import make_add1_reward
 
-ROW_S = 0.01
+ROW_S = 0.005
 
 
 def make_slow_add1(tokenizer):
