@@ -7,8 +7,6 @@ child per request from ``tests/zygote/client.py`` and report how each child ende
 from __future__ import annotations
 
 import atexit
-import ctypes
-import ctypes.util
 import importlib
 import json
 import os
@@ -27,7 +25,6 @@ PRELOAD = ("torch", "transformers", "asyncflow.workflow.workers", "asyncflow.eng
 the normal way). Not Ray: its C++ core reads the environment when it loads (the job id, the auth mode), and a
 worker's environment is only known at the fork."""
 HEADER = struct.Struct("!I")
-PR_SET_PDEATHSIG = 1
 
 
 def _preload() -> None:
@@ -39,10 +36,12 @@ def _preload() -> None:
 
 
 def _die_with_parent() -> None:
-    """The server lives as long as the pytest process that started it, even one that is killed."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() == 1:
+    """The server lives as long as the pytest process that started it, even one that is killed (the TransferQueue's
+    servers do the same)."""
+    from asyncflow.transfer_queue._server import _die_with_parent as sigterm_when_parent_dies
+
+    sigterm_when_parent_dies()
+    if os.getppid() == 1:  # the parent died before the signal was set
         sys.exit(0)
 
 
