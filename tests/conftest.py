@@ -180,7 +180,10 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     """Record each file's seconds in pytest's cache (the next run's order); fail the session when a segment made
     during it is left in /dev/shm (psm_*, vllm_dist_*, sem.mp-*, a TransferQueue arena or a weight staging
-    segment that a killed process never unlinked)."""
+    segment that a killed process never unlinked). Stop this process's fork servers (tests.zygote)."""
+    from tests.zygote import stop_session_servers
+
+    stop_session_servers()
     cache = getattr(session.config, "cache", None)
     if cache is not None and _FILE_SECONDS and _is_controller(session.config):
         cache.set(FILE_SECONDS_KEY, {**cache.get(FILE_SECONDS_KEY, {}), **_FILE_SECONDS})

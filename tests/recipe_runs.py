@@ -33,13 +33,24 @@ FAKE = ["trainer.engine=asyncflow.engines.fake.FakeTrainEngine",
 """Overrides that put every engine of a recipe on the fakes."""
 
 
-def train(cmd_args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900) -> subprocess.CompletedProcess:
+def train(cmd_args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900,
+          forked: bool = False) -> subprocess.CompletedProcess:
     """``asyncflow train`` in a subprocess, with the repository on the path of the run's workers too (tests name
-    their own agent loops and rewards by dotted path, as a user names theirs)."""
+    their own agent loops and rewards by dotted path, as a user names theirs). ``forked``: its Ray forks its workers
+    from the session's real-stack fork server (``tests.zygote``); not for a test that looks for the run's workers
+    among the subprocess's descendants (forked workers are the server's children)."""
+    from tests import zygote
+
     env = dict(os.environ, **(env or {}))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "asyncflow.cli", "train", *cmd_args], capture_output=True, text=True,
-                          cwd=cwd, timeout=timeout, env=env)
+    forked = forked and zygote.enabled()
+    command = zygote.launch_command() if forked else [sys.executable, "-m", "asyncflow.cli"]
+    forks = zygote.session_server(real=True).forks() if forked else None
+    proc = subprocess.run([*command, "train", *cmd_args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
+                          env=env)
+    if forked and proc.returncode == 0:  # else the speed-up would be gone without a word
+        assert zygote.session_server(real=True).forks() > forks, "the run's Ray workers were not forked"
+    return proc
 
 
 def _summary(out: Path, proc: subprocess.CompletedProcess) -> dict:
@@ -49,12 +60,14 @@ def _summary(out: Path, proc: subprocess.CompletedProcess) -> dict:
     return summary
 
 
-def run_recipe(tmp_path, mode: str, k: int, name: str, *extra: str, sizes: list[str] = SMALL) -> dict:
-    """``asyncflow train`` of the demo recipe at ``sizes`` (a few small steps unless given) and ``extra``."""
+def run_recipe(tmp_path, mode: str, k: int, name: str, *extra: str, sizes: list[str] = SMALL,
+               forked: bool = True) -> dict:
+    """``asyncflow train`` of the demo recipe at ``sizes`` (a few small steps unless given) and ``extra``; its
+    workers forked from the real-stack fork server unless ``forked`` is false (see ``train``)."""
     out = tmp_path / name
     proc = train([str(REPO / "recipes/tiny_cpu/grpo_async.yaml"), f"model.path={tmp_path / 'model'}",
                   f"observability.output_dir={out}", f"workflow.mode={mode}", f"workflow.max_staleness={k}", *sizes,
-                  *extra], tmp_path)
+                  *extra], tmp_path, forked=forked)
     summary = _summary(out, proc)
     summary["_model_mb"] = (tmp_path / "model" / "model.safetensors").stat().st_size / 2**20
     return summary
@@ -67,10 +80,10 @@ class SharedRay:
     modules (agent loops and engines named by dotted path) through ``PYTHONPATH``, set before Ray starts."""
 
     def __init__(self):
-        from tests.zygote import ForkServer
+        from tests.zygote import session_server
 
         self.started = False
-        self.forks = ForkServer()
+        self.forks = session_server()
 
     def up(self) -> None:
         """Start it, unless this process is already connected to it. Its workers are forked from a server that
@@ -96,9 +109,11 @@ class SharedRay:
         self.started = False
 
     def close(self) -> None:
-        """Shut it down and stop its fork server (the session's end)."""
+        """Shut it down and stop the fork servers (the session's end)."""
+        from tests.zygote import stop_session_servers
+
         self.down()
-        self.forks.stop()
+        stop_session_servers()
 
 
 def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_async.yaml") -> dict:

@@ -2,7 +2,6 @@
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_demo_runs_and_logprobs_agree(tmp_path):
-    cmd = [sys.executable, "-m", "asyncflow.cli", "demo", str(REPO / "recipes/tiny_cpu/demo.yaml"),
+    from tests.zygote import launch_command
+
+    # Its Ray's two workers are forked from the session's real-stack fork server (tests.zygote).
+    cmd = [*launch_command(), "demo", str(REPO / "recipes/tiny_cpu/demo.yaml"),
            f"model.path={tmp_path / 'model'}", f"demo.output_dir={tmp_path / 'out'}"]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -87,11 +87,15 @@ def overrides(name: str, steps: int, out: Path, model: Path, cpu: bool, extra: l
     return args + device_layout(mode, torch.cuda.device_count()) + extra, dict(os.environ)
 
 
+CLI = [sys.executable, "-m", "asyncflow.cli"]
+"""The command that runs ``asyncflow`` (the tests' CPU runs fork its Ray's workers from a preloaded server)."""
+
+
 def run_one(name: str, steps: int, out: Path, model: Path, cpu: bool, extra: list[str]) -> dict:
     """Train one run through the CLI; return its row of the table."""
     args, env = overrides(name, steps, out, model, cpu, extra)
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(RECIPE), *args]
-    print(f"gpu-check: {name}: {' '.join(cmd[2:])}", flush=True)
+    cmd = [*CLI, "train", str(RECIPE), *args]
+    print(f"gpu-check: {name}: asyncflow train {' '.join(cmd[len(CLI) + 1:])}", flush=True)
     t0 = time.time()
     proc = subprocess.run(cmd, env=env, cwd=REPO, text=True, capture_output=True)
     row = {"run": name, "mode": RUNS[name][0], "dtype": RUNS[name][1], "wall_s": time.time() - t0}

@@ -12,13 +12,11 @@
 """
 
 import json
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 
-from tests.recipe_runs import REPO, SMALL, run_fake
+from tests.recipe_runs import REPO, SMALL, run_fake, train
 from tests.recipe_runs import records as _records
 
 TOOL = ["workflow.task=calc", "algorithm.reward=calc", "rollout.max_new_tokens=12", "rollout.max_model_len=32",
@@ -58,9 +56,8 @@ def test_tool_errors_are_counted_turn_rewards_added_and_the_run_goes_on(tmp_path
 @pytest.mark.slow
 def test_tool_recipe_learns(tmp_path):
     out = tmp_path / "tool"
-    cmd = [sys.executable, "-m", "asyncflow.cli", "train", str(REPO / "recipes/tiny_cpu/tool_async.yaml"),
-           f"model.path={tmp_path / 'model'}", f"observability.output_dir={out}", "workflow.steps=30"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=1800)
+    proc = train([str(REPO / "recipes/tiny_cpu/tool_async.yaml"), f"model.path={tmp_path / 'model'}",
+                  f"observability.output_dir={out}", "workflow.steps=30"], tmp_path, timeout=1800, forked=True)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     first = sum(r["reward/mean"] for r in records[:5]) / 5

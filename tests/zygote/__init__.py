@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,46 +48,62 @@ def configure_environment() -> None:
     os.environ[f"{ENV}_WORKER"] = str(ray_dir / "_private" / "workers" / "default_worker.py")
 
 
-class ForkServer:
-    """This process's fork server: started once, before the shared Ray; stopped after it."""
+@contextlib.contextmanager
+def forked_workers():
+    """Within: a Ray started in this process runs its workers through ``client.py`` (``ray.init`` takes no worker
+    path, so the node's parameters are set as they are made)."""
+    if not enabled():
+        yield
+        return
+    from ray._private import parameter
 
-    def __init__(self):
+    original = parameter.RayParams.__init__
+
+    def init(params, *args, **kwargs):
+        original(params, *args, **kwargs)
+        params.worker_path = str(CLIENT)
+
+    parameter.RayParams.__init__ = init
+    try:
+        yield
+    finally:
+        parameter.RayParams.__init__ = original
+
+
+class ForkServer:
+    """One fork server of this process: the fake-engine kind (``real=False``: the shared Ray's), or the real-stack
+    kind, which also imports Megatron-core and vLLM (as far as vLLM goes without importing Ray) for the
+    ``asyncflow train`` subprocesses of the real-stack runs (``tests.recipe_runs.train(forked=True)``)."""
+
+    def __init__(self, real: bool = False):
+        self.real = real
         self.proc: subprocess.Popen | None = None
 
     @property
     def socket_path(self) -> Path:
-        return Path(os.environ[ENV])
+        light = Path(os.environ[ENV])
+        return light.with_name("real.sock") if self.real else light
 
     def start(self) -> None:
         """Start the server (the clients wait for its socket: its imports overlap Ray's start)."""
         if not enabled() or (self.proc is not None and self.proc.poll() is None):
             return
         folder = self.socket_path.parent
-        shutil.rmtree(folder, ignore_errors=True)
-        folder.mkdir(mode=0o700, parents=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote.server", str(self.socket_path)], cwd=REPO,
-                                     stdin=subprocess.DEVNULL)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.socket_path.unlink(missing_ok=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote.server", str(self.socket_path),
+                                      *(["--real"] if self.real else [])], cwd=REPO, stdin=subprocess.DEVNULL)
 
-    @contextlib.contextmanager
     def worker_command(self):
-        """Within: a Ray started in this process runs its workers through ``client.py`` (``ray.init`` takes no
-        worker path, so the node's parameters are set as they are made)."""
-        if not enabled():
-            yield
-            return
-        from ray._private import parameter
+        """Within: a Ray started in this process runs its workers through ``client.py``."""
+        return forked_workers()
 
-        original = parameter.RayParams.__init__
-
-        def init(params, *args, **kwargs):
-            original(params, *args, **kwargs)
-            params.worker_path = str(CLIENT)
-
-        parameter.RayParams.__init__ = init
+    def forks(self) -> int:
+        """How many workers the server has forked so far (it counts them in a file beside its socket)."""
         try:
-            yield
-        finally:
-            parameter.RayParams.__init__ = original
+            return int(self.socket_path.with_suffix(".forks").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
 
     def stop(self) -> None:
         """Stop the server (after the Ray whose workers it forked: a worker's client that loses the server exits)."""
@@ -101,4 +116,38 @@ class ForkServer:
                 self.proc.wait()
         self.proc = None
         if enabled():
-            shutil.rmtree(self.socket_path.parent, ignore_errors=True)
+            self.socket_path.unlink(missing_ok=True)
+            self.socket_path.with_suffix(".forks").unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the other kind's files may still be there
+                self.socket_path.parent.rmdir()
+
+
+_SERVERS: dict[bool, ForkServer] = {}
+
+
+def session_server(real: bool = False) -> ForkServer:
+    """This process's fork server of that kind, started on first use; ``stop_session_servers`` ends them."""
+    server = _SERVERS.setdefault(real, ForkServer(real))
+    server.start()
+    return server
+
+
+def server_pid(real: bool = False) -> int | None:
+    """The pid of this process's running fork server of that kind (None: none runs); starts nothing."""
+    server = _SERVERS.get(real)
+    return server.proc.pid if server is not None and server.proc is not None else None
+
+
+def launch_command() -> list[str]:
+    """The command that runs ``asyncflow`` (its arguments follow) with its Ray's workers forked from this process's
+    real-stack fork server, started here if it is not yet; ``python -m asyncflow.cli`` where the server is off."""
+    if not enabled():
+        return [sys.executable, "-m", "asyncflow.cli"]
+    return ["env", f"{ENV}={session_server(real=True).socket_path}", sys.executable, "-m", "tests.zygote.launch"]
+
+
+def stop_session_servers() -> None:
+    """Stop this process's fork servers (the session's end, after the shared Ray)."""
+    for server in _SERVERS.values():
+        server.stop()
+    _SERVERS.clear()

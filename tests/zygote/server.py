@@ -1,13 +1,15 @@
-"""The fork server behind ``tests.zygote.ForkServer``: import what a worker of a fake-engine run needs, then fork one
-child per request from ``tests/zygote/client.py`` and report how each child ended.
+"""The fork server behind ``tests.zygote.ForkServer``: import what a worker of a fake-engine run needs (with
+``--real``: of a real-stack run too), then fork one child per request from ``tests/zygote/client.py`` and report how
+each child ended.
 
-    python -m tests.zygote.server SOCKET_PATH
+    python -m tests.zygote.server SOCKET_PATH [--real]
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib
+import importlib.abc
 import json
 import os
 import runpy
@@ -17,6 +19,7 @@ import socket
 import struct
 import sys
 import threading
+import warnings
 
 PRELOAD = ("torch", "transformers", "asyncflow.workflow.workers", "asyncflow.engines.fake",
            "asyncflow.transfer_queue.client", "asyncflow.models.tokenizer", "asyncflow.rewards",
@@ -24,15 +27,78 @@ PRELOAD = ("torch", "transformers", "asyncflow.workflow.workers", "asyncflow.eng
 """What a worker of a fake-engine run imports (a module not here is imported by the child, as by a worker started
 the normal way). Not Ray: its C++ core reads the environment when it loads (the job id, the auth mode), and a
 worker's environment is only known at the fork."""
+REAL_PRELOAD = ("megatron.core", "asyncflow.engines.megatron.actor", "asyncflow.engines.megatron.critic",
+                "asyncflow.engines.vllm.rollout")
+"""What a worker of a real-stack run imports besides (vLLM's own modules are found by ``_ray_free_modules``)."""
 HEADER = struct.Struct("!I")
 
 
-def _preload() -> None:
-    for name in PRELOAD:
-        importlib.import_module(name)
-    import transformers
+def _preload(real: bool) -> None:
+    with warnings.catch_warnings():  # Megatron's "Transformer Engine and Apex are not installed": a worker says it
+        warnings.simplefilter("ignore")
+        for name in PRELOAD + (REAL_PRELOAD if real else ()):
+            importlib.import_module(name)
+        import transformers
 
-    transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - resolve the lazy imports
+        transformers.AutoTokenizer, transformers.PreTrainedTokenizerFast  # noqa: B018 - resolve the lazy imports
+        if real:
+            for name in _ray_free_modules("from vllm import LLM, SamplingParams"):
+                importlib.import_module(name)
+                if "ray" in sys.modules:
+                    raise RuntimeError(f"preloading {name} imported ray, which the server must not")
+
+
+class _Completed(importlib.abc.MetaPathFinder):
+    """Records the modules whose import completed before the first import of Ray."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self.ray_seen = False
+
+    def find_spec(self, name, path, target=None):
+        if self.ray_seen or name == "ray" or name.startswith("ray."):
+            self.ray_seen = True
+            return None
+        for finder in sys.meta_path:
+            spec = None if finder is self else getattr(finder, "find_spec", lambda *a: None)(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        run = getattr(spec.loader, "exec_module", None)
+        if run is not None:
+            def exec_module(module, run=run, name=name):
+                run(module)
+                if not self.ray_seen:
+                    self.names.append(name)
+
+            spec.loader.exec_module = exec_module
+        return spec
+
+
+def _ray_free_modules(statement: str) -> list[str]:
+    """The modules that ``statement`` imports, in the order their imports complete, up to its first import of Ray:
+    each one's own imports completed before it, so importing them in this order imports no Ray. vLLM imports Ray
+    deep inside ``from vllm import LLM``. Found in a forked child, which imports Ray and is then thrown away."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        names = []
+        try:
+            tracer = _Completed()
+            sys.meta_path.insert(0, tracer)
+            exec(statement, {})  # noqa: S102 - a fixed statement of this module
+            names = tracer.names
+        finally:
+            with os.fdopen(write, "w") as out:
+                json.dump(names, out)
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as result:
+        names = json.load(result)
+    os.waitpid(pid, 0)
+    return names
 
 
 def _die_with_parent() -> None:
@@ -112,10 +178,11 @@ def _child(owned: list, conn: socket.socket, request: dict, fds: list[int]) -> N
         os._exit(code)
 
 
-def serve(path: str) -> None:
+def serve(path: str, real: bool = False) -> None:
     """Preload, then fork a worker per client until SIGTERM."""
     _die_with_parent()
-    _preload()
+    _preload(real)
+    counter, forked = path.rsplit(".", 1)[0] + ".forks", 0
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
@@ -147,6 +214,9 @@ def serve(path: str) -> None:
                 os.close(fd)
             conn.sendall(HEADER.pack(pid))
             children[pid] = conn
+            forked += 1
+            with open(counter, "w") as count:
+                count.write(str(forked))
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -166,4 +236,4 @@ def serve(path: str) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], real="--real" in sys.argv[2:])
