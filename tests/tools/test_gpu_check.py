@@ -92,8 +92,13 @@ def test_one_device_placement_of_an_async_run():
 
 
 def _cpu_run(tmp_path, capsys, *args: str) -> tuple[list[dict], str]:
-    """``gpu_check.py --cpu`` with ``args``: its rows (each must pass) and its output."""
-    rc = _gpu_check().main(["--cpu", "--out", str(tmp_path), *args])
+    """``gpu_check.py --cpu`` with ``args``: its rows (each must pass) and its output. Its runs' Ray workers are
+    forked from the session's real-stack fork server (``tests.zygote``)."""
+    from tests.zygote import launch_command
+
+    check = _gpu_check()
+    check.CLI = launch_command()
+    rc = check.main(["--cpu", "--out", str(tmp_path), *args])
     out = capsys.readouterr().out
     rows = json.loads((tmp_path / "gpu_check.json").read_text())
     assert rc == 0 and all(r["ok"] for r in rows), out
