@@ -32,6 +32,7 @@ from asyncflow.models.arch import GPTArch
 from asyncflow.planner.activations import LayerTerms, layer_bytes, layer_terms, paper_terms
 from asyncflow.planner.memory import GIB, TrainShape, kv_bytes_per_token, rollout_device, trainer_terms
 from asyncflow.planner.params import stage_params
+from tests.forkserver import start_method
 
 QWEN25_7B = GPTArch.from_hf_config({
     "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
@@ -195,7 +196,7 @@ def test_parameter_counts_match_megatron_chunks(tmp_path):
     jobs = [(dense, 1, 1, 1), (dense, 2, 1, 1), (dense, 2, 2, 1), (dense, 1, 4, 1), (tied, 1, 1, 1), (tied, 2, 2, 1),
             (moe, 1, 1, 1), (moe, 1, 1, 4), (moe, 2, 1, 2), (moe, 1, 2, 2), (shared, 2, 1, 2)]
     tmp.start_processes(_count_worker, args=(4, free_port(), jobs, str(tmp_path)), nprocs=4, join=True,
-                        start_method="spawn")
+                        start_method=start_method())
     checked = 0
     for rank in range(4):
         for c in json.loads((tmp_path / f"rank{rank}.json").read_text()):

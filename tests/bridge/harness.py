@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from asyncflow.models.parallel import free_port
+from tests.forkserver import start_method
 
 
 def fixed_tokens(vocab: int = 19, batch: int = 2, seq: int = 10) -> torch.Tensor:
@@ -234,7 +235,7 @@ def start_megatron(tp: int, pp: int, model_dir, out_dir, versions: int, bucket_m
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     args = (tp * pp, free_port(), tp, pp, str(model_dir), str(out_dir), versions, bucket_mb, save_state)
-    return tmp.start_processes(_megatron_main, args=args, nprocs=tp * pp, join=False, start_method="spawn")
+    return tmp.start_processes(_megatron_main, args=args, nprocs=tp * pp, join=False, start_method=start_method())
 
 
 def join(ctx) -> None:
@@ -304,4 +305,4 @@ def start_moe(ep: int, model_dir, out_dir, versions: int, bucket_mb: float):
 
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     args = (ep, free_port(), ep, str(model_dir), str(out_dir), versions, bucket_mb)
-    return tmp.start_processes(_moe_main, args=args, nprocs=ep, join=False, start_method="spawn")
+    return tmp.start_processes(_moe_main, args=args, nprocs=ep, join=False, start_method=start_method())

@@ -18,6 +18,7 @@ from asyncflow.bridge.checkpoint import ConversionError, hf_to_mcore, mcore_to_h
 from asyncflow.bridge.shards import ParallelLayout
 from asyncflow.models.parallel import free_port
 from asyncflow.tiny_model import make_tiny_model
+from tests.forkserver import start_method
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -122,7 +123,7 @@ def test_megatron_tp2pp2_from_converted_checkpoint_matches_hf_logits(dense_tp2pp
         args=(4, free_port(), str(dense_tp2pp2), str(tiny_model_dir), str(tmp_path)),
         nprocs=4,
         join=True,
-        start_method="spawn",
+        start_method=start_method(),
     )
     ours = torch.load(tmp_path / "logits.pt")
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)

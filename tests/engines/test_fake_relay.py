@@ -16,6 +16,7 @@ import torch
 
 from asyncflow.bridge.staging import StaleStagingError
 from asyncflow.engines.fake import SOURCE, FakePlan, FakeStagingWriter, read_staged
+from tests.forkserver import start_method
 
 
 def test_a_fake_trainers_table_reaches_a_mirror_on_another_host_through_the_relay():
@@ -84,7 +85,7 @@ def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_
     writer = FakeStagingWriter(table, f"afq-{os.getpid()}-wfake{tag}-{SOURCE}")
     store = RelayStore("127.0.0.1", timeout_s=60)
     spec = store.spec(["host-b", "host-c"])
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context(start_method())
     got = ctx.Queue()
     mirrors = [f"afq-{os.getpid()}-wrfake{tag}-{name}-{SOURCE}" for name in ("b", "c", "b2")]  # removed below
     procs = [ctx.Process(target=_receive, args=(spec, list(table.shape), mirrors[r], got, r, 2)) for r in (0, 1)]

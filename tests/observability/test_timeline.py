@@ -8,6 +8,7 @@ import msgpack
 import pytest
 
 from asyncflow.observability import Timeline
+from tests.forkserver import start_method
 
 
 def _hand_made() -> Timeline:
@@ -82,7 +83,7 @@ def _record_in_child(queue, rank):
 
 
 def test_merge_spans_from_other_processes(tmp_path):
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     queue = ctx.Queue()
     procs = [ctx.Process(target=_record_in_child, args=(queue, rank)) for rank in range(2)]
     for p in procs:

@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
+from tests.forkserver import start_method
 
 
 def fixed_batch(batch: int = 8, seq: int = 12, vocab: int = 19) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,5 +54,5 @@ def run(world, tp, pp, model_dir, out_dir, ckpt_in=None, ckpt_out=None, steps=2)
     out_dir.mkdir(parents=True, exist_ok=True)
     args = (world, free_port(), tp, pp, str(model_dir), ckpt_in and str(ckpt_in),
             ckpt_out and str(ckpt_out), str(out_dir), steps)
-    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method=start_method())
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]

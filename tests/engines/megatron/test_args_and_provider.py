@@ -6,6 +6,7 @@ import multiprocessing as mp
 import pytest
 
 from asyncflow.engines.megatron.args import megatron_config_from_args
+from tests.forkserver import start_method
 
 CALLS = []
 
@@ -52,6 +53,6 @@ def _child(model_dir):
 
 @pytest.mark.slow
 def test_user_model_provider_is_used(tiny_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context(start_method()).Pool(1) as pool:
         used, finite = pool.apply(_child, (str(tiny_model_dir),))
     assert used and finite

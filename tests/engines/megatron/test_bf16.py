@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.forkserver import start_method
+
 
 def _bf16_cfg(**overrides):
     from asyncflow.config import MegatronConfig
@@ -76,7 +78,7 @@ def _after_load_child(model_dir: str, distributed: bool) -> dict:
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["mixed_precision", "distributed"])
 def test_main_params_equal_loaded_weights(tiny_model_dir, distributed):
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context(start_method()).Pool(1) as pool:
         result = pool.apply(_after_load_child, (str(tiny_model_dir), distributed))
     expected = "DistributedOptimizer" if distributed else "Float16OptimizerWithFloat16Params"
     assert result["optimizer"] == expected
@@ -169,7 +171,7 @@ def _kl_child(model_dir: str, distributed: bool) -> dict:
 @pytest.mark.parametrize("distributed", [False, True], ids=["mixed_precision", "distributed"])
 def test_kl_to_reference_after_one_tiny_step(tiny_model_dir, tmp_path, distributed):
     model_dir = _sharp_model(Path(tiny_model_dir), tmp_path / "sharp")
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context(start_method()).Pool(1) as pool:
         result = pool.apply(_kl_child, (str(model_dir), distributed))
     assert result["update_ok"]
     # lr 1e-7 moves each weight by about 1e-7, well under half a bf16 ulp of any weight here: the actor

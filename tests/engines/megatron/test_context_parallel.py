@@ -15,6 +15,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
+from tests.forkserver import start_method
 
 pytestmark = pytest.mark.slow  # every test reads a module fixture of spawned Megatron ranks
 
@@ -61,7 +62,7 @@ def _worker(rank, port, out_dir):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("cp")
-    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=CP, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(free_port(), str(out)), nprocs=CP, join=True, start_method=start_method())
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(CP)]
 
 

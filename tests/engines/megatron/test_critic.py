@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
 from tests.engines.megatron.dist_harness import fixed_batch
+from tests.forkserver import start_method
 
 TOL = 1e-5
 
@@ -52,7 +53,7 @@ def _worker(rank, world, port, tp, pp, model_dir, out_dir):
 def _run(tp, pp, model_dir, out_dir) -> list[dict]:
     out_dir.mkdir(parents=True)
     mp.start_processes(_worker, args=(tp * pp, free_port(), tp, pp, str(model_dir), str(out_dir)), nprocs=tp * pp,
-                       join=True, start_method="spawn")
+                       join=True, start_method=start_method())
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
 
 

@@ -112,6 +112,7 @@ def _child(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def result(tiny_model_dir):
+    # Spawn, not tests.forkserver: the child patches engine_device before it imports the engine.
     with mp.get_context("spawn").Pool(1) as pool:
         return pool.apply(_child, (str(tiny_model_dir),))
 

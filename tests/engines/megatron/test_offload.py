@@ -19,6 +19,8 @@ import multiprocessing as mp
 
 import pytest
 
+from tests.forkserver import start_method
+
 pytestmark = pytest.mark.slow
 
 
@@ -147,7 +149,7 @@ def _reference_rank(rank: int, world: int, port: int, model_dir: str, out_dir: s
 
 @pytest.fixture(scope="module")
 def results(tiny_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context(start_method()).Pool(1) as pool:
         return {name: pool.apply(fn, (str(tiny_model_dir), *args)) for name, fn, args in [
             ("plain", _train, (False, "float32")), ("offload", _train, (True, "float32")),
             ("early", _offload_before_the_first_step, ()), ("reference", _reference, ())]}
@@ -196,7 +198,7 @@ def test_layer_major_reference_at_tensor_parallel_2(tiny_model_dir, tmp_path):
     from asyncflow.models.parallel import free_port
 
     tmp.start_processes(_reference_rank, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)), nprocs=2,
-                        join=True, start_method="spawn")
+                        join=True, start_method=start_method())
     for rank in range(2):
         _check_reference(json.loads((tmp_path / f"rank{rank}.json").read_text()))
 
@@ -217,7 +219,7 @@ def test_layer_major_reference_at_pipeline_parallel_2(tmp_path, tp):
     model_dir = make_tiny_model(tmp_path / "qwen2", family="qwen2", num_layers=4, seed=0)
     world = 2 * tp
     tmp.start_processes(_reference_rank, args=(world, free_port(), str(model_dir), str(tmp_path), 2), nprocs=world,
-                        join=True, start_method="spawn")
+                        join=True, start_method=start_method())
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
     assert [r["last"] for r in ranks] == [False] * tp + [True] * tp  # Megatron's order: TP inside PP
     for ref in ranks:

@@ -18,6 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
+from tests.forkserver import start_method
 
 pytestmark = pytest.mark.slow
 SEQ = 48  # the fixed length of the padded path (max prompt + max response)
@@ -107,7 +108,7 @@ def run(world, tp, pp, ep, model_dir, out_dir, packed: bool, train: bool) -> lis
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     args = (world, free_port(), tp, pp, ep, str(model_dir), packed, train, str(out_dir))
-    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method=start_method())
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
 
 
