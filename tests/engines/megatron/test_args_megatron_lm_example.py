@@ -13,6 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 import yaml
 
+from tests.forkserver import start_method
 from tests.recipe_runs import REPO
 
 PROVIDER = "examples.megatron_lm.provider:model_provider"
@@ -66,7 +67,7 @@ def test_example_provider_matches_the_built_in_model(tiny_model_dir, tmp_path):
     # A process of its own, not a pool's daemon: Megatron's checkpoint loader starts processes.
     out = tmp_path / "result.json"
     mp.start_processes(_compare, args=(str(tiny_model_dir), tmp_path / "megatron_lm_save", str(out)), nprocs=1,
-                       join=True, start_method="spawn")
+                       join=True, start_method=start_method())
     result = json.loads(out.read_text())
     gaps, rows, vocab = result["gaps"], result["rows"], result["vocab"]
     assert gaps["hf"] <= 1e-5 and gaps["dist"] <= 1e-5, gaps

@@ -5,6 +5,8 @@ import multiprocessing as mp
 
 import pytest
 
+from tests.forkserver import start_method
+
 pytestmark = pytest.mark.slow
 
 LLAMA3 = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -48,7 +50,7 @@ def test_llama3_rope_scaling_matches_huggingface(tmp_path):
     (scaled / "config.json").write_text(json.dumps({**config, "rope_parameters": LLAMA3}))
     (plain / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "default",
                                                                                 "rope_theta": 1e6}}))
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context(start_method()).Pool(1) as pool:
         result = pool.apply(_child, (str(scaled), str(plain)))
     assert result["scaling_effect"] > 5e-5, result  # the scaling changes Hugging Face's log-probabilities
     assert result["vs_hf"] <= 1e-5, result

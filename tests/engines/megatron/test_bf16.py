@@ -113,7 +113,7 @@ def test_distributed_optimizer_dp2_main_params_equal_loaded_weights(tiny_model_d
     from asyncflow.models.parallel import free_port
 
     tmp.start_processes(_dp2_worker, args=(2, free_port(), str(tiny_model_dir), str(tmp_path)),
-                        nprocs=2, join=True, start_method="spawn")
+                        nprocs=2, join=True, start_method=start_method())
     results = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert len(results) == 2
     for r in results:

@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
 from tests.engines.megatron.dist_harness import fixed_batch
+from tests.forkserver import start_method
 
 pytestmark = pytest.mark.slow
 STEPS = 2
@@ -53,7 +54,7 @@ def _worker(rank, world, port, tp, model_dir, ckpt, out_dir, modes):
 def _run(world, tp, model_dir, ckpt, out_dir, modes) -> list[dict]:
     out_dir.mkdir(parents=True)
     args = (world, free_port(), tp, str(model_dir), str(ckpt), str(out_dir), modes)
-    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=args, nprocs=world, join=True, start_method=start_method())
     return [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
 
 

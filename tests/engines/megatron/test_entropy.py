@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
+from tests.forkserver import start_method
 
 VOCAB, PADDED = 19, 24  # Megatron pads 19 to 24; the last 5 rows are padding
 
@@ -69,7 +70,8 @@ def test_entropy_without_parallel_state_matches_categorical():
 @pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_vocab_parallel_entropy_and_gradient_match_categorical(tp, tmp_path):
-    mp.start_processes(_worker, args=(tp, free_port(), str(tmp_path)), nprocs=tp, join=True, start_method="spawn")
+    mp.start_processes(_worker, args=(tp, free_port(), str(tmp_path)), nprocs=tp, join=True,
+                       start_method=start_method())
     ref_entropy, ref_grad = _reference()
     shard = PADDED // tp
     for rank in range(tp):

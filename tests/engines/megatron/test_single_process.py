@@ -7,6 +7,8 @@ import multiprocessing as mp
 
 import pytest
 
+from tests.forkserver import start_method
+
 pytestmark = pytest.mark.slow
 
 
@@ -57,7 +59,7 @@ def _child(model_dir: str) -> dict:
 
 @pytest.fixture(scope="module")
 def result(tiny_model_dir):
-    with mp.get_context("spawn").Pool(1) as pool:
+    with mp.get_context(start_method()).Pool(1) as pool:
         return pool.apply(_child, (str(tiny_model_dir),))
 
 
