@@ -5,13 +5,13 @@ and fitted into a cost file the simulator reads."""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncflow.simulator.costs import ServiceCosts, load_costs
 from asyncflow.simulator.profile import QUICK_GRIDS
+from tests.zygote import launch_command
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 def test_profile_writes_a_valid_engine_only_cost_file(tmp_path):
     out = tmp_path / "costs.json"
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "asyncflow.cli", "profile", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
+    # Its Ray's workers (the probes) are forked from the session's real-stack fork server (tests.zygote).
+    cmd = [*launch_command(), "profile", str(REPO / "recipes/tiny_cpu/grpo_async.yaml"),
            f"model.path={tmp_path / 'model'}", "trainer.micro_batch_size=32", "--out", str(out), "--variants", "1",
            "--reps", "1", "--quick"]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
