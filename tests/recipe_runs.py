@@ -1,7 +1,8 @@
 """Runs of ``asyncflow train`` shared by several test files.
 
-Real-stack runs (Megatron, vLLM) cost about 40 s of start-up each on 2 cores: ``demo_run`` (``tests/conftest.py``)
-is the demo recipe's learning run, made once per session and read by ``tests/workflow/test_e2e.py``. Runs on the
+Real-stack runs (Megatron, vLLM) cost 10-20 s of start-up each on 2 cores, their workers forked from a preloaded
+server (``tests.zygote``): ``demo_run`` (``tests/conftest.py``) is the demo recipe's learning run, made once per
+session and read by ``tests/workflow/test_e2e.py``. Runs on the
 fake engines (``asyncflow.engines.fake``) keep everything else real (Ray actors, the TransferQueue, the version
 board, the services, the driver loop) and check the workflow's semantics in seconds: ``run_fake`` in pytest's own
 process, through ``asyncflow.workflow.loop.train``, on the session's one local Ray (``SharedRay``, the

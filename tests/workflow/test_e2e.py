@@ -8,7 +8,7 @@ version reaching vLLM exactly (vLLM's logprobs equal Megatron's per version, buc
 in Ray's object store. The async run is `make demo`'s recipe, shortened to 70 steps, so it checks the demo's
 claim too: async GRPO through the real stack lifts the add-one reward (70 steps go from ~0.05 to above 0.8;
 0.8 was reached at step 45 in one run, and seeds of the plain-PyTorch reference vary from 53 to 74 steps, so
-the run is not shorter). Each run costs about 40 s of start-up on 2 cores, so one run carries as many checks
+the run is not shorter). Each run costs 10-20 s of start-up on 2 cores, so one run carries as many checks
 as it can.
 """
 

@@ -1,4 +1,5 @@
-"""A fork server for the Ray workers of the tests' shared Ray (``tests.recipe_runs.SharedRay``).
+"""Fork servers for the Ray workers of the tests: the shared Ray's (``tests.recipe_runs.SharedRay``), and the real-stack
+runs'.
 
 On the 2-core test machine a run on the fake engines cost about 10 CPU-seconds, 7 of them its Ray actors starting:
 each is a new Python process that imports torch, transformers and the service modules (about 1.2 s) before its
@@ -12,8 +13,10 @@ The client stays alive as the process the raylet started: the child exits when t
 its worker process), the client exits with the child's status (a test or Ray killing the worker by the pid that
 ``os.getpid()`` in the actor reports), and signals sent to the client go to the child.
 
-Only the in-process fake-engine runs on the shared Ray use it: runs started as ``asyncflow train`` subprocesses,
-the real-stack runs and every user run start their workers the normal way. ``ASYNCFLOW_TEST_ZYGOTE=0`` turns it off.
+Two kinds: the shared Ray's server (torch, transformers, the services and the fake engines) and the real-stack
+server (also Megatron-core, the engines and as much of vLLM as imports no Ray), for the tests' ``asyncflow``
+subprocesses run as ``python -m tests.zygote.launch`` (``launch_command``). Runs that tests watch process by process,
+the two-host runs and every user run start their workers the normal way. ``ASYNCFLOW_TEST_ZYGOTE=0`` turns both off.
 """
 
 from __future__ import annotations
