@@ -105,15 +105,19 @@ def _run(*cmd: str) -> str:
     return proc.stdout
 
 
-def _free_port(avoid: range = range(0)) -> int:
-    """A port free now, outside ``avoid`` (Ray refuses a component port inside its worker-port range)."""
+def _free_port(avoid: range = range(0), taken: set[int] | None = None) -> int:
+    """A port free now, outside ``avoid`` (Ray refuses a component port inside its worker-port range) and not in
+    ``taken``, to which it is added: a port probed free is released at once, so the next probe may return it
+    again, and Ray refuses a port given to two of its components."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("", 0))
             port = s.getsockname()[1]
-        if port not in avoid:
+        if port not in avoid and port not in (taken or ()):
+            if taken is not None:
+                taken.add(port)
             return port
-    raise TwoHostError(f"no free port outside {avoid}")
+    raise TwoHostError(f"no free port outside {avoid} and {sorted(taken or ())}")
 
 
 def _pick_subnet() -> tuple[str, str]:
@@ -141,14 +145,16 @@ def _ray_bin() -> str:
     return str(ray) if ray.exists() else "ray"
 
 
-def _ray_args(cluster: TwoHost, host: str, cpus: int) -> list[str]:
+def _ray_args(cluster: TwoHost, host: str, cpus: int, flags: tuple[str, ...] = ()) -> list[str]:
+    """``ray start`` for ``host``, every component port its own (``flags`` name more ports to pick, the head's)."""
     args = [_ray_bin(), "start", "--block", "--disable-usage-stats", f"--num-cpus={cpus}",
             f"--resources={json.dumps({cluster.resource: _devices(cluster, host)})}",
             "--object-store-memory=100000000",
             f"--temp-dir={cluster.temp_dir}/{host}"]
-    worker = _free_port()
+    taken = {cluster.port}
+    worker = _free_port(range(cluster.port - 200, cluster.port + 1), taken)
     workers = range(worker, worker + 201)
-    args += [f"{flag}={_free_port(workers)}" for flag in _RAY_PORT_FLAGS]
+    args += [f"{flag}={_free_port(workers, taken)}" for flag in _RAY_PORT_FLAGS + flags]
     return args + [f"--min-worker-port={worker}", f"--max-worker-port={worker + 200}"]
 
 
@@ -174,8 +180,8 @@ def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 1
     try:
         _make_network(cluster)
         env = cluster.env()
-        head = _ray_args(cluster, "a", cpus) + ["--head", f"--node-ip-address={addr_a}", f"--port={cluster.port}",
-                                                "--include-dashboard=false", f"--dashboard-port={_free_port()}"]
+        head = _ray_args(cluster, "a", cpus, ("--dashboard-port",)) + [
+            "--head", f"--node-ip-address={addr_a}", f"--port={cluster.port}", "--include-dashboard=false"]
         cluster.pids["a"] = _spawn(head, env, Path(temp_dir) / "ray_a.log")
         node = shlex.join(_ray_args(cluster, "b", cpus) + [f"--address={cluster.address}",
                                                            f"--node-ip-address={addr_b}"])
