@@ -72,3 +72,29 @@ def test_a_worker_whose_client_is_killed_exits(shared_ray):
     assert _gone(facts["pid"])
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actor.facts.remote(), timeout=60)
+
+
+PRELOAD_PROBE = """
+import json, sys
+from tests.zygote.server import _preload
+_preload(real=True)
+print(json.dumps({"modules": sorted(sys.modules)}))
+"""
+
+
+@pytest.mark.slow  # imports vLLM twice (once in the child that finds its modules)
+def test_the_real_stack_server_imports_megatron_and_vllm_but_not_ray():
+    # Ray imported before the fork would crash every worker (its core reads the worker's environment when it loads);
+    # vLLM imports it deep inside `from vllm import LLM`, so the server stops short of that import.
+    import json
+    import subprocess
+    import sys
+
+    from tests.zygote import REPO
+
+    proc = subprocess.run([sys.executable, "-c", PRELOAD_PROBE], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    modules = set(json.loads(proc.stdout.strip().splitlines()[-1])["modules"])
+    assert not {m for m in modules if m == "ray" or m.startswith("ray.")}
+    assert {"megatron.core", "asyncflow.engines.megatron.actor", "asyncflow.engines.vllm.rollout"} <= modules
+    assert len({m for m in modules if m.startswith("vllm.")}) > 100  # most of what `from vllm import LLM` loads
