@@ -34,7 +34,8 @@ HEADER = struct.Struct("!I")
 
 
 def _preload(real: bool) -> None:
-    with warnings.catch_warnings():  # Megatron's "Transformer Engine and Apex are not installed": a worker says it
+    # Megatron's "Transformer Engine and Apex are not installed" is not the server's to print.
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in PRELOAD + (REAL_PRELOAD if real else ()):
             importlib.import_module(name)
