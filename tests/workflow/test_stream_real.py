@@ -29,9 +29,7 @@ LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout
 class RunKiller(threading.Thread):
     """SIGKILLs the rollout instance of the ``asyncflow train`` subprocess writing to ``out`` once, when
     ``ready(logged metric records)`` holds. The instance is found only among that run's own descendants (its Ray
-    and workers) and the children of this process's real-stack fork server (which forks the run's workers and no
-    other run's while it goes on), by the title Ray gives an actor's process, so no other run on the machine is
-    touched."""
+    and workers), by the title Ray gives an actor's process, so no other run on the machine is touched."""
 
     def __init__(self, out, ready):
         super().__init__(daemon=True)
@@ -56,23 +54,12 @@ class RunKiller(threading.Thread):
         arg = f"observability.output_dir={self.out}"
         for run in psutil.Process().children():
             try:
-                if arg in run.cmdline():
-                    return next((p for p in [*run.children(recursive=True), *_forked()]
+                if "asyncflow.cli" in run.cmdline() and arg in run.cmdline():
+                    return next((p for p in run.children(recursive=True)
                                  if " ".join(p.cmdline()).startswith("ray::RolloutService")), None)
             except psutil.Error:  # exited meanwhile
                 continue
         return None
-
-
-def _forked() -> list[psutil.Process]:
-    """The workers this process's real-stack fork server forked that are alive."""
-    from tests.zygote import server_pid
-
-    pid = server_pid(real=True)
-    try:
-        return psutil.Process(pid).children() if pid is not None else []
-    except psutil.Error:
-        return []
 
 
 def _after_the_second_evaluation(logged: list[dict]) -> bool:

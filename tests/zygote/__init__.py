@@ -135,12 +135,6 @@ def session_server(real: bool = False) -> ForkServer:
     return server
 
 
-def server_pid(real: bool = False) -> int | None:
-    """The pid of this process's running fork server of that kind (None: none runs); starts nothing."""
-    server = _SERVERS.get(real)
-    return server.proc.pid if server is not None and server.proc is not None else None
-
-
 def launch_command() -> list[str]:
     """The command that runs ``asyncflow`` (its arguments follow) with its Ray's workers forked from this process's
     real-stack fork server, started here if it is not yet; ``python -m asyncflow.cli`` where the server is off."""
