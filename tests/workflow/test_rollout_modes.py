@@ -1,27 +1,29 @@
-"""The async rollout modes end to end: continuous batching with partial rollout, on long-tailed responses (more
-rows per step than engine slots, so slots free up and refill), with two rollout engines pulling from the same
-steps. Once on the fake engines (``asyncflow.engines.fake``, tokens slowed down so that versions arrive
-mid-rollout) and once on the real stack (vLLM's stream swapping weights at a token boundary on a recomputed
-prefix, weights through the relay, the cross-host transport).
+"""The async rollout modes end to end on the fake engines (``asyncflow.engines.fake``, tokens slowed down so that
+versions arrive mid-rollout): continuous batching with partial rollout, on long-tailed responses (more rows per step
+than engine slots, so slots free up and refill), with two rollout engines pulling from the same steps.
 
 The workflow's guarantees hold per token: every token of a trained row comes from a version that admitted
 its step (token lag <= max_staleness), every prompt is trained exactly once with its whole group, and the
 engine's running set stays well filled. Continuous batching without partial rollout runs the same stream; its
 own guarantee (weights never change under running sequences) is checked on the multi-turn runs of
 ``tests/agents/test_tool_runs.py``, which stream that way.
+
+The real engines meet the interface these modes use in the real-stack run of ``test_stream_real``: vLLM's stream
+swapping weights at a token boundary under responses in flight (partial rollout), rows spanning versions, and the
+trainer's logprobs equal to vLLM's on the tokens of the version trained. Two real rollout instances share steps in
+the two-host runs (``tests/cluster``), and the relay transport is in ``test_e2e``'s TP2 x PP2 run.
 """
 
 from collections import Counter
 
 import pytest
 
-from tests.recipe_runs import SMALL, records, run_fake, run_recipe
+from tests.recipe_runs import SMALL, records, run_fake
 
 # Two engines of SEQS slots each and 64 rows a step: each engine has 8x as many rows as slots, so a step's
 # rollout is several waves long. Training streams alongside it and publishes a version a short tail after the
-# step's last row; that tail must be shorter than the next step's rollout for a version to arrive mid-rollout.
-# With 16 slots (two waves) the two were close on the real stack and CI once saw no swap at all; 4 slots give
-# a margin of ~4x.
+# step's last row; that tail must be shorter than the next step's rollout for a version to arrive mid-rollout
+# (with 16 slots, two waves, the two were close and a run could see no swap at all; 4 slots give a margin of ~4x).
 STEPS, PROMPTS, GROUP, SEQS = 4, 16, 4, 4
 # No reference model (kl_coef=0): one trainer process fewer per run; nothing here reads its logprobs.
 LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout.max_model_len=64",
@@ -31,15 +33,11 @@ LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout
 SLOW_TOKENS = "rollout.engine=tests.fakes.slowed.SlowTokens"
 
 
-@pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.slow)])
-def partial(request, tmp_path_factory, tiny_model_dir, shared_ray):
+@pytest.fixture(scope="module")
+def partial(tmp_path_factory, tiny_model_dir, shared_ray):
     """The partial-rollout run's summary (a step's metrics merge both engines' reports: counts add up, a max is
     the larger one, a mean the mean)."""
-    tmp = tmp_path_factory.mktemp(f"modes_{request.param}")
-    if request.param == "fake":
-        return run_fake(tmp, tiny_model_dir, "partial", *SMALL, *LONGTAIL, SLOW_TOKENS)
-    # Not forked (tests.zygote): one fresh-clone suite run with forked workers saw no version arrive mid-rollout.
-    return run_recipe(tmp, "async", 1, "partial", *LONGTAIL, "weight_sync.transport=relay", forked=False)
+    return run_fake(tmp_path_factory.mktemp("modes"), tiny_model_dir, "partial", *SMALL, *LONGTAIL, SLOW_TOKENS)
 
 
 def test_token_staleness_bound_and_exactly_once(partial):

@@ -153,11 +153,12 @@ def test_ctrl_c_in_sync_mode_checkpoints_between_two_periodic_checkpoints_and_pr
 
 
 def test_a_boundary_not_reached_within_the_grace_time_stops_at_once(tmp_path, tiny_model_dir):
-    # Every train step takes 8 s and the grace time is 0.5 s: the signal lands in a step that cannot end in time.
+    # Every train step takes 3 s and the grace time is 0.5 s: the signal, sent once step 0 is logged, lands in a
+    # step that cannot end in time.
     # Checkpoints are off: the line says there is nothing to resume from.
     args = _args(tmp_path, tiny_model_dir, "checkpoint.signal_grace_s=0.5")
     status, out, err, pids, leftovers = _stop_run(tmp_path, args, signal.SIGTERM, group=False, after_steps=1,
-                                                  train_s="8")
+                                                  train_s="3")
     assert status == EX_TEMPFAIL, out[-3000:] + err[-5000:]
     assert "Traceback" not in err, err[-5000:]
     assert not leftovers and not _shm_of(pids)
