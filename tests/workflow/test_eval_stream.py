@@ -53,8 +53,11 @@ def test_evaluations_at_the_versions_reached(evaluated):
     assert [r["eval/version"] for r in evals[:2]] in ([0, 2], [0, 3]) and evals[0]["step"] == 0
     for i, r in enumerate(evals):
         # One evaluation per multiple of eval_every reached, at the first version past it; logged with a step the
-        # rollout had not finished when it ran (steps below the version evaluated were trained before it).
-        assert r["eval/version"] >= 2 * i and r["eval/version"] <= r["step"]
+        # rollout had not finished when it ran (steps below the version evaluated were trained before it). The
+        # last one may come after the rollout of the last step is done, on a busy machine even at the run's final
+        # version (STEPS, past the multiple): it is logged with the last step.
+        final = r is evals[-1] and r["step"] == STEPS - 1 and r["eval/version"] == STEPS
+        assert r["eval/version"] >= 2 * i and (r["eval/version"] <= r["step"] or final), r
         assert r["eval/prompts"] == len(VAL) and r["eval/pass@1"] <= r[f"eval/pass@{K}"] <= 1.0
         assert 0.0 <= r["eval/greedy_acc"] <= 1.0 and r["eval/seconds"] > 0
     assert all(a["eval/version"] // 2 < b["eval/version"] // 2 for a, b in zip(evals, evals[1:]))

@@ -141,4 +141,8 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
     assert max(m["ray/object_store_bytes"] for m in metrics) < 100_000
     # Nothing of the killed instance survives it: no process (vLLM's, at TP > 1 or out of process), no segment.
     assert not [pid for pid in killer.killed if psutil.pid_exists(pid)], killer.killed
-    assert not left_in_shm({p.name for p in shm_before}), sorted(SHM.iterdir())
+    # Multiprocessing's semaphores (sem.mp-*) name no owner, and those of another test running beside this one
+    # (pytest-xdist) can be waiting in /dev/shm for their resource tracker: the session-end check
+    # (tests/conftest.py) fails the suite if one is left for good.
+    left = [name for name in left_in_shm({p.name for p in shm_before}) if not name.startswith("sem.mp-")]
+    assert not left, left
