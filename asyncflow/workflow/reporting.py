@@ -34,15 +34,18 @@ def merge_metric(key: str, old: float, new: float, seen: int) -> float:
 
 
 class Reporter:
-    """Collects reports from the version board; a step is logged once its actor and advantage reports
-    are both in (the advantage service sees every reward of the step, the actor every lag)."""
+    """Collects reports from the version board; a step is logged once its rollout, reward, advantage and actor
+    reports are in (the critic's too, when PPO runs one). The reward's is required though the advantage service
+    sees every reward of the step: the reward worker posts its report after its last put, so the step could
+    otherwise be trained and logged before it arrives, and its counts (``reward/failures``) would be lost."""
 
     def __init__(self, cfg: AsyncFlowConfig, pipe, first_step: int = 0, trained_groups: dict | None = None,
                  on_step=None):
         self.cfg, self.pipe = cfg, pipe
         self.first_step, self.on_step = first_step, on_step
         # A step is complete once these have reported (the critic's update, when PPO runs one).
-        self.required = {"actor", "advantage", "rollout"} | ({"critic"} if "critic" in pipe.groups else set())
+        self.required = {"actor", "advantage", "reward", "rollout"} | ({"critic"} if "critic" in pipe.groups
+                                                                       else set())
         self.observer = RunObserver(cfg.observability, total_steps=cfg.workflow.steps,
                                     run_config=dataclasses.asdict(cfg))
         self.pending: dict[int, dict] = defaultdict(dict)

@@ -114,11 +114,12 @@ def test_a_late_evaluation_goes_with_the_next_step(tmp_path, shared_ray):
     step (its metrics and samples file), while a late rollout share is still left out; an evaluation report is no
     rollout report (a step needs one of those to be logged). On the tests' Ray: the driver logs its object store."""
     reporter = _reporter(tmp_path)
-    step0 = [_report(s, 0, {f"{s}/x": 1.0}) for s in ("actor", "advantage", "rollout")]
+    step0 = [_report(s, 0, {f"{s}/x": 1.0}) for s in ("actor", "advantage", "reward", "rollout")]
     reporter.collect(step0)
     late_eval = _report("evaluation", 0, {"eval/version": 0.0}, eval_samples=[{"version": 0, "prompt": "p"}])
     reporter.collect([late_eval, _report("rollout", 0, {"rollout/rows": 5.0}),
-                      _report("actor", 1, {}), _report("advantage", 1, {}), _report("evaluation", 1, {})])
+                      _report("actor", 1, {}), _report("advantage", 1, {}), _report("reward", 1, {}),
+                      _report("evaluation", 1, {})])
     assert reporter.trained_steps == 1  # step 1 has no rollout report yet: the evaluation's does not count
     reporter.collect([_report("rollout", 1, {"rollout/rows": 3.0})])
     logged = {h["step"]: h for h in reporter.history}
@@ -127,7 +128,7 @@ def test_a_late_evaluation_goes_with_the_next_step(tmp_path, shared_ray):
     sample = json.loads((tmp_path / "eval_samples" / "step_000001.jsonl").read_text())
     assert sample == {"step": 1, "version": 0, "prompt": "p"}
     # Past the run's last step (workflow.steps=3) there is no step to log a late evaluation with: it is dropped.
-    reporter.collect([_report(s, 2, {}) for s in ("actor", "advantage", "rollout")])
+    reporter.collect([_report(s, 2, {}) for s in ("actor", "advantage", "reward", "rollout")])
     reporter.collect([_report("evaluation", 2, {"eval/version": 2.0}, eval_samples=[{"version": 2}])])
     assert reporter.trained_steps == 3 and not reporter.pending
     assert sorted(p.name for p in (tmp_path / "eval_samples").iterdir()) == ["step_000001.jsonl"]
