@@ -129,6 +129,24 @@ def run_fake(tmp_path, model_dir, name: str, *extra: str, recipe: str = "grpo_as
     return {**train_here(cfg), "_out": out}
 
 
+def bare_reporter(tmp_path, steps: int):
+    """The driver's ``Reporter`` of a fake-engine config of ``steps`` steps, without a pipeline: fed reports by hand
+    (``service_report``). Logging a step reads Ray's object store: use it on the tests' Ray (``shared_ray``)."""
+    from types import SimpleNamespace
+
+    from asyncflow.config import load_config
+    from asyncflow.workflow.reporting import Reporter
+
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml",
+                      [*FAKE, f"observability.output_dir={tmp_path}", f"workflow.steps={steps}"])
+    return Reporter(cfg, SimpleNamespace(groups={}, client=SimpleNamespace(status=lambda: {"live_rows": 0})))
+
+
+def service_report(service: str, step: int, metrics: dict, **extra) -> dict:
+    """A report as a service posts it to the version board (``TaskService.report``), without spans."""
+    return {"step": step, "service": service, "worker": 0, "metrics": metrics, "spans": [], **extra}
+
+
 def add_one_val_file(tmp_path, prompts: list[str]) -> Path:
     """A validation set of add-one ``prompts`` (digit strings) with their answers, as ``data.val_path`` reads it."""
     path = Path(tmp_path) / "val.jsonl"

@@ -43,9 +43,7 @@ class Reporter:
                  on_step=None):
         self.cfg, self.pipe = cfg, pipe
         self.first_step, self.on_step = first_step, on_step
-        # A step is complete once these have reported (the critic's update, when PPO runs one).
-        self.required = {"actor", "advantage", "reward", "rollout"} | ({"critic"} if "critic" in pipe.groups
-                                                                       else set())
+        self.required = {"actor", "advantage", "reward", "rollout"} | ({"critic"} & set(pipe.groups))
         self.observer = RunObserver(cfg.observability, total_steps=cfg.workflow.steps,
                                     run_config=dataclasses.asdict(cfg))
         self.pending: dict[int, dict] = defaultdict(dict)

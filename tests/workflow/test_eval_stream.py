@@ -7,20 +7,20 @@ evaluation whose step was logged before it arrived goes with the next step, and 
 """
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
 from tests.recipe_runs import (
-    FAKE,
     REPO,
     SMALL,
     STEPS,
     add_one_val_file,
+    bare_reporter,
     check_staleness_and_exactly_once,
     check_stream,
     records,
     run_fake,
+    service_report,
 )
 
 PROMPTS, GROUP, K = 8, 4, 3
@@ -95,41 +95,26 @@ def test_one_evaluate_span_per_evaluation(evaluated):
                                                      if "eval/version" in r]
 
 
-def _reporter(tmp_path):
-    from asyncflow.config import load_config
-    from asyncflow.workflow.reporting import Reporter
-
-    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml",
-                      [*FAKE, f"observability.output_dir={tmp_path}", "workflow.steps=3"])
-    pipe = SimpleNamespace(groups={}, client=SimpleNamespace(status=lambda: {"live_rows": 0}))
-    return Reporter(cfg, pipe)
-
-
-def _report(service, step, metrics, **extra):
-    return {"step": step, "service": service, "worker": 0, "metrics": metrics, "spans": [], **extra}
-
-
 def test_a_late_evaluation_goes_with_the_next_step(tmp_path, shared_ray):
     """The driver's side: an evaluation report whose step was logged before it arrived is logged with the next
     step (its metrics and samples file), while a late rollout share is still left out; an evaluation report is no
     rollout report (a step needs one of those to be logged). On the tests' Ray: the driver logs its object store."""
-    reporter = _reporter(tmp_path)
-    step0 = [_report(s, 0, {f"{s}/x": 1.0}) for s in ("actor", "advantage", "reward", "rollout")]
+    reporter = bare_reporter(tmp_path, 3)
+    step0 = [service_report(s, 0, {f"{s}/x": 1.0}) for s in ("actor", "advantage", "reward", "rollout")]
     reporter.collect(step0)
-    late_eval = _report("evaluation", 0, {"eval/version": 0.0}, eval_samples=[{"version": 0, "prompt": "p"}])
-    reporter.collect([late_eval, _report("rollout", 0, {"rollout/rows": 5.0}),
-                      _report("actor", 1, {}), _report("advantage", 1, {}), _report("reward", 1, {}),
-                      _report("evaluation", 1, {})])
+    late_eval = service_report("evaluation", 0, {"eval/version": 0.0}, eval_samples=[{"version": 0, "prompt": "p"}])
+    reporter.collect([late_eval, service_report("rollout", 0, {"rollout/rows": 5.0}),
+                      *[service_report(s, 1, {}) for s in ("actor", "advantage", "reward", "evaluation")]])
     assert reporter.trained_steps == 1  # step 1 has no rollout report yet: the evaluation's does not count
-    reporter.collect([_report("rollout", 1, {"rollout/rows": 3.0})])
+    reporter.collect([service_report("rollout", 1, {"rollout/rows": 3.0})])
     logged = {h["step"]: h for h in reporter.history}
     assert "eval/version" not in logged[0] and logged[1]["eval/version"] == 0.0
     assert logged[1]["rollout/rows"] == 3.0  # the late share of step 0 was not added anywhere
     sample = json.loads((tmp_path / "eval_samples" / "step_000001.jsonl").read_text())
     assert sample == {"step": 1, "version": 0, "prompt": "p"}
     # Past the run's last step (workflow.steps=3) there is no step to log a late evaluation with: it is dropped.
-    reporter.collect([_report(s, 2, {}) for s in ("actor", "advantage", "reward", "rollout")])
-    reporter.collect([_report("evaluation", 2, {"eval/version": 2.0}, eval_samples=[{"version": 2}])])
+    reporter.collect([service_report(s, 2, {}) for s in ("actor", "advantage", "reward", "rollout")])
+    reporter.collect([service_report("evaluation", 2, {"eval/version": 2.0}, eval_samples=[{"version": 2}])])
     assert reporter.trained_steps == 3 and not reporter.pending
     assert sorted(p.name for p in (tmp_path / "eval_samples").iterdir()) == ["step_000001.jsonl"]
     reporter.observer.close()

@@ -1,12 +1,10 @@
 """The driver's reports: merging the reports of one step from several rollout instances
 (``workflow.rollout_instances``), and which services' reports a step waits for before it is logged."""
 
-from types import SimpleNamespace
-
 import pytest
 
 from asyncflow.workflow.reporting import merge_metric
-from tests.recipe_runs import FAKE, REPO
+from tests.recipe_runs import bare_reporter, service_report
 
 
 def _merged(key: str, values: list[float]) -> float:
@@ -35,20 +33,10 @@ def test_a_step_is_logged_only_with_its_reward_report(tmp_path, shared_ray):
     """The reward worker posts its report after its last put, so the advantage and the actor can be done with the
     step before it arrives (seen in a suite run: a step logged without ``reward/failures``). The step waits for it.
     On the tests' Ray: the driver logs its object store."""
-    from asyncflow.config import load_config
-    from asyncflow.workflow.reporting import Reporter
-
-    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml",
-                      [*FAKE, f"observability.output_dir={tmp_path}", "workflow.steps=2"])
-    pipe = SimpleNamespace(groups={}, client=SimpleNamespace(status=lambda: {"live_rows": 0}))
-    reporter = Reporter(cfg, pipe)
-
-    def report(service, step, metrics):
-        return {"step": step, "service": service, "worker": 0, "metrics": metrics, "spans": []}
-
-    reporter.collect([report(s, 0, {f"{s}/x": 1.0}) for s in ("rollout", "advantage", "actor")])
+    reporter = bare_reporter(tmp_path, 2)
+    reporter.collect([service_report(s, 0, {f"{s}/x": 1.0}) for s in ("rollout", "advantage", "actor")])
     assert reporter.trained_steps == 0 and not reporter.history
-    reporter.collect([report("reward", 0, {"reward/failures": 0.0, "reward/rows": 32.0})])
+    reporter.collect([service_report("reward", 0, {"reward/failures": 0.0, "reward/rows": 32.0})])
     assert reporter.trained_steps == 1
     assert reporter.history[0]["reward/failures"] == 0.0 and reporter.history[0]["reward/rows"] == 32.0
     reporter.observer.close()

@@ -92,8 +92,8 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
                          "workflow.eval_before_train=true", "workflow.eval_k=2", "workflow.eval_samples=1",
                          "transfer_queue.row_lease_s=30", "transfer_queue.put_lease_s=30",
                          *LONGTAIL, sizes=[*SMALL, f"workflow.steps={STEPS}"],
-                         # Not forked (tests.zygote): one fresh-clone suite run with forked workers found two
-                         # multiprocessing semaphores left in /dev/shm at the end.
+                         # Not forked (tests.zygote): RunKiller finds the instance among the run's descendants,
+                         # and a forked worker is the fork server's child.
                          forked=False)
     finally:
         killer.stop = True
