@@ -145,9 +145,10 @@ def _ray_bin() -> str:
     return str(ray) if ray.exists() else "ray"
 
 
-def _ray_args(cluster: TwoHost, host: str, cpus: int, flags: tuple[str, ...] = ()) -> list[str]:
+def _ray_args(cluster: TwoHost, host: str, cpus: int, flags: tuple[str, ...] = (),
+              ray_cli: list[str] | None = None) -> list[str]:
     """``ray start`` for ``host``, every component port its own (``flags`` name more ports to pick, the head's)."""
-    args = [_ray_bin(), "start", "--block", "--disable-usage-stats", f"--num-cpus={cpus}",
+    args = [*(ray_cli or [_ray_bin()]), "start", "--block", "--disable-usage-stats", f"--num-cpus={cpus}",
             f"--resources={json.dumps({cluster.resource: _devices(cluster, host)})}",
             "--object-store-memory=100000000",
             f"--temp-dir={cluster.temp_dir}/{host}"]
@@ -163,9 +164,14 @@ def _devices(cluster: TwoHost, host: str) -> int:
 
 
 def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 120.0,
-       devices_b: int | None = None) -> TwoHost:
+       devices_b: int | None = None, ray_cli: list[str] | None = None, env_a: dict | None = None,
+       env_b: dict | None = None, before_b: str | None = None) -> TwoHost:
     """Create host B, start Ray on both hosts and wait until the cluster has two alive nodes.
 
+    ``ray_cli`` is the command that runs Ray's CLI on both hosts (default: this environment's ``ray``);
+    ``env_a`` / ``env_b`` add to the environment of each host's Ray node, which its workers inherit; ``before_b``
+    is a shell command that host B starts in the background, in its namespaces, just before its Ray node. The
+    tests use these to fork each host's workers from a server that has imported what they need.
     On any failure, everything made so far is removed and TwoHostError says why.
     """
     check_possible()
@@ -180,20 +186,21 @@ def up(devices: int = 2, cpus: int = 4, resource: str = "NPU", wait_s: float = 1
     try:
         _make_network(cluster)
         env = cluster.env()
-        head = _ray_args(cluster, "a", cpus, ("--dashboard-port",)) + [
+        head = _ray_args(cluster, "a", cpus, ("--dashboard-port",), ray_cli) + [
             "--head", f"--node-ip-address={addr_a}", f"--port={cluster.port}", "--include-dashboard=false"]
-        cluster.pids["a"] = _spawn(head, env, Path(temp_dir) / "ray_a.log")
-        node = shlex.join(_ray_args(cluster, "b", cpus) + [f"--address={cluster.address}",
-                                                           f"--node-ip-address={addr_b}"])
+        cluster.pids["a"] = _spawn(head, {**env, **(env_a or {})}, Path(temp_dir) / "ray_a.log")
+        node = shlex.join(_ray_args(cluster, "b", cpus, (), ray_cli) + [f"--address={cluster.address}",
+                                                                        f"--node-ip-address={addr_b}"])
         # A private tmpfs on /dev/shm and another hostname: host B shares no segment with host A.
         # Its hostname resolves to its own address there, as on a real cluster host (gloo looks it up).
         hosts = Path(temp_dir) / "hosts_b"
         hosts.write_text(f"127.0.0.1 localhost\n{addr_b} {cluster.hostname_b}\n")
         inner = (f"mount -t tmpfs -o size=8g,mode=1777 tmpfs /dev/shm && mount --bind {hosts} /etc/hosts && "
                  f"hostname {cluster.hostname_b} && "
-                 f"echo $$ > {temp_dir}/b_inner.pid && exec {node}")
+                 f"echo $$ > {temp_dir}/b_inner.pid || exit 1; {f'({before_b}) & ' if before_b else ''}exec {node}")
         cluster.pids["b"] = _spawn(["ip", "netns", "exec", cluster.netns, "unshare", "-mu", "--fork",
-                                    "--kill-child=SIGTERM", "sh", "-c", inner], env, Path(temp_dir) / "ray_b.log")
+                                    "--kill-child=SIGTERM", "sh", "-c", inner], {**env, **(env_b or {})},
+                                   Path(temp_dir) / "ray_b.log")
         _wait_nodes(cluster, wait_s)
         cluster.pids["b_inner"] = int((Path(temp_dir) / "b_inner.pid").read_text())
     except BaseException:

@@ -13,6 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.zygote import HostBServer, session_server, two_host_options
+from tests.zygote import enabled as zygote_enabled
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -48,15 +51,25 @@ def make_cluster(**kwargs):
 @pytest.fixture(scope="module")
 def two_hosts():
     """A running two-host Ray cluster (``two_host.TwoHost``; host A declares 2 devices, host B 4, so that a layout
-    can pin work to host B), removed after the module that uses it.
+    can pin work to host B), removed after the module that uses it. Each host's Ray node forks its workers from a
+    real-stack fork server on that host (``tests.zygote.two_host_options``; ``host_b_server`` is host B's).
 
     Pass ``cluster.env()`` to processes that join it (``asyncflow train ... ray.address=<cluster.address>``).
     """
-    cluster = make_cluster(devices=2, devices_b=4)
+    host_b = HostBServer() if zygote_enabled() else None
+    cluster = make_cluster(devices=2, devices_b=4, **(two_host_options(host_b) if host_b else {}))
+    cluster.host_b_server = host_b
     try:
         yield cluster
     finally:
         load_two_host().down(cluster)
+        if host_b:
+            host_b.remove_files()
+
+
+def forks(cluster) -> tuple[int, int]:
+    """Workers forked so far by the fork servers of hosts A and B of the ``two_hosts`` cluster (``tests.zygote``)."""
+    return session_server(real=True).forks(), cluster.host_b_server.forks()
 
 
 def check_weight_bytes(layout: dict) -> str:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.conftest import check_tq_and_weights_across_hosts, check_weight_bytes, load_two_host
+from tests.cluster.conftest import check_tq_and_weights_across_hosts, check_weight_bytes, forks, load_two_host
 from tests.recipe_runs import REPO, SMALL
 
 STEPS = 3
@@ -132,9 +132,12 @@ def test_sync_recipe_trains_across_hosts(two_hosts, tmp_path):
     """sync shares each device between a trainer rank and a rollout engine: two of each, one pair per host.
     On-policy (k=0), so the live gap is checked at every version. The model is named by a path relative to the
     driver's folder: workers on host B start elsewhere."""
+    before = forks(two_hosts)
     proc = train(two_hosts, tmp_path, "sync", "workflow.mode=sync", "workflow.max_staleness=0",
                  "trainer.data_parallel=2", "workflow.rollout_instances=2", model=Path("model"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if two_hosts.host_b_server:  # each host's workers were forked there (else the speed-up went without a word)
+        assert all(n > b for n, b in zip(forks(two_hosts), before)), (before, forks(two_hosts))
     layout = check_tq_and_weights_across_hosts(two_hosts, proc.stdout, tmp_path / "sync", STEPS)
     a, b = two_hosts.addr_a, two_hosts.addr_b
     assert {r["node_ip"] for r in layout["actor"]} == {r["node_ip"] for r in layout["rollout"]} == {a, b}

@@ -15,14 +15,18 @@ its worker process), the client exits with the child's status (a test or Ray kil
 
 Two kinds: the shared Ray's server (torch, transformers, the services and the fake engines) and the real-stack
 server (also Megatron-core, the engines and as much of vLLM as imports no Ray), for the tests' ``asyncflow``
-subprocesses run as ``python -m tests.zygote.launch`` (``launch_command``). Runs that tests watch process by process,
-the two-host runs and every user run start their workers the normal way. ``ASYNCFLOW_TEST_ZYGOTE=0`` turns both off.
+subprocesses run as ``python -m tests.zygote.launch`` (``launch_command``). The two-host cluster of the cross-host
+tests (``tests/cluster/conftest.py``) runs ``ray start`` through ``ray_start.py`` on both hosts: host A's node forks
+from this process's real-stack server, host B's from one that host B starts in its own namespaces
+(``HostBServer``). Runs that tests watch process by process and every user run start their workers the normal way.
+``ASYNCFLOW_TEST_ZYGOTE=0`` turns all of them off.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -141,6 +145,44 @@ def launch_command() -> list[str]:
     if not enabled():
         return [sys.executable, "-m", "asyncflow.cli"]
     return ["env", f"{ENV}={session_server(real=True).socket_path}", sys.executable, "-m", "tests.zygote.launch"]
+
+
+class HostBServer:
+    """The real-stack fork server of host B of a two-host cluster (``tools/two_host.py``): started by host B itself,
+    in its namespaces, so that the workers it forks have host B's network, hostname and /dev/shm. Its socket is in
+    this process's server folder (a filesystem socket: host B shares host A's /tmp)."""
+
+    def __init__(self):
+        self.socket_path = Path(os.environ[ENV]).with_name("host-b.sock")
+
+    def shell_command(self) -> str:
+        """What host B runs in the background before its Ray node starts (``two_host.up(before_b=...)``)."""
+        sock = shlex.quote(str(self.socket_path))
+        return (f"rm -f {sock} && cd {shlex.quote(str(REPO))} && "
+                f"exec {shlex.quote(sys.executable)} -m tests.zygote.server {sock} --real")
+
+    def forks(self) -> int:
+        """How many workers it has forked so far."""
+        try:
+            return int(self.socket_path.with_suffix(".forks").read_text() or 0)
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def remove_files(self) -> None:
+        """Its socket and counter (after the cluster's ``down``, which stops it with host B's other processes)."""
+        for path in (self.socket_path, self.socket_path.with_suffix(".forks")):
+            path.unlink(missing_ok=True)
+
+
+def two_host_options(host_b: HostBServer) -> dict:
+    """Options of ``two_host.up`` under which both hosts' Ray nodes fork their workers: host A's from this
+    process's real-stack server, host B's from ``host_b``; {} where the servers are off."""
+    if not enabled():
+        return {}
+    worker = {f"{ENV}_WORKER": os.environ[f"{ENV}_WORKER"]}
+    return {"ray_cli": [sys.executable, str(Path(__file__).with_name("ray_start.py"))],
+            "env_a": {ENV: str(session_server(real=True).socket_path), **worker},
+            "env_b": {ENV: str(host_b.socket_path), **worker}, "before_b": host_b.shell_command()}
 
 
 def stop_session_servers() -> None:
