@@ -16,6 +16,8 @@ import pytest
 
 from tests.conftest import SHM, left_in_shm
 from tests.recipe_runs import GROUP, PROMPTS, SMALL, check_stream, records, run_recipe
+from tests.zygote import enabled as zygote_enabled
+from tests.zygote import session_server
 
 pytestmark = pytest.mark.slow
 
@@ -29,14 +31,18 @@ LONGTAIL = ["workflow.task=add1_longtail", "rollout.max_new_tokens=48", "rollout
 
 class RunKiller(threading.Thread):
     """SIGKILLs the rollout instance of the ``asyncflow train`` subprocess writing to ``out`` once, when
-    ``ready(logged metric records)`` holds. The instance is found only among that run's own descendants (its Ray
-    and workers), by the title Ray gives an actor's process, so no other run on the machine is touched."""
+    ``ready(logged metric records)`` holds. The instance is found by the title Ray gives an actor's process, made
+    after the killer started, among the children of this pytest process's real-stack fork server (``tests.zygote``:
+    the run's Ray forks its workers there, and the server forks only for this process's runs, one test at a time),
+    or among the run's own descendants where the servers are off; so no other run on the machine is touched."""
 
     def __init__(self, out, ready):
         super().__init__(daemon=True)
         self.out, self.ready = out, ready
         self.killed: list[int] = []  # the instance's pid, then its descendants' (vLLM processes, if any)
         self.stop = False
+        self.since = time.time()
+        self.server = session_server(real=True).proc.pid if zygote_enabled() else None
 
     def run(self) -> None:
         metrics, instance = self.out / "metrics.jsonl", None
@@ -52,15 +58,25 @@ class RunKiller(threading.Thread):
             time.sleep(0.05)
 
     def _instance(self):
+        for worker in self._candidates():
+            try:
+                if " ".join(worker.cmdline()).startswith("ray::RolloutService") and worker.create_time() >= self.since:
+                    return worker
+            except psutil.Error:  # exited meanwhile
+                continue
+        return None
+
+    def _candidates(self) -> list:
+        if self.server is not None:
+            return psutil.Process(self.server).children()
         arg = f"observability.output_dir={self.out}"
         for run in psutil.Process().children():
             try:
                 if "asyncflow.cli" in run.cmdline() and arg in run.cmdline():
-                    return next((p for p in run.children(recursive=True)
-                                 if " ".join(p.cmdline()).startswith("ray::RolloutService")), None)
+                    return run.children(recursive=True)
             except psutil.Error:  # exited meanwhile
                 continue
-        return None
+        return []
 
 
 def _after_the_second_evaluation(logged: list[dict]) -> bool:
@@ -91,10 +107,7 @@ def test_stream_mode_on_vllm_and_megatron(tmp_path):
                          f"data.val_path={val}", "data.apply_chat_template=false", "workflow.eval_every=2",
                          "workflow.eval_before_train=true", "workflow.eval_k=2", "workflow.eval_samples=1",
                          "transfer_queue.row_lease_s=30", "transfer_queue.put_lease_s=30",
-                         *LONGTAIL, sizes=[*SMALL, f"workflow.steps={STEPS}"],
-                         # Not forked (tests.zygote): RunKiller finds the instance among the run's descendants,
-                         # and a forked worker is the fork server's child.
-                         forked=False)
+                         *LONGTAIL, sizes=[*SMALL, f"workflow.steps={STEPS}"])
     finally:
         killer.stop = True
         killer.join(10)
