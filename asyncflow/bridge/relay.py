@@ -20,7 +20,9 @@
   asked within ``REFORM_WINDOW_S`` and sends its newest version again. A receiver that starts later (its rollout
   instance restarted on that host) asks into the generation after the current one; the sender moves everyone
   there before its next send, or within a second while idle. So a lost host costs the others one version, not
-  every later one.
+  every later one. A generation after the first must form within ``FORM_TIMEOUT_S``: a member that asked into it
+  and died before it formed (a second host lost meanwhile) fails that formation, not the group's timeout, and
+  the next generation forms without it.
 - **Torn versions are dropped, not applied.** The sender reads the slot without locking it: it broadcasts
   the slot's header, the data, then the header again. A receiver that sees two different headers (the
   trainer rewrote the slot meanwhile) leaves that mirror slot marked empty; the next version follows.
@@ -46,6 +48,11 @@ from asyncflow.bridge.staging import SLOTS, StagingWriter, _Slots, segment_bytes
 from asyncflow.ports import local_address_towards
 from asyncflow.transfer_queue.shm import Arena
 
+FORM_TIMEOUT_S = 30.0
+"""How long a generation after the first may take to form (its members connecting); the group's collectives keep the
+run's timeout. Its members asked into it just before, so each was up: one that died since cannot connect, and the
+formation fails after this instead of after ``workflow.step_timeout_s``. Generation 0 forms while the rollout
+engines may still be loading, with the run's timeout. A spec may set its own (``form_timeout_s``)."""
 REFORM_WINDOW_S = 5.0
 """How long the sender waits, once a generation broke, for the receivers still alive to ask into the next one (each
 notices within a moment: its group fails with the sender's). One that asks later joins the generation after."""
@@ -82,19 +89,24 @@ def _store(spec: dict, src: MRank) -> dist.Store:
 
 def _group(spec: dict, src: MRank, rank: int, size: int, generation: int = 0,
            store: dist.Store | None = None) -> dist.ProcessGroup:
-    """Source ``src``'s group of ``size`` in ``generation``: the source is rank 0, the members are ranks 1.."""
+    """Source ``src``'s group of ``size`` in ``generation``: the source is rank 0, the members are ranks 1..
+    Forming it fails after ``FORM_TIMEOUT_S`` from generation 1 on; its collectives time out at the run's timeout."""
     timeout = datetime.timedelta(seconds=spec["timeout_s"])
     prefix = dist.PrefixStore(f"g{generation}", _store(spec, src) if store is None else store)
     if spec["backend"] == "nccl":  # pragma: no cover - CUDA only, untested on this project
+        # NCCL connects lazily, at the first collective: a dead member fails it at the run's timeout.
         nccl = dist.ProcessGroupNCCL.Options()
         nccl._timeout = timeout
         return dist.ProcessGroupNCCL(prefix, rank, size, nccl)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = timeout
+    form = min(spec.get("form_timeout_s", FORM_TIMEOUT_S), spec["timeout_s"]) if generation else spec["timeout_s"]
+    opts._timeout = datetime.timedelta(seconds=form)  # gloo connects every pair here, within this
     # Listen on the address that reaches the store's node: gloo's default device advertises what the hostname
     # resolves to, often 127.0.0.1, which a peer on another node cannot connect to.
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(spec["host"]))]
-    return dist.ProcessGroupGloo(prefix, rank, size, opts)
+    group = dist.ProcessGroupGloo(prefix, rank, size, opts)
+    group.set_timeout(timeout)
+    return group
 
 
 def _device(spec: dict) -> torch.device:

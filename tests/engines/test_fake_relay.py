@@ -70,21 +70,24 @@ def _receive(spec: dict, shape: list[int], segment: str, versions, receiver: int
 
 
 def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_it_restarts():
-    """Two receiving hosts, each a process of its own. One is SIGKILLed (its host lost): the sender's broadcast fails,
-    the group re-forms with the other, which goes on getting every later version; the trainer's ``notify`` never
-    waits or raises. A receiver started again for the lost host's index joins the next generation and gets the
-    newest version, exactly as staged."""
+    """Two receiving hosts, each a process of its own. One is SIGKILLed (its host lost) after it asked into the next
+    generation: the sender's broadcast fails and the next generation, which names the lost host, cannot form; that
+    formation fails within ``form_timeout_s`` (not the group's 300 s timeout) and the generation after it forms with
+    the other host, which goes on getting every later version; the trainer's ``notify`` never waits or raises. A
+    receiver started again for the lost host's index joins the next generation and gets the newest version, exactly
+    as staged."""
     import multiprocessing
     import queue
     import signal
 
-    from asyncflow.bridge.relay import RelaySender, RelayStore
+    from asyncflow.bridge.relay import RelaySender, RelayStore, _store
 
     table = torch.zeros(3, 11, 11)
     tag = uuid.uuid4().hex[:8]
     writer = FakeStagingWriter(table, f"afq-{os.getpid()}-wfake{tag}-{SOURCE}")
-    store = RelayStore("127.0.0.1", timeout_s=60)
-    spec = store.spec(["host-b", "host-c"])
+    # The group's timeout is far beyond stage_until's 90 s: the lost host's formation must fail on its own timeout.
+    store = RelayStore("127.0.0.1", timeout_s=300)
+    spec = {**store.spec(["host-b", "host-c"]), "form_timeout_s": 3.0}
     ctx = multiprocessing.get_context(start_method())
     got = ctx.Queue()
     mirrors = [f"afq-{os.getpid()}-wrfake{tag}-{name}-{SOURCE}" for name in ("b", "c", "b2")]  # removed below
@@ -114,9 +117,12 @@ def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_
         stage_until(lambda: all(seen.get(m) for m in mirrors[:2]))
         os.kill(procs[0].pid, signal.SIGKILL)
         procs[0].join(timeout=30)
+        # It had asked into the next generation before it died: the sender makes that generation with it.
+        _store(spec, writer.rank).set(f"g{sender.generation + 1}/want/0", "1")
         lost_at = version
         stage_until(lambda: max(seen[mirrors[1]]) >= lost_at + 3)  # the other host goes on
-        assert sender.generation >= 1 and sender.members == [1] and sender.failed is None, sender.ended
+        assert sender.generation >= 2 and sender.members == [1] and sender.failed is None, sender.ended
+        assert any("timeout" in why for why in sender.ended[1:]), sender.ended  # the formation that failed
         procs.append(ctx.Process(target=_receive, args=(spec, list(table.shape), mirrors[2], got, 0, 2)))
         procs[-1].start()
         stage_until(lambda: seen.get(mirrors[2]))
