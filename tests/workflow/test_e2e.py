@@ -22,13 +22,19 @@ from tests.recipe_runs import (
     LEARN_PROMPTS,
     LEARN_STEPS,
     PROMPTS,
-    STEPS,
+    SMALL,
     check_staleness_and_exactly_once,
 )
 from tests.recipe_runs import records as _records
 from tests.recipe_runs import run_recipe as _run
 
 pytestmark = pytest.mark.slow
+LAYOUT_STEPS = 3
+"""Steps of the layout runs: versions 1 and 2 reach vLLM through the weight path (version 0 is the checkpoint)."""
+# Two micro-batches a step at TP2 x PP2 (one per rank at EP2 x DP2): the pipeline schedule still interleaves two, and
+# the dense run's training, four gloo ranks on two cores, took 3.5 s a step with four.
+LAYOUT = [s for s in SMALL if not s.startswith(("workflow.steps=", "trainer.micro_batch_size="))] + [
+    f"workflow.steps={LAYOUT_STEPS}", "trainer.micro_batch_size=16"]
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +51,20 @@ def runs(tmp_path_factory, demo_run):
         # Async mode at TP2 x PP2 is not run apart: the services' stepping is the demo run's (TP1).
         "sync": _run(tmp, "sync", 0, "sync", "trainer.tensor_parallel=2", "trainer.pipeline_parallel=2",
                      "rollout.tensor_parallel=2", "weight_sync.bucket_mb=1e-6", "weight_sync.transport=relay",
-                     "algorithm.kl_coef=0"),
+                     "algorithm.kl_coef=0", sizes=LAYOUT),
         # Qwen3-MoE at EP2 with two data-parallel replicas, smallest buckets, no reference either (the demo run
         # has one on the real stack; the reference's forward is the actor's, whose logprobs at EP2 this run checks
         # against vLLM's):
         "sync_moe_ep2": _run(tmp, "sync", 0, "sync_moe_ep2", f"model.path={tmp / 'moe_model'}",
                              "model.tiny_family=qwen3_moe", "trainer.expert_parallel=2", "trainer.data_parallel=2",
-                             "weight_sync.bucket_mb=1e-6", "algorithm.kl_coef=0"),
+                             "weight_sync.bucket_mb=1e-6", "algorithm.kl_coef=0", sizes=LAYOUT),
     }
 SYNC_LAYOUTS = ["sync", "sync_moe_ep2"]
 
 
 def _sizes(name: str) -> tuple[int, int, int]:
     """Steps, prompts per step and samples per prompt of run ``name``."""
-    return (LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP) if name == "async" else (STEPS, PROMPTS, GROUP)
+    return (LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP) if name == "async" else (LAYOUT_STEPS, PROMPTS, GROUP)
 
 
 @pytest.mark.parametrize("name,k", [("async", 1)] + [(n, 0) for n in SYNC_LAYOUTS])
