@@ -165,11 +165,14 @@ class Trainers:
 
         from asyncflow.models.parallel import free_port
 
-        ctx = mp.get_context("spawn")
+        # Python's forkserver, which imports torch and Megatron-core once for every rank of every workload (spawn
+        # had each rank import them again); the ranks are still fresh processes, not forks of this one.
+        mp.set_forkserver_preload(["torch", "megatron.core", "asyncflow.engines.megatron.trainer"])
+        ctx = mp.get_context("forkserver")
         self.world, self.cmd_qs, self.out_q = world, [ctx.Queue() for _ in range(world)], ctx.Queue()
         self.barrier, self._held = ctx.Barrier(world + 1), []
         args = (world, free_port(), spec, self.cmd_qs, self.out_q, self.barrier)
-        self.ctx = tmp.start_processes(rank_main, args=args, nprocs=world, join=False, start_method="spawn")
+        self.ctx = tmp.start_processes(rank_main, args=args, nprocs=world, join=False, start_method="forkserver")
         self.infos = self.collect("up", timeout=1200)
 
     def check(self) -> None:
