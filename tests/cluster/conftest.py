@@ -68,7 +68,10 @@ def two_hosts():
 
 
 def forks(cluster) -> tuple[int, int]:
-    """Workers forked so far by the fork servers of hosts A and B of the ``two_hosts`` cluster (``tests.zygote``)."""
+    """Workers forked so far by the fork servers of hosts A and B of the ``two_hosts`` cluster (``tests.zygote``;
+    none where the servers are off)."""
+    if cluster.host_b_server is None:
+        return 0, 0
     return session_server(real=True).forks(), cluster.host_b_server.forks()
 
 

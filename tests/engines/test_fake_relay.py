@@ -69,7 +69,7 @@ def _receive(spec: dict, shape: list[int], segment: str, versions, receiver: int
     time.sleep(600)  # until it is killed
 
 
-def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_it_restarts():
+def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_it_restarts(monkeypatch):
     """Two receiving hosts, each a process of its own. One is SIGKILLed (its host lost) after it asked into the next
     generation: the sender's broadcast fails and the next generation, which names the lost host, cannot form; that
     formation fails within ``form_timeout_s`` (not the group's 300 s timeout) and the generation after it forms with
@@ -80,14 +80,18 @@ def test_the_relay_reforms_without_a_lost_receiving_host_and_takes_it_back_when_
     import queue
     import signal
 
+    from asyncflow.bridge import relay
     from asyncflow.bridge.relay import RelaySender, RelayStore, _store
 
+    # The sender (this process) waits 1 s, not 5, for the receivers still up to ask into a new generation: one that
+    # asks later joins the generation after, so only the test's time depends on it.
+    monkeypatch.setattr(relay, "REFORM_WINDOW_S", 1.0)
     table = torch.zeros(3, 11, 11)
     tag = uuid.uuid4().hex[:8]
     writer = FakeStagingWriter(table, f"afq-{os.getpid()}-wfake{tag}-{SOURCE}")
     # The group's timeout is far beyond stage_until's 90 s: the lost host's formation must fail on its own timeout.
     store = RelayStore("127.0.0.1", timeout_s=300)
-    spec = {**store.spec(["host-b", "host-c"]), "form_timeout_s": 3.0}
+    spec = {**store.spec(["host-b", "host-c"]), "form_timeout_s": 2.0}
     ctx = multiprocessing.get_context(start_method())
     got = ctx.Queue()
     mirrors = [f"afq-{os.getpid()}-wrfake{tag}-{name}-{SOURCE}" for name in ("b", "c", "b2")]  # removed below

@@ -77,6 +77,14 @@ def forked_workers():
         parameter.RayParams.__init__ = original
 
 
+def _forks(socket_path: Path) -> int:
+    """How many workers the server of ``socket_path`` has forked so far (``server.py`` counts them beside it)."""
+    try:
+        return int(socket_path.with_suffix(".forks").read_text() or 0)
+    except (FileNotFoundError, ValueError):
+        return 0
+
+
 class ForkServer:
     """One fork server of this process: the fake-engine kind (``real=False``: the shared Ray's), or the real-stack
     kind, which also imports Megatron-core and vLLM (as far as vLLM goes without importing Ray) for the
@@ -107,10 +115,7 @@ class ForkServer:
 
     def forks(self) -> int:
         """How many workers the server has forked so far (it counts them in a file beside its socket)."""
-        try:
-            return int(self.socket_path.with_suffix(".forks").read_text() or 0)
-        except (FileNotFoundError, ValueError):
-            return 0
+        return _forks(self.socket_path)
 
     def stop(self) -> None:
         """Stop the server (after the Ray whose workers it forked: a worker's client that loses the server exits)."""
@@ -163,10 +168,7 @@ class HostBServer:
 
     def forks(self) -> int:
         """How many workers it has forked so far."""
-        try:
-            return int(self.socket_path.with_suffix(".forks").read_text() or 0)
-        except (FileNotFoundError, ValueError):
-            return 0
+        return _forks(self.socket_path)
 
     def remove_files(self) -> None:
         """Its socket and counter (after the cluster's ``down``, which stops it with host B's other processes)."""
