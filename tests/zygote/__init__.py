@@ -77,6 +77,11 @@ def forked_workers():
         parameter.RayParams.__init__ = original
 
 
+def server_command(socket_path: Path, real: bool) -> list[str]:
+    """The command that runs a fork server of that kind on ``socket_path`` (from the repository's folder)."""
+    return [sys.executable, "-m", "tests.zygote.server", str(socket_path), *(["--real"] if real else [])]
+
+
 def _forks(socket_path: Path) -> int:
     """How many workers the server of ``socket_path`` has forked so far (``server.py`` counts them beside it)."""
     try:
@@ -106,8 +111,7 @@ class ForkServer:
         folder = self.socket_path.parent
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.socket_path.unlink(missing_ok=True)
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.zygote.server", str(self.socket_path),
-                                      *(["--real"] if self.real else [])], cwd=REPO, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(server_command(self.socket_path, self.real), cwd=REPO, stdin=subprocess.DEVNULL)
 
     def worker_command(self):
         """Within: a Ray started in this process runs its workers through ``client.py``."""
@@ -162,9 +166,8 @@ class HostBServer:
 
     def shell_command(self) -> str:
         """What host B runs in the background before its Ray node starts (``two_host.up(before_b=...)``)."""
-        sock = shlex.quote(str(self.socket_path))
-        return (f"rm -f {sock} && cd {shlex.quote(str(REPO))} && "
-                f"exec {shlex.quote(sys.executable)} -m tests.zygote.server {sock} --real")
+        return (f"rm -f {shlex.quote(str(self.socket_path))} && cd {shlex.quote(str(REPO))} && "
+                f"exec {shlex.join(server_command(self.socket_path, real=True))}")
 
     def forks(self) -> int:
         """How many workers it has forked so far."""
@@ -178,9 +181,7 @@ class HostBServer:
 
 def two_host_options(host_b: HostBServer) -> dict:
     """Options of ``two_host.up`` under which both hosts' Ray nodes fork their workers: host A's from this
-    process's real-stack server, host B's from ``host_b``; {} where the servers are off."""
-    if not enabled():
-        return {}
+    process's real-stack server, host B's from ``host_b`` (only where the servers are on: ``enabled``)."""
     worker = {f"{ENV}_WORKER": os.environ[f"{ENV}_WORKER"]}
     return {"ray_cli": [sys.executable, str(Path(__file__).with_name("ray_start.py"))],
             "env_a": {ENV: str(session_server(real=True).socket_path), **worker},
