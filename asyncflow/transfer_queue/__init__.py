@@ -36,6 +36,7 @@ _EXPORTS = {
     "BadRequestError": "errors",
     "AlreadyWrittenError": "errors",
     "WritePendingError": "errors",
+    "RowsClearedError": "errors",
     "UnknownPartitionError": "errors",
     "TransferQueueTimeoutError": "errors",
     "BackPressureError": "errors",

@@ -34,6 +34,13 @@ class WritePendingError(BadRequestError):
     code = "write_pending"
 
 
+class RowsClearedError(BadRequestError):
+    """A request names rows that were cleared: read by every consumer task of an auto-clearing partition, or dropped
+    by a clear. A worker that makes again the rows a dead predecessor put meets it once those rows were trained."""
+
+    code = "rows_cleared"
+
+
 class UnknownPartitionError(BadRequestError, KeyError):
     """The partition does not exist (never created, or already cleared)."""
 
@@ -83,7 +90,7 @@ class ServerUnavailableError(TransferQueueError):
 
 ERRORS_BY_CODE: dict[str, type[TransferQueueError]] = {
     cls.code: cls
-    for cls in (TransferQueueError, BadRequestError, AlreadyWrittenError, WritePendingError,
+    for cls in (TransferQueueError, BadRequestError, AlreadyWrittenError, WritePendingError, RowsClearedError,
                 UnknownPartitionError, TransferQueueTimeoutError,
                 BackPressureError, StorageUnitError, StalePutError, ReadCancelledError,
                 ServerUnavailableError)

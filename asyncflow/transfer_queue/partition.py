@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .errors import BadRequestError
+from .errors import BadRequestError, RowsClearedError
 from .schema import FieldSpec
 
 FREE, IN_FLIGHT, READ = 0, 1, 2  # per-task consumption state of a row
@@ -238,7 +238,7 @@ class Partition:
             raise BadRequestError(f"row index out of range for partition {self.name!r} with {self.n} rows")
         if len(rows) and not self.alive[rows].all():
             dead = rows[~self.alive[rows]][:5].tolist()
-            raise BadRequestError(f"rows {dead} of partition {self.name!r} were cleared")
+            raise RowsClearedError(f"rows {dead} of partition {self.name!r} were cleared")
         if len(np.unique(rows)) != len(rows):
             raise BadRequestError("duplicate row indexes in one request")
 

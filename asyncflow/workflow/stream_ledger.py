@@ -26,6 +26,7 @@ that finishes later gets the same slot back while the claimer is dead and its pu
     a claim, its put not committed        the slot is an orphan; the prompt returns  the copy puts it into the slot
     a claim, its put committed            the same                                   the copy's put is skipped:
                                                                                      the slot's rows are written once
+                                                                                     (or trained and cleared already)
     a put confirmed, its rows not acked   the prompt returns                         the copy is a ``"dup"``: dropped
 
 An orphan keeps its step open (``open_step``) and its slot out of the filled ones (``reserve``) until a copy

@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
-from asyncflow.transfer_queue import AlreadyWrittenError, TransferQueueClient, WritePendingError
+from asyncflow.transfer_queue import AlreadyWrittenError, RowsClearedError, TransferQueueClient, WritePendingError
 from asyncflow.workflow.errors import ServiceLostError, TrainerDiedError
 from asyncflow.workflow.placement import world_size
 
@@ -101,7 +101,10 @@ def restartable(cfg: AsyncFlowConfig) -> set[str]:
 
 class RedoClient(TransferQueueClient):
     """A TransferQueue client whose indexed puts skip the rows already written: a restarted worker makes again
-    the rows its predecessor held, and the predecessor may have put some of them before it died."""
+    the rows its predecessor held, and the predecessor may have put some of them before it died. A row already
+    cleared counts as written: the workflow's partitions clear a row once every consumer task read it, which it
+    could only do once the row's fields were written (by that predecessor, whose put committed and whose rows
+    were trained before its successor's copy was done)."""
 
     skipped = 0
     """Rows whose output was already written (by this worker's predecessor, or by another instance that held the
@@ -116,7 +119,7 @@ class RedoClient(TransferQueueClient):
         try:
             return super().put(partition, data, indexes=indexes, versions=versions, group_ids=group_ids,
                                lengths=lengths, **kwargs)
-        except (AlreadyWrittenError, WritePendingError):
+        except (AlreadyWrittenError, WritePendingError, RowsClearedError):
             if indexes is None:
                 raise
         # Row by row: the rows already written are skipped, the others are put.
@@ -134,7 +137,7 @@ class RedoClient(TransferQueueClient):
             try:
                 super().put(partition, data, indexes=[index], **meta, **kwargs)
                 return
-            except AlreadyWrittenError:
+            except (AlreadyWrittenError, RowsClearedError):
                 type(self).skipped += 1
                 self.last_skipped.append(index)
                 return

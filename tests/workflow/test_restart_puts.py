@@ -70,3 +70,32 @@ def test_a_put_the_dead_worker_prepared_is_rolled_back_and_its_successor_puts_at
         assert dict(zip(out.indexes, out["y"].tolist())) == {i: 20.0 + i for i in range(4)}
     finally:
         driver.close()
+
+
+def test_rows_trained_and_cleared_before_the_successors_copy_is_done_count_as_written(tq):
+    """The sample stream's orphan slot: a removed rollout instance's put committed, and it died before the board knew.
+    The slot's rows were trained and cleared (every consumer read them) before the copy of its prompt was done: the
+    copy's put skips them and writes its other rows."""
+    from asyncflow.transfer_queue import RowsClearedError
+
+    driver, successor = tq.client(), RedoClient(tq.address, tq.config)
+    try:
+        driver.create_partition("p", consumers=["reward"], auto_clear=True)
+        driver.put("p", {"x": torch.arange(4.0)})
+        driver.put("p", {"y": torch.tensor([10.0, 11.0])}, indexes=[0, 1])  # the dead instance's committed put
+        trained = driver.get("p", "reward", ["x", "y"], 2)  # read and acked: auto-cleared
+        assert sorted(trained.indexes) == [0, 1]
+        deadline = time.monotonic() + 30  # the ack is one-way
+        while driver.status("p")["partitions"]["p"]["live_rows"] > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert driver.status("p")["partitions"]["p"]["live_rows"] == 2
+        with pytest.raises(RowsClearedError):  # a plain put of those rows is refused
+            driver.put("p", {"y": torch.zeros(2)}, indexes=[0, 1])
+        skipped = RedoClient.skipped
+        successor.put("p", {"y": torch.tensor([20.0, 21.0, 22.0, 23.0])}, indexes=[0, 1, 2, 3])
+        assert successor.last_skipped == [0, 1] and RedoClient.skipped == skipped + 2
+        out = driver.get("p", "reward", ["y"], 2)
+        assert dict(zip(out.indexes, out["y"].tolist())) == {2: 22.0, 3: 23.0}
+    finally:
+        driver.close()
+        successor.close()
