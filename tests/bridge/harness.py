@@ -1,14 +1,16 @@
 """Multi-process helpers for the bridge tests: Megatron gloo ranks and a vLLM engine in its own process.
 
-The vLLM engine runs in a spawned process (in-process mode for TP1, multi-process for TP2) so that its
-global state never leaks into pytest's process; the test talks to it with JSON messages over a pipe.
+The vLLM engine runs in a process of its own (in-process mode for TP1, multi-process for TP2) so that its
+global state never leaks into pytest's process; the test talks to it with JSON messages over a Unix socket.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
+import secrets
+import shutil
+import tempfile
 import traceback
 import zlib
 from pathlib import Path
@@ -40,7 +42,7 @@ def _vllm_main(conn, model_dir: str, tp: int) -> None:
         while True:
             msg = json.loads(conn.recv_bytes())
             if msg["cmd"] == "stop":
-                rollout.close()  # a spawned child exits via os._exit: vLLM's atexit cleanup would not run
+                rollout.close()  # a forked child exits via os._exit: vLLM's atexit cleanup would not run
                 break
             if msg["cmd"] == "staged":
                 out = rollout.apply_staged(msg["staging"], msg["version"])
@@ -97,13 +99,30 @@ def prompt_logprobs(rollout, tokens: list[list[int]]) -> list[list[float]]:
 
 
 class VllmProcess:
-    """A vLLM engine (TP ``tp``) in a spawned process; ``call`` sends one command and waits."""
+    """A vLLM engine (TP ``tp``) in a process of its own, forked from the real-stack fork server (vLLM already
+    imported; ``tests.zygote.forked_script``); ``call`` sends one command and waits. The test connects to it over a
+    Unix socket with a random key (``multiprocessing.connection``: byte messages, JSON inside, no pickle)."""
 
     def __init__(self, model_dir: str | Path, tp: int = 1):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_vllm_main, args=(child, str(model_dir), tp), daemon=False)
-        self.proc.start()
+        import time
+        from multiprocessing.connection import Client
+
+        from tests.zygote import forked_script
+
+        self._folder = tempfile.mkdtemp(prefix="afvllm-")
+        address, key = os.path.join(self._folder, "conn.sock"), secrets.token_bytes(16)
+        self.proc = forked_script(Path(__file__), str(model_dir), str(tp), address,
+                                  env={**os.environ, "ASYNCFLOW_TEST_VLLM_KEY": key.hex()})
+        deadline = time.monotonic() + 300
+        while True:  # the child listens once it has started
+            try:
+                self.conn = Client(address, authkey=key)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"the vLLM process never listened (exit status {self.proc.poll()})") from None
+                time.sleep(0.1)
         self._reply(timeout=300)
 
     def _reply(self, timeout: float):
@@ -136,14 +155,27 @@ class VllmProcess:
 
     def close(self) -> None:
         """Stop the engine process (and its workers)."""
-        if self.proc.is_alive():
-            try:
+        try:
+            if self.proc.poll() is None and getattr(self, "conn", None) is not None:
                 self.send(cmd="stop")
-                self.proc.join(60)
-            finally:
-                if self.proc.is_alive():
-                    self.proc.kill()
-                    self.proc.join(10)
+                self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            if getattr(self, "conn", None) is not None:
+                self.conn.close()
+            shutil.rmtree(self._folder, ignore_errors=True)
+
+
+if __name__ == "__main__":  # the engine's process: MODEL_DIR TP ADDRESS (``VllmProcess``)
+    import sys
+    from multiprocessing.connection import Listener
+
+    model_dir, tp, address = sys.argv[1:4]
+    with Listener(address, authkey=bytes.fromhex(os.environ["ASYNCFLOW_TEST_VLLM_KEY"])) as listener:
+        connection = listener.accept()
+    _vllm_main(connection, model_dir, int(tp))
 
 
 # ---------------------------------------------------------------------------------------------- Megatron

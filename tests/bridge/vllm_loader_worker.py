@@ -90,3 +90,10 @@ def compare_rank(rank: int, world: int, port: int, model_dirs: list[str], out_di
     destroy_model_parallel()
     destroy_distributed_environment()
     gc.collect()
+
+
+if __name__ == "__main__":  # one rank: RANK WORLD PORT OUT_DIR MODEL_DIR... (tests/bridge/test_vllm_loaders.py)
+    import sys
+
+    rank, world, port, out = sys.argv[1:5]
+    compare_rank(int(rank), int(world), int(port), sys.argv[5:], out)

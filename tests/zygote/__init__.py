@@ -156,6 +156,18 @@ def launch_command() -> list[str]:
     return ["env", f"{ENV}={session_server(real=True).socket_path}", sys.executable, "-m", "tests.zygote.launch"]
 
 
+def forked_script(script: Path, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
+    """Run ``python SCRIPT ARGS`` as a child of this process's real-stack fork server (Megatron-core, torch and vLLM
+    already imported), through ``client.py``: the ``Popen`` is the client, which passes signals on and exits with
+    the child's status. A plain ``python SCRIPT`` where the servers are off. For the tests' own multi-process
+    ranks that would each import vLLM again."""
+    env = dict(os.environ if env is None else env)
+    if not enabled():
+        return subprocess.Popen([sys.executable, str(script), *args], env=env, **popen)
+    env.update({ENV: str(session_server(real=True).socket_path), f"{ENV}_WORKER": str(script)})
+    return subprocess.Popen([sys.executable, str(CLIENT), *args], env=env, **popen)
+
+
 class HostBServer:
     """The real-stack fork server of host B of a two-host cluster (``tools/two_host.py``): started by host B itself,
     in its namespaces, so that the workers it forks have host B's network, hostname and /dev/shm. Its socket is in
