@@ -162,7 +162,8 @@ def forked_script(script: Path, *args: str, env: dict | None = None, **popen) ->
     the child's status. A plain ``python SCRIPT`` where the servers are off. For the tests' own multi-process
     ranks that would each import vLLM again."""
     env = dict(os.environ if env is None else env)
-    if not enabled():
+    if not enabled():  # the script may import the tests' own modules, as the server's child can
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         return subprocess.Popen([sys.executable, str(script), *args], env=env, **popen)
     env.update({ENV: str(session_server(real=True).socket_path), f"{ENV}_WORKER": str(script)})
     return subprocess.Popen([sys.executable, str(CLIENT), *args], env=env, **popen)
