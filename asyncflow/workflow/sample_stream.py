@@ -76,6 +76,8 @@ class _StepStats:
     lags: list[int] = field(default_factory=list)
     stale: int = 0
     swaps: int = 0
+    running: list[int] = field(default_factory=list)
+    """vLLM's running set, sampled after each engine step while this step was open (as the step-tied stream's)."""
     agent: TurnStats = field(default_factory=TurnStats)
 
 
@@ -84,7 +86,12 @@ class StreamRollout:
     groups (under dynamic sampling: until the trainer has made version ``last``)."""
 
     poll_s = 0.05
-    """How often the board is asked for newer weights and the open step, and a refused reservation retried."""
+    """How often the board is asked for newer weights and the open step."""
+    retry_s = 0.5
+    """A refused reservation is asked again at once when what decides it here changed (the engine's version, the
+    open step, a reservation this loop gave back), else after this long: room that others make (a drop by dynamic
+    sampling that leaves its step open, another instance giving reservations back) shows no other way. Asking every
+    ``poll_s`` instead kept the board busy a tenth of a core while the engine waited for weights."""
 
     def __init__(self, service, partial: bool, group_size: int, answers: bool):
         self.svc, self.partial, self.n = service, partial, group_size
@@ -100,6 +107,7 @@ class StreamRollout:
         self.open = 0
         self.newest = -1
         self._polled = self._refused = self._empty = 0.0
+        self._refused_at: tuple | None = None  # (engine version, open step) of the last refusal
         self.busy_since: float | None = None
         self.draining = False  # instance 0 empties its engine for an evaluation (``_evaluation``)
         self.holder = f"{service.worker}:{uuid.uuid4().hex[:8]}"
@@ -157,6 +165,7 @@ class StreamRollout:
             group.doomed = True
         if doomed:
             self._call("stream_release", len(doomed), self.holder)
+            self._refused_at = None  # room this loop made: ask at once
 
     def _drop_doomed(self) -> None:
         """Every group in the engine can only go stale and newer weights are staged: stop generating them (their
@@ -217,7 +226,7 @@ class StreamRollout:
         free = self.stream.free // self.n
         now = time.monotonic()
         want = free - self.held - self.asking
-        if want > 0 and now - self._refused >= self.poll_s:
+        if want > 0 and self._may_ask(now):
             self.asking += want
             self._ask("stream_reserve", (want, self.svc.engine.weight_version, self.holder),
                       lambda granted, want=want, now=now: self._granted(want, granted, now))
@@ -256,11 +265,19 @@ class StreamRollout:
             self.busy_since = time.time()
         return True
 
+    def _may_ask(self, now: float) -> bool:
+        """Whether to ask for reservations now (see ``retry_s``)."""
+        if self._refused_at != (self.svc.engine.weight_version, self.open):
+            return now - self._refused >= self.poll_s
+        return now - self._refused >= self.retry_s
+
     def _granted(self, want: int, granted: int, asked: float | None = None) -> None:
         self.asking -= want
         self.held += granted
         if not granted and asked is not None:
-            self._refused = asked
+            self._refused, self._refused_at = asked, (self.svc.engine.weight_version, self.open)
+        elif granted:
+            self._refused_at = None
 
     # ------------------------------------------------------------------ groups out
     def _busy(self) -> bool:
@@ -406,10 +423,12 @@ class StreamRollout:
             stats = self.stats.pop(step)
             self.posted.add(step)
             lags = torch.tensor(stats.lags or [0], dtype=torch.float)
+            running = stats.running or [0]
             post(self.svc.report(step, {
                 "rollout/rows": stats.rows, "rollout/tokens": stats.tokens,
                 "rollout/version": step - lags.max().item(), "rollout/weight_swaps": float(stats.swaps),
                 "rollout/weight_buckets": self.svc.apply_stats.get("weights/buckets", 0.0),
+                "rollout/in_flight_mean": sum(running) / len(running), "rollout/in_flight_max": float(max(running)),
                 "stream/stale_groups": float(stats.stale), "staleness/token_lag_min": lags.min().item(),
                 "staleness/token_lag_mean": lags.mean().item(), "staleness/token_lag_max": lags.max().item(),
                 **self.svc.apply_stats, **(stats.agent.metrics() if self.turns is not None else {})}))
@@ -447,7 +466,10 @@ class StreamRollout:
                 self._weights()
             admitted = not draining and self._admit()
             if len(self.stream):
-                self._finished(self.stream.step())
+                done = self.stream.step()
+                if self.open < last and self.open not in self.posted:
+                    self.stats.setdefault(self.open, _StepStats()).running.append(self.stream.running())
+                self._finished(done)
                 if self.turns is not None and len(self.turns):
                     self._ended(self.turns.ready())
             elif self.turns is not None and len(self.turns):  # only agent-loop calls are left: wait a little
