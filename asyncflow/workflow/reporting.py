@@ -69,10 +69,15 @@ class Reporter:
             who = (item["service"], item.get("worker", 0))
             self.reported[who] = max(self.reported.get(who, -1), item["step"])
             step = item["step"]
-            if step < self.trained_steps:
-                if item["service"] != EVAL_SERVICE:  # a sample-stream instance's share of a step already logged
-                    continue
-                step = self.trained_steps  # an evaluation that ended after its step was logged: with the next one
+            if step < self.trained_steps and item["service"] != EVAL_SERVICE:
+                continue  # a sample-stream instance's share of a step already logged
+            if item["service"] == EVAL_SERVICE:
+                # An evaluation that ended after its step was logged goes with the next one, and one that finds its
+                # step holding another evaluation (two ended within one step of a fast trainer) with the step after:
+                # one evaluation per logged step, never two merged into one record.
+                step = max(step, self.trained_steps)
+                while EVAL_SERVICE in self.pending.get(step, {}).get("_services", ()):
+                    step += 1
                 if step >= self.cfg.workflow.steps:  # no step left to log it with: neither metrics nor samples
                     continue
             pending = self.pending[step]

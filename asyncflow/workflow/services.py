@@ -401,7 +401,7 @@ class RolloutService(TaskService):
         evaluate them and ``post`` the result as a report of its own (``EVAL_SERVICE``) for ``step`` (default
         ``admit``: the step the loop admits next). Its own service name keeps it from counting as the step's
         rollout report; the driver logs it with ``step``, or with the next step it logs when ``step`` was logged
-        meanwhile (``workflow.reporting``)."""
+        meanwhile or holds another evaluation (``workflow.reporting``)."""
         from asyncflow.workflow.evaluation import EVAL_SERVICE
 
         evaluated = self._evaluate(self._admit(admit))

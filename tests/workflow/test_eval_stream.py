@@ -120,6 +120,24 @@ def test_a_late_evaluation_goes_with_the_next_step(tmp_path, shared_ray):
     reporter.observer.close()
 
 
+def test_two_evaluations_that_end_within_one_step_are_logged_with_two_steps(tmp_path, shared_ray):
+    """A fast trainer can log a step while two evaluations end (versions 2 and 4 of a 5-step run evaluated every 2
+    versions): each is logged with a step of its own, the later one with the step after, never merged into one record
+    (the records then showed version 4 only, seen once in ``test_evaluations_at_the_versions_reached``)."""
+    reporter = bare_reporter(tmp_path, 4)
+    reporter.collect([service_report(s, 0, {}) for s in ("actor", "advantage", "reward", "rollout")])
+    reporter.collect([service_report("evaluation", 1, {"eval/version": 2.0}, eval_samples=[{"version": 2}]),
+                      service_report("evaluation", 1, {"eval/version": 4.0}, eval_samples=[{"version": 4}])])
+    for step in (1, 2):
+        reporter.collect([service_report(s, step, {}) for s in ("actor", "advantage", "reward", "rollout")])
+    logged = {h["step"]: h for h in reporter.history}
+    assert [logged[step].get("eval/version") for step in (0, 1, 2)] == [None, 2.0, 4.0]
+    for step, version in ((1, 2), (2, 4)):
+        sample = json.loads((tmp_path / "eval_samples" / f"step_{step:06d}.jsonl").read_text())
+        assert sample == {"step": step, "version": version}
+    reporter.observer.close()
+
+
 def _load(*overrides):
     from asyncflow.config import load_config
 
