@@ -8,6 +8,7 @@ load full Hugging Face tensors, and every parameter is compared with ``vllm_layo
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -37,7 +38,9 @@ def _run(world, model_dirs, out_dir):
     """The ``world`` ranks, forked from the real-stack fork server (vLLM imported once, not once a rank)."""
     out_dir.mkdir()
     port = str(free_port())
-    ranks = [forked_script(WORKER, str(rank), str(world), port, str(out_dir), *map(str, model_dirs))
+    ident = f"asyncflow-bridge-test-{port}"  # vLLM names its CPU communicator's segments after it
+    ranks = [forked_script(WORKER, str(rank), str(world), port, str(out_dir), *map(str, model_dirs),
+                           env={**os.environ, "VLLM_DIST_IDENT": ident})
              for rank in range(world)]
     try:
         codes = [rank.wait(timeout=600) for rank in ranks]
@@ -48,7 +51,7 @@ def _run(world, model_dirs, out_dir):
                 rank.wait()
     # vLLM's CPU communicator unlinks its segments in a C++ destructor that runs at a normal interpreter exit, which
     # a child of the fork server does not reach (it leaves by ``os._exit``): once every rank is gone, they go here.
-    for segment in Path("/dev/shm").glob(f"asyncflow-bridge-test-{port}-*cpushm_*"):
+    for segment in Path("/dev/shm").glob(f"{ident}-*cpushm_*"):
         segment.unlink(missing_ok=True)
     assert codes == [0] * world, codes
     reports = [json.loads(p.read_text()) for p in sorted(out_dir.glob("rank*.json"))]
