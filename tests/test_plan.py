@@ -19,6 +19,7 @@ tensors go back to the kernel) is recorded as a cross-check that the allocator e
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import multiprocessing as mp
@@ -218,6 +219,8 @@ MEASURED = {  # name: MegatronConfig changes
     "full, vocab 4096": {"recompute": "full", "make_vocab_size_divisible_by": 4096},
 }
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
 
 def _vm(key: str) -> int:
     with open("/proc/self/status") as f:
@@ -231,6 +234,10 @@ def _measure(model_dir: str, changes: dict, num_microbatches: int = 1) -> dict:
 
     torch.set_num_threads(1)
     import megatron.core  # noqa: F401 - imported before the RSS baseline
+
+    # Freed tensors go back to the system at once (as MALLOC_MMAP_THRESHOLD_=65536 would; the process is forked from
+    # a server that started before this test could set that), so that the RSS peak is the step's own.
+    ctypes.CDLL(None).mallopt(M_MMAP_THRESHOLD, 65536)
 
     from asyncflow.engines.megatron.trainer import MegatronTrainer
     from asyncflow.models.parallel import destroy_megatron
@@ -285,20 +292,13 @@ def measured(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("plan")
     model_dir = str(make_tiny_model(out_dir / "qwen2", family="qwen2", charset="ascii", hidden_size=256,
                                     num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=704))
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # inherited by the spawned children: freed tensors unmapped
-    try:
-        pipeline = tmp.start_processes(_pipeline_worker, args=(2, free_port(), model_dir, str(out_dir)), nprocs=2,
-                                       join=False, start_method="spawn")
-        with mp.get_context("spawn").Pool(2, maxtasksperchild=1) as pool:
-            results = pool.starmap(_measure, [(model_dir, changes) for changes in MEASURED.values()])
-        while not pipeline.join():
-            pass
-    finally:
-        if saved is None:
-            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
-        else:
-            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    ctx = start_method()  # the ranks and measurements start from a server that imported torch and Megatron-core
+    pipeline = tmp.start_processes(_pipeline_worker, args=(2, free_port(), model_dir, str(out_dir)), nprocs=2,
+                                   join=False, start_method=ctx)
+    with mp.get_context(ctx).Pool(2, maxtasksperchild=1) as pool:
+        results = pool.starmap(_measure, [(model_dir, changes) for changes in MEASURED.values()])
+    while not pipeline.join():
+        pass
     results = dict(zip(MEASURED, results))
     for stage in range(2):
         results[f"pipeline stage {stage}"] = json.loads((out_dir / f"pp_rank{stage}.json").read_text())
