@@ -247,15 +247,12 @@ class Engine:
         self.children = psutil.Process(self.proc.pid).children(recursive=True)
 
     def worker_pids(self) -> dict[str, int]:
-        """``vllm worker i -> pid``: the engine process itself in-process (TP1), else vLLM's worker processes."""
-        if self.tp == 1:
-            return {"vllm worker 0": self.proc.pid}
-        workers = [p for p in self.children if "Worker" in " ".join(_cmdline(p))]
-        workers.sort(key=lambda p: " ".join(_cmdline(p)))
-        if len(workers) != self.tp:
-            raise RuntimeError(f"found {len(workers)} vLLM worker processes for TP{self.tp}: "
-                               f"{[' '.join(_cmdline(p)) for p in self.children]}")
-        return {f"vllm worker {i}": p.pid for i, p in enumerate(workers)}
+        """``vllm worker i -> pid``, as each worker reports its own (the engine process itself in-process, TP1)."""
+        self.send("pids")
+        pids = self.reply()
+        if len(pids) != self.tp:
+            raise RuntimeError(f"vLLM reported {len(pids)} workers for TP{self.tp}: {pids}")
+        return {f"vllm worker {i}": pid for i, pid in enumerate(pids)}
 
     def send(self, what: str, **kw) -> None:
         self.conn.send_bytes(json.dumps({"cmd": "run", "what": what, **kw}).encode())
@@ -292,13 +289,6 @@ class Engine:
             with contextlib.suppress(Exception):
                 if child.is_running():
                     child.kill()
-
-
-def _cmdline(proc) -> list[str]:
-    try:
-        return proc.cmdline() or [proc.name()]
-    except Exception:  # noqa: BLE001 - gone
-        return []
 
 
 # -------------------------------------------------------------------------------------------- measurements

@@ -98,3 +98,46 @@ def test_the_real_stack_server_imports_megatron_and_vllm_but_not_ray():
     assert not {m for m in modules if m == "ray" or m.startswith("ray.")}
     assert {"megatron.core", "asyncflow.engines.megatron.actor", "asyncflow.engines.vllm.rollout"} <= modules
     assert len({m for m in modules if m.startswith("vllm.")}) > 100  # most of what `from vllm import LLM` loads
+
+
+def _spawned_facts(conn, code: int) -> None:
+    """The target of a process spawned inside a worker: report through the spawn's pipe, exit with ``code``."""
+    import sys
+
+    conn.send({"pid": os.getpid(), "ppid": os.getppid(), "torch": "torch" in sys.modules,
+               "client": os.environ.get("ASYNCFLOW_TEST_ZYGOTE_CLIENT")})
+    conn.close()
+    sys.exit(code)
+
+
+def test_a_process_a_worker_spawns_is_forked_by_the_server_and_ends_as_a_spawned_one(shared_ray):
+    """A ``multiprocessing`` spawn inside a worker (as vLLM starts its tensor-parallel workers) goes through
+    ``client.py --python``: the child is the server's, already has torch, gets the spawn's pipe at the number the
+    spawn passed, and its exit code reaches the parent's ``Process``."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Spawner:
+        def spawn(self, code: int):
+            import multiprocessing as mp
+
+            ctx = mp.get_context("spawn")
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_spawned_facts, args=(child, code))
+            proc.start()
+            child.close()
+            facts = parent.recv()
+            proc.join(60)
+            return {**facts, "exitcode": proc.exitcode, "process_pid": proc.pid, "me": os.getpid(),
+                    "server": os.getppid()}
+
+    actor = Spawner.remote()
+    try:
+        for code in (0, 3):
+            facts = ray.get(actor.spawn.remote(code), timeout=120)
+            assert facts["exitcode"] == code
+            assert facts["ppid"] == facts["server"] == shared_ray.forks.proc.pid  # a sibling of the worker
+            assert facts["torch"]
+            assert int(facts["client"]) == facts["process_pid"] != facts["pid"]  # the Process is the client
+    finally:
+        ray.kill(actor)

@@ -13,10 +13,11 @@ import json
 import math
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.zygote import forked_script
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,19 +25,21 @@ ROWS = ["(a) staged", "(b) TP all-gather", "(c) memcpy", "vLLM reload_weights, w
         "vLLM reload_weights, same"]
 
 
-def _segments_of(pid: int) -> set[str]:
-    """The shared-memory segments of the bench process ``pid`` (staging and baseline slots name its session, which
-    names the pid), so that another run of the bench beside this one is left out."""
-    return {n for n in os.listdir("/dev/shm") if n.startswith("afq-") and f"bench{pid}" in n}
+def _bench_segments() -> set[str]:
+    """The bench's shared-memory segments (staging and baseline slots name its session, ``bench<pid>``)."""
+    return {n for n in os.listdir("/dev/shm") if n.startswith("afq-") and "bench" in n}
 
 
 def test_weight_sync_bench_smoke(tmp_path):
     result = tmp_path / "result.json"
     # One measured round per method: timings mean nothing at this size, the checks run on every method. Dense at
     # vLLM TP2 only (the resharding path; TP1 runs in the MoE table and in tests/bridge), to keep CI short.
-    cmd = [sys.executable, "bench/weight_sync.py", "--smoke", "--rounds", "1", "--vllm-tp", "2",
-           "--work-dir", str(tmp_path / "work"), "--json", str(result)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    before = _bench_segments()
+    # Forked from the tests' real-stack server, as are the processes it spawns (its ranks' forkserver, the vLLM
+    # engine and its workers): each would import torch, Megatron-core or vLLM again.
+    proc = forked_script(ROOT / "bench/weight_sync.py", "--smoke", "--rounds", "1", "--vllm-tp", "2",
+                         "--work-dir", str(tmp_path / "work"), "--json", str(result), cwd=ROOT,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=900)
     finally:
@@ -74,4 +77,4 @@ def test_weight_sync_bench_smoke(tmp_path):
         assert len(rec["targets"]) == 7
         assert all(t.startswith(("- PASS", "- MISS", "- n/a", "  (")) for t in rec["targets"])
     # Every staging and baseline segment the run created was removed.
-    assert not _segments_of(proc.pid)
+    assert not _bench_segments() - before

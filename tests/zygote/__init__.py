@@ -134,6 +134,7 @@ class ForkServer:
         if enabled():
             self.socket_path.unlink(missing_ok=True)
             self.socket_path.with_suffix(".forks").unlink(missing_ok=True)
+            self.socket_path.with_suffix(".python").unlink(missing_ok=True)
             with contextlib.suppress(OSError):  # the other kind's files may still be there
                 self.socket_path.parent.rmdir()
 
@@ -188,7 +189,7 @@ class HostBServer:
 
     def remove_files(self) -> None:
         """Its socket and counter (after the cluster's ``down``, which stops it with host B's other processes)."""
-        for path in (self.socket_path, self.socket_path.with_suffix(".forks")):
+        for path in (self.socket_path, self.socket_path.with_suffix(".forks"), self.socket_path.with_suffix(".python")):
             path.unlink(missing_ok=True)
 
 

@@ -8,12 +8,15 @@ each child ended.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import fcntl
 import importlib
 import importlib.abc
 import json
 import os
 import runpy
 import selectors
+import shlex
 import signal
 import socket
 import struct
@@ -31,6 +34,19 @@ REAL_PRELOAD = ("megatron.core", "asyncflow.engines.megatron.actor", "asyncflow.
                 "asyncflow.engines.vllm.rollout")
 """What a worker of a real-stack run imports besides (vLLM's own modules are found by ``_ray_free_modules``)."""
 HEADER = struct.Struct("!I")
+MAX_FDS = 64  # descriptors a request may pass: the standard streams and a spawn's own
+CLIENT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "client.py")
+
+
+def write_shim(socket_path: str) -> str:
+    """The interpreter the server's children spawn through (``multiprocessing.set_executable``): a script beside the
+    socket that runs ``client.py --python``, so that a spawned process (vLLM's tensor-parallel workers, a
+    multiprocessing forkserver) is forked from this server too instead of importing torch and vLLM again."""
+    shim = socket_path.rsplit(".", 1)[0] + ".python"
+    with open(shim, "w") as f:
+        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(CLIENT)} --python \"$@\"\n")
+    os.chmod(shim, 0o755)
+    return shim
 
 
 def _preload(real: bool) -> None:
@@ -113,8 +129,9 @@ def _die_with_parent() -> None:
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
-    """One request: a length-prefixed JSON object and the client's three standard streams."""
-    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, 3)
+    """One request: a length-prefixed JSON object, the client's three standard streams and the descriptors it
+    passes on (a spawn's)."""
+    data, fds, _flags, _addr = socket.recv_fds(conn, 1 << 20, MAX_FDS)
     while len(data) < HEADER.size or len(data) < HEADER.size + HEADER.unpack_from(data)[0]:
         more = conn.recv(1 << 20)
         if not more:
@@ -134,14 +151,25 @@ def _watch_client(conn: socket.socket) -> None:
     os._exit(137)
 
 
-def _become_worker(conn: socket.socket, request: dict, fds: list[int]) -> int:
-    """Run ``default_worker.py`` as the client would have run it; its exit code."""
+def _place(fds: list[int], targets: list[int]) -> None:
+    """Put the received descriptors at the client's numbers (first out of the way: one may sit on another's)."""
+    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]
+    for fd in fds:
+        os.close(fd)
+    for fd, target in zip(high, targets):
+        os.dup2(fd, target)  # inheritable, as in the client
+        os.close(fd)
+
+
+def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: str) -> int:
+    """Run ``default_worker.py`` (or a spawn's ``-c`` code) as the client would have run it; its exit code."""
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     os.setsid()
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
+    _place(fds, [0, 1, 2, *request.get("fds", [])])
+    import multiprocessing
+
+    multiprocessing.set_executable(shim)
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
@@ -150,10 +178,14 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int]) -> int:
     np.random.seed()  # as a fresh process would be (Python's own random reseeds itself at a fork)
     argv = request["argv"]
     sys.argv = list(argv)
-    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    code = request.get("code")
+    sys.path[0] = "" if code is not None else os.path.dirname(os.path.abspath(argv[0]))
     threading.Thread(target=_watch_client, args=(conn,), daemon=True, name="zygote-client-watch").start()
     try:
-        runpy.run_path(argv[0], run_name="__main__")
+        if code is not None:
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102 - as ``python -c``
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
         return 0
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -164,18 +196,22 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int]) -> int:
         return 1
 
 
-def _child(owned: list, conn: socket.socket, request: dict, fds: list[int]) -> None:
+def _child(owned: list, conn: socket.socket, request: dict, fds: list[int], shim: str) -> None:
     """In the forked child: drop the server's descriptors, run the worker, exit with its code."""
     code = 1
     try:
         signal.set_wakeup_fd(-1)
         for item in owned:
             item.close() if hasattr(item, "close") else os.close(item)
-        code = _become_worker(conn, request, fds)
+        code = _become_worker(conn, request, fds, shim)
         atexit._run_exitfuncs()  # a worker's exit handlers (Ray's among them), as at a normal interpreter exit
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
+        if "code" in request and code == 0:
+            # A spawned process (vLLM's worker) ends as an interpreter does, through the C library's exit: the
+            # destructors of the native libraries run (vLLM's CPU communicator unlinks its shared memory in one).
+            ctypes.CDLL(None).exit(0)
         os._exit(code)
 
 
@@ -183,6 +219,7 @@ def serve(path: str, real: bool = False) -> None:
     """Preload, then fork a worker per client until SIGTERM."""
     _die_with_parent()
     _preload(real)
+    shim = write_shim(path)
     counter, forked = path.rsplit(".", 1)[0] + ".forks", 0
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
@@ -210,7 +247,7 @@ def serve(path: str, real: bool = False) -> None:
                 continue
             pid = os.fork()
             if pid == 0:
-                _child([sel, listener, wake_r, wake_w, *children.values()], conn, request, fds)
+                _child([sel, listener, wake_r, wake_w, *children.values()], conn, request, fds, shim)
             for fd in fds:
                 os.close(fd)
             conn.sendall(HEADER.pack(pid))
@@ -234,6 +271,7 @@ def serve(path: str, real: bool = False) -> None:
                 conn.close()
     listener.close()
     os.unlink(path)
+    os.unlink(shim)
 
 
 if __name__ == "__main__":
