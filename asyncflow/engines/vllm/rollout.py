@@ -80,15 +80,19 @@ def _in(path: str, mapped: tuple[set[str], set[int]]) -> bool:
     return path in mapped[0] or _inode(path) in mapped[1]
 
 
-def _worker_segments() -> set[str]:
-    """The CPU communicator segments of this process's descendants (vLLM's TP workers); empty off Linux."""
+def _descendants() -> list[int]:
     import psutil
 
     try:
-        pids = [child.pid for child in psutil.Process().children(recursive=True)]
+        return [child.pid for child in psutil.Process().children(recursive=True)]
     except psutil.Error:
-        return set()
-    return {path for path in _mapped_segments(pids) if _CPU_SHM_MARK in path}
+        return []
+
+
+def _worker_segments(workers: list[int]) -> set[str]:
+    """The CPU communicator segments that vLLM's TP workers (``workers``, and this process's descendants) map;
+    empty off Linux."""
+    return {path for path in _mapped_segments([*_descendants(), *workers]) if _CPU_SHM_MARK in path}
 
 
 def _unlink_unused(segments: set[str]) -> None:
@@ -112,15 +116,9 @@ def _unlink_unused(segments: set[str]) -> None:
 _LEDGERS = Path(tempfile.gettempdir()) / "asyncflow-vllm-segments"
 
 
-def _own_segments() -> tuple[set[str], set[int]]:
-    """The files under /dev/shm that this process and its descendants map (``_mapped``)."""
-    import psutil
-
-    try:
-        pids = [os.getpid(), *(child.pid for child in psutil.Process().children(recursive=True))]
-    except psutil.Error:
-        return set(), set()
-    return _mapped(pids)
+def _own_segments(workers: list[int]) -> tuple[set[str], set[int]]:
+    """The files under /dev/shm that this process, its descendants and vLLM's ``workers`` map (``_mapped``)."""
+    return _mapped([os.getpid(), *_descendants(), *workers])
 
 
 def _record_segments(made: set[str]) -> None:
@@ -243,12 +241,13 @@ class VllmRollout(RolloutEngine):
         )
         self.version = 0
         self._request_ids = itertools.count()
+        self._worker_pids = [pid for pid in self.llm.collective_rpc("asyncflow_pid") if pid != os.getpid()]
         if os.path.isdir(_SHM_DIR):
             made = {_SHM_DIR + name for name in set(os.listdir(_SHM_DIR)) - shm_before}
             # Only what this process or its descendants map (a semaphore's creator by its inode): another engine
             # starting on the host at the same time makes segments too, and its semaphores unlinked at this
             # engine's close would break its workers' start (FileNotFoundError in SemLock._rebuild).
-            own = _own_segments()
+            own = _own_segments(self._worker_pids)
             _record_segments({path for path in made if _in(path, own)})
             remove_stale_segments()
         remove_stale_ipc()
@@ -427,7 +426,7 @@ class VllmRollout(RolloutEngine):
         """
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
-            segments = _worker_segments()
+            segments = _worker_segments(getattr(self, "_worker_pids", []))
             core.shutdown()
             _unlink_unused(segments)
         ledger = _LEDGERS / f"{os.getpid()}.json"

@@ -31,6 +31,8 @@ test reads the victim from there (a process title in ``/proc`` is not guaranteed
 
 from __future__ import annotations
 
+import os
+
 EXTENSION = "asyncflow.engines.vllm.worker_extension.WeightReceiverExtension"
 MIXED = -1
 """Version reported while a version is being applied or after an apply failed half-way."""
@@ -59,6 +61,11 @@ class WeightReceiverExtension:
     def asyncflow_weight_version(self) -> int:
         """The weight version this worker serves (0 = the checkpoint it started from, -1 = mixed)."""
         return getattr(self, "_asyncflow_version", 0)
+
+    def asyncflow_pid(self) -> int:
+        """This worker's process id: the engine finds its workers' shared memory by it, whichever process started
+        them (a worker need not be a child of the engine's process)."""
+        return os.getpid()
 
     def _asyncflow_arch(self):
         from asyncflow.models.arch import GPTArch
@@ -97,7 +104,6 @@ class WeightReceiverExtension:
         is ``"ok"``, ``"stale"`` (the trainer overwrote the version while it was read; nothing torn was
         applied) or ``"error"`` with the message, so every rank's answer reaches the caller.
         """
-        import os
         import time
 
         from asyncflow.bridge.staging import StaleStagingError
@@ -200,8 +206,6 @@ class WeightReceiverExtension:
 
 def _announce_pause(version: int) -> None:
     """Fault injection only: append ``pid version`` to ``ASYNCFLOW_APPLY_PAUSE_FILE`` (module docstring)."""
-    import os
-
     path = os.environ.get("ASYNCFLOW_APPLY_PAUSE_FILE")
     if path:
         with open(path, "a") as f:

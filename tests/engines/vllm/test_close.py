@@ -17,15 +17,12 @@ pytestmark = pytest.mark.slow
 
 
 def _engine(model_dir: str, conn) -> None:
-    import psutil
-
     from asyncflow.config import VllmConfig
     from asyncflow.engines.vllm import rollout as vllm_rollout
 
     rollout = vllm_rollout.VllmRollout(VllmConfig(tensor_parallel=2, max_model_len=64, max_num_seqs=4), model_dir)
-    segments = sorted(vllm_rollout._worker_segments())
-    workers = [c.pid for c in psutil.Process().children(recursive=True)
-               if any(s in vllm_rollout._mapped_segments([c.pid]) for s in segments)]
+    segments = sorted(vllm_rollout._worker_segments(rollout._worker_pids))
+    workers = [pid for pid in rollout._worker_pids if any(s in vllm_rollout._mapped_segments([pid]) for s in segments)]
     for pid in workers:
         os.kill(pid, signal.SIGSTOP)  # they cannot exit now: vLLM's shutdown kills them
     try:
