@@ -6,7 +6,7 @@ and exit as it exits. Standard library only: this process starts once per Ray wo
     python tests/zygote/client.py --python [-B] -c CODE ARGS...
 
 The second form stands in for the interpreter of a ``multiprocessing`` spawn (the server's children spawn through
-it: ``server.SHIM``): the child runs ``CODE`` as ``python -c`` would, with this process's other open descriptors
+it: ``server.write_shim``): the child runs ``CODE`` as ``python -c`` would, with this process's other open descriptors
 (the spawn's pipe and resource tracker) at the same numbers. Arguments of another shape run the real interpreter.
 
 The server's socket is ``ASYNCFLOW_TEST_ZYGOTE``, the script the child runs ``ASYNCFLOW_TEST_ZYGOTE_WORKER`` (Ray's

@@ -151,14 +151,21 @@ def _watch_client(conn: socket.socket) -> None:
     os._exit(137)
 
 
-def _place(fds: list[int], targets: list[int]) -> None:
-    """Put the received descriptors at the client's numbers (first out of the way: one may sit on another's)."""
-    high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024) for fd in fds]
-    for fd in fds:
-        os.close(fd)
-    for fd, target in zip(high, targets):
+def _high(fd: int) -> int:
+    """``fd`` moved to a number of 1024 or more (closed where it was)."""
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 1024)
+    os.close(fd)
+    return moved
+
+
+def _place(conn: socket.socket, fds: list[int], targets: list[int]) -> socket.socket:
+    """Put the received descriptors at the client's numbers, first moving them and the client's connection out of
+    the way (one may sit on another's number, or on the connection's); returns the connection."""
+    conn = socket.socket(fileno=_high(conn.detach()))
+    for fd, target in zip([_high(fd) for fd in fds], targets):
         os.dup2(fd, target)  # inheritable, as in the client
         os.close(fd)
+    return conn
 
 
 def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: str) -> int:
@@ -166,7 +173,7 @@ def _become_worker(conn: socket.socket, request: dict, fds: list[int], shim: str
     for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     os.setsid()
-    _place(fds, [0, 1, 2, *request.get("fds", [])])
+    conn = _place(conn, fds, [0, 1, 2, *request.get("fds", [])])
     import multiprocessing
 
     multiprocessing.set_executable(shim)
