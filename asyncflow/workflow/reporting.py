@@ -13,6 +13,9 @@ from asyncflow.observability import RunObserver, keys
 from asyncflow.observability.logprob_gap import gap_problems, merge_stats
 from asyncflow.workflow.evaluation import EVAL_SERVICE, write_samples
 
+TRAINERS = {"actor", "critic"}
+"""The services whose spans end a step on its clock (``time/elapsed_s``, samples/s)."""
+
 ADDITIVE = ("/rows", "/tokens", "/weight_swaps", "/observations", "/errors", "/stale_retries", "/stale_groups",
             "/failures", "/restarts")
 """Metrics that count something: the step's value is the sum over the instances that report it."""
@@ -88,10 +91,11 @@ class Reporter:
                 pending[key] = value
                 counts[key] += 1
             pending.setdefault("_services", set()).add(item["service"])
-            # The step's clock: when its last span ended (the actor's weights staged, usually), not when this
+            # The step's clock: when the trainer's last span of it ended (the actor's weights staged), not when this
             # driver polled the board, up to 0.2 s later (``Feeder.wait``), which would skew per-step times
-            # and samples/s in async runs.
-            ends = [span["end"] for span in item["spans"]]
+            # and samples/s in async runs. Only the trainers' spans: a rollout instance's load of the new weights
+            # goes with this step's report or the next one's, as it happens to end before or after the report.
+            ends = [span["end"] for span in item["spans"]] if item["service"] in TRAINERS else []
             if ends:
                 pending["_end"] = max(pending.get("_end", 0.0), max(ends))
             if "trained_groups" in item:

@@ -40,3 +40,20 @@ def test_a_step_is_logged_only_with_its_reward_report(tmp_path, shared_ray):
     assert reporter.trained_steps == 1
     assert reporter.history[0]["reward/failures"] == 0.0 and reporter.history[0]["reward/rows"] == 32.0
     reporter.observer.close()
+
+
+def test_a_step_ends_on_its_clock_when_the_trainers_last_span_ends(tmp_path, shared_ray):
+    """``time/elapsed_s`` of a step is the end of the actor's last span of it, whatever the other services' reports
+    carry: a rollout instance's load of the step's new weights may end after it and come with this step's report
+    or the next one's (seen in a suite run: a step 0.08 s late), which made the per-step times depend on that."""
+    reporter = bare_reporter(tmp_path, 2)
+    t0 = reporter.t_start
+
+    def span(group: str, end: float) -> dict:
+        return {"group": group, "name": "work", "worker": 0, "start": t0 + 1.0, "end": t0 + end, "args": {}}
+
+    # The rollout's load of the new weights ends after the actor staged them.
+    ends = {"rollout": 12.0, "advantage": 5.0, "reward": 4.0, "actor": 10.0}
+    reporter.collect([service_report(s, 0, {f"{s}/x": 1.0}, spans=[span(s, end)]) for s, end in ends.items()])
+    assert reporter.history[0]["time/elapsed_s"] == pytest.approx(10.0)
+    reporter.observer.close()
