@@ -11,7 +11,8 @@ PYTEST_ARGS ?=
 # which the other worker's tests fill. A worker takes whole files (--dist loadfile), in the order tests/conftest.py
 # gives them (files with slow tests first; --no-loadscope-reorder keeps that order).
 TEST_WORKERS ?= 2
-XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+DIST := --dist loadfile --no-loadscope-reorder
+XDIST := -n $(TEST_WORKERS) $(DIST)
 # test-fast's runs wait more than they compute (its two workers leave the cores idle a quarter of the time): a third
 # worker fills that (2 min 52 s against 3 min 2 s with two, paired runs; four are slower again).
 FAST_WORKERS ?= 3
@@ -45,8 +46,7 @@ test: venv lint
 
 # The edit-test loop: unit tests and the workflow tests on fake engines (neither slow nor faults).
 test-fast: venv
-	$(PY) -m pytest tests -n $(FAST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow and not faults" \
-		$(PYTEST_ARGS)
+	$(PY) -m pytest tests -n $(FAST_WORKERS) $(DIST) -m "not slow and not faults" $(PYTEST_ARGS)
 
 # The fault-injection runs on fake engines (SIGKILLs, SIGTERMs, restarts): after a change to the fault handling.
 test-faults: venv

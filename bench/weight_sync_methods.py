@@ -414,13 +414,8 @@ def _engine_commands(rollout) -> dict:
         "read_only": lambda staging, version: rpc(_w_read_only, args=(staging, version)),
         "logprobs": lambda tokens: prompt_logprobs(rollout.llm, tokens),
         "versions": rollout.served_versions,
-        "pids": lambda: rpc(_w_pid),
+        "pids": lambda: rpc("asyncflow_pid"),  # the loop's worker extension, loaded here too
     }
-
-
-def _w_pid(worker) -> int:
-    """A vLLM worker's process id (the engine's own process when it runs in-process)."""
-    return os.getpid()
 
 
 def vllm_main(conn, model_dir: str, tp: int) -> None:
