@@ -344,6 +344,8 @@ rc_cleanup() {
         tac "$LAUNCH_DIR/started.txt" | rc_stop  # workers first, the head last; only what this launcher recorded
         rc_log "stopped the Ray processes it started (listed in $LAUNCH_DIR/started.txt)"
     fi
+    # The temp dir this launcher made goes too, if Ray left nothing in it (its logs stay where it did).
+    [[ -n "${RC_MADE_TMPDIR:-}" ]] && rmdir "$RAY_TMPDIR" 2>/dev/null
     exit "$status"
 }
 
@@ -406,6 +408,7 @@ rc_main() {
         rc_die "recipe check failed (messages above); nothing was started"
     rc_absolute_roots
     rc_hosts
+    [[ -d "$RAY_TMPDIR" ]] || RC_MADE_TMPDIR=1
     mkdir -p "$LAUNCH_DIR" "$RAY_TMPDIR"
     : >"$LAUNCH_DIR/started.txt"
     trap rc_cleanup EXIT

@@ -407,9 +407,15 @@ def test_launcher_forwards_resume_and_absolute_roots(tmp_path):
     env, marker = _launcher_env(tmp_path)
     # No cluster can start here: the cluster start and the wait for devices are skipped, the rest is the launcher's.
     recipe = ROOT / "recipes/qwen2.5-7b"
-    result = _source_launcher(f"rc_start_cluster() {{ RC_ADDRESS=head:1; }}; rc_wait_for_devices() {{ :; }}; "
-                              f"rc_main {recipe} --resume checkpoint.dir=ckpt trainer.lr=1e-6", env, tmp_path)
-    assert result.returncode == 0, result.stderr
+    script = (f"rc_start_cluster() {{ RC_ADDRESS=head:1; }}; rc_wait_for_devices() {{ :; }}; "
+              f"rc_main {recipe} --resume checkpoint.dir=ckpt trainer.lr=1e-6")
+    proc = subprocess.Popen(["bash", "-c", f"set -euo pipefail; source {ROOT / 'recipes/common/ray_cluster.sh'}; "
+                             f"{script}"], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    # The default Ray temp dir it made (named by the job id: outside Slurm, the launcher's pid) is removed at the
+    # end, as Ray left nothing in it.
+    assert not Path(f"/tmp/af_ray_{proc.pid}").exists()
     train = next(line for line in marker.read_text().splitlines() if line.startswith("asyncflow"))
     words = train.split()
     assert words[:3] == ["asyncflow", "train", str(recipe / "config.yaml")]
