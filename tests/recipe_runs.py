@@ -37,9 +37,9 @@ FAKE = ["trainer.engine=asyncflow.engines.fake.FakeTrainEngine",
 def train(cmd_args: list[str], cwd: Path, env: dict | None = None, timeout: float = 900,
           forked: bool = False) -> subprocess.CompletedProcess:
     """``asyncflow train`` in a subprocess, with the repository on the path of the run's workers too (tests name
-    their own agent loops and rewards by dotted path, as a user names theirs). ``forked``: its Ray forks its workers
-    from the session's real-stack fork server (``tests.zygote``); not for a test that looks for the run's workers
-    among the subprocess's descendants (forked workers are the server's children)."""
+    their own agent loops and rewards by dotted path, as a user names theirs). ``forked``: the driver and its Ray's
+    workers are forked from the session's real-stack fork server (``tests.zygote.launch_command``); not for a test
+    that looks for the run's processes among the subprocess's descendants (they are the server's children)."""
     from tests import zygote
 
     env = dict(os.environ, **(env or {}))
@@ -50,7 +50,7 @@ def train(cmd_args: list[str], cwd: Path, env: dict | None = None, timeout: floa
     proc = subprocess.run([*command, "train", *cmd_args], capture_output=True, text=True, cwd=cwd, timeout=timeout,
                           env=env)
     if forked and proc.returncode == 0:  # else the speed-up would be gone without a word
-        assert zygote.session_server(real=True).forks() > forks, "the run's Ray workers were not forked"
+        assert zygote.session_server(real=True).forks() > forks + 1, "the run's Ray workers were not forked"
     return proc
 
 

@@ -150,11 +150,15 @@ def session_server(real: bool = False) -> ForkServer:
 
 
 def launch_command() -> list[str]:
-    """The command that runs ``asyncflow`` (its arguments follow) with its Ray's workers forked from this process's
-    real-stack fork server, started here if it is not yet; ``python -m asyncflow.cli`` where the server is off."""
+    """The command that runs ``asyncflow`` (its arguments follow) forked from this process's real-stack fork server,
+    started here if it is not yet, with its Ray's workers forked from that server too; ``python -m asyncflow.cli``
+    where the server is off. The command is ``client.py``, which passes signals on and exits with the driver's
+    status; the driver is the server's child, so it is not for a test that looks for the run's processes among
+    the command's descendants or in its session."""
     if not enabled():
         return [sys.executable, "-m", "asyncflow.cli"]
-    return ["env", f"{ENV}={session_server(real=True).socket_path}", sys.executable, "-m", "tests.zygote.launch"]
+    return ["env", f"{ENV}={session_server(real=True).socket_path}", sys.executable, str(CLIENT), "--script",
+            str(Path(__file__).with_name("launch.py"))]
 
 
 def forked_script(script: Path, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
@@ -168,6 +172,29 @@ def forked_script(script: Path, *args: str, env: dict | None = None, **popen) ->
         return subprocess.Popen([sys.executable, str(script), *args], env=env, **popen)
     env.update({ENV: str(session_server(real=True).socket_path), f"{ENV}_WORKER": str(script)})
     return subprocess.Popen([sys.executable, str(CLIENT), *args], env=env, **popen)
+
+
+@contextlib.contextmanager
+def spawned_from_server():
+    """Within: the processes this process starts with ``multiprocessing``'s ``spawn`` (the checkpoint converter's
+    ranks, a process pool) are forked from this process's real-stack fork server, through ``client.py --python``,
+    instead of importing torch, Megatron-core and vLLM again; each is still a process of its own, as a spawned one
+    is. Plain ``spawn`` where the servers are off."""
+    if not enabled():
+        yield
+        return
+    import multiprocessing
+    import multiprocessing.spawn
+
+    from tests.zygote.server import write_shim
+
+    server = session_server(real=True)
+    previous = multiprocessing.spawn.get_executable()
+    multiprocessing.set_executable(write_shim(str(server.socket_path)))  # the client waits for the server's socket
+    try:
+        yield
+    finally:
+        multiprocessing.set_executable(previous)
 
 
 class HostBServer:
@@ -200,6 +227,17 @@ def two_host_options(host_b: HostBServer) -> dict:
     return {"ray_cli": [sys.executable, str(Path(__file__).with_name("ray_start.py"))],
             "env_a": {ENV: str(session_server(real=True).socket_path), **worker},
             "env_b": {ENV: str(host_b.socket_path), **worker}, "before_b": host_b.shell_command()}
+
+
+def host_a_options(real: bool = False) -> dict:
+    """Options of ``two_host.up`` under which host A's Ray node forks its workers from this process's server of that
+    kind and host B's start theirs the normal way (a server on host A cannot fork a process into host B's
+    namespaces); empty where the servers are off."""
+    if not enabled():
+        return {}
+    return {"ray_cli": [sys.executable, str(Path(__file__).with_name("ray_start.py"))],
+            "env_a": {ENV: str(session_server(real=real).socket_path), f"{ENV}_WORKER": os.environ[f"{ENV}_WORKER"]},
+            "env_b": {ENV: "0"}}
 
 
 def stop_session_servers() -> None:

@@ -4,10 +4,12 @@ and exit as it exits. Standard library only: this process starts once per Ray wo
 
     python tests/zygote/client.py RAY_WORKER_ARGS...
     python tests/zygote/client.py --python [-B] -c CODE ARGS...
+    python tests/zygote/client.py --script SCRIPT ARGS...
 
 The second form stands in for the interpreter of a ``multiprocessing`` spawn (the server's children spawn through
 it: ``server.write_shim``): the child runs ``CODE`` as ``python -c`` would, with this process's other open descriptors
 (the spawn's pipe and resource tracker) at the same numbers. Arguments of another shape run the real interpreter.
+The third runs ``python SCRIPT ARGS`` in the child (``tests.zygote.launch_command``: the tests' ``asyncflow``).
 
 The server's socket is ``ASYNCFLOW_TEST_ZYGOTE``, the script the child runs ``ASYNCFLOW_TEST_ZYGOTE_WORKER`` (Ray's
 ``default_worker.py``): both in the environment the raylet passes on.
@@ -72,6 +74,8 @@ def main() -> None:
         if request is None:
             os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
         extra = _open_descriptors()
+    elif sys.argv[1:2] == ["--script"]:
+        request = {"argv": sys.argv[2:]}
     else:
         request = {"argv": [os.environ["ASYNCFLOW_TEST_ZYGOTE_WORKER"], *sys.argv[1:]]}
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -1,7 +1,7 @@
-"""``asyncflow`` as the tests run it in a subprocess whose Ray forks its workers from the session's fork server
-(``tests.zygote``): the command line's Ray starts its workers through ``client.py``.
+"""``asyncflow`` as the tests run it, forked from the session's real-stack fork server, its Ray forking its workers
+from there too (``tests.zygote.launch_command``): the command line's Ray starts its workers through ``client.py``.
 
-    python -m tests.zygote.launch train RECIPE [overrides...]
+    python tests/zygote/client.py --script tests/zygote/launch.py train RECIPE [overrides...]
 """
 
 import sys

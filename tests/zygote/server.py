@@ -43,9 +43,12 @@ def write_shim(socket_path: str) -> str:
     socket that runs ``client.py --python``, so that a spawned process (vLLM's tensor-parallel workers, a
     multiprocessing forkserver) is forked from this server too instead of importing torch and vLLM again."""
     shim = socket_path.rsplit(".", 1)[0] + ".python"
-    with open(shim, "w") as f:
-        f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(CLIENT)} --python \"$@\"\n")
-    os.chmod(shim, 0o755)
+    partial = f"{shim}.{os.getpid()}"
+    with open(partial, "w") as f:
+        f.write(f"#!/bin/sh\nexport ASYNCFLOW_TEST_ZYGOTE={shlex.quote(socket_path)}\n"  # this server's, whoever spawns
+                f"exec {shlex.quote(sys.executable)} {shlex.quote(CLIENT)} --python \"$@\"\n")
+    os.chmod(partial, 0o755)
+    os.replace(partial, shim)  # whole or not there: the server and the tests' process both write it
     return shim
 
 
