@@ -67,8 +67,13 @@ def tiny_model_dir(tmp_path_factory):
 def vllm_child():
     """One spawned process, for the session, for the tests that drive an in-process vLLM engine (each test's
     function builds and closes its own engine there): vLLM's import is paid once per worker instead of per test
-    file, about 15 s of a fresh process on 2 cores, and its process-wide settings never reach pytest's own process."""
-    with mp.get_context("spawn").Pool(1) as pool:
+    file, and its process-wide settings never reach pytest's own process. Forked from the tests' real-stack server
+    (``tests.zygote.spawned_from_server``), which imported vLLM already: a fresh process took about 15 s on 2 cores."""
+    from tests.zygote import spawned_from_server
+
+    with spawned_from_server():
+        pool = mp.get_context("spawn").Pool(1)
+    with pool:
         yield pool
 
 

@@ -19,6 +19,7 @@ from asyncflow.bridge.shards import ParallelLayout
 from asyncflow.models.parallel import free_port
 from asyncflow.tiny_model import make_tiny_model
 from tests.forkserver import start_method
+from tests.zygote import spawned_from_server
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,6 +36,13 @@ def _assert_bit_exact(a_dir: Path, b_dir: Path) -> None:
     assert a.keys() == b.keys()
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _ranks_forked():
+    """The converter's spawned ranks fork from the tests' real-stack server (Megatron-core imported once)."""
+    with spawned_from_server():
+        yield
 
 
 @pytest.fixture(scope="module")
