@@ -325,9 +325,10 @@ def throughput(args, model: Path) -> dict:
             "steps": [steps[0], steps[-1]] if steps else []}
 
 
-def _two_host(kind: str, **sizes):
-    """``tools/two_host.py`` as a module, and a cluster of ``sizes`` (``two_host.up``) whose Ray nodes run the
-    workers with the benchmark's environment; or an error record naming why none can be made here."""
+def _two_host(kind: str, options: dict | None = None, **sizes):
+    """``tools/two_host.py`` as a module, and a cluster of ``sizes`` (``two_host.up``, with ``options`` besides)
+    whose Ray nodes run the workers with the benchmark's environment; or an error record naming why none can be
+    made here."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("two_host", REPO / "tools/two_host.py")
@@ -337,7 +338,7 @@ def _two_host(kind: str, **sizes):
     os.environ.update(ENV)  # the Ray nodes' workers take their environment from the nodes, not from the driver
     try:
         two_host.check_possible()
-        return two_host, two_host.up(**sizes), None
+        return two_host, two_host.up(**sizes, **(options or {})), None
     except two_host.TwoHostError as exc:
         return two_host, None, {"kind": kind, "error": f"no two-host cluster here: {exc}"}
     finally:
@@ -367,8 +368,10 @@ def host_fault(args, model: Path) -> tuple[dict, dict]:
     once it has logged a few steps. Host B declares no device, so the trainer and the rollout instances run on
     host A (``host_rollout_fault`` puts a rollout instance on host B). The TransferQueue's storage units are Ray
     actors spread over both hosts, and the services that need no device go where Ray puts them. Returns the
-    fault's record and the run's totals; ``error`` says why it could not run."""
-    two_host, cluster, error = _two_host("host", devices=4, cpus=8, devices_b=0)
+    fault's record and the run's totals; ``error`` says why it could not run. ``args.cluster_options``, where set,
+    are more options of ``two_host.up`` (the tests fork host A's Ray workers from a preloaded server)."""
+    two_host, cluster, error = _two_host("host", getattr(args, "cluster_options", None), devices=4, cpus=8,
+                                         devices_b=0)
     if error:
         return error, {}
     try:
@@ -415,7 +418,8 @@ def host_rollout_fault(args, model: Path) -> tuple[dict, dict]:
     gone) and after ``workflow.restart_timeout_s`` it is left out; the run trains its steps on host A's instance.
     Record: detected (the driver saw the death), recovered (the run logged a step after it), ``left_out_s``, the
     samples/s before the kill and after the death, and the shared-memory segments of the run left on host A."""
-    two_host, cluster, error = _two_host("host-rollout", devices=2, cpus=8, devices_b=1)
+    two_host, cluster, error = _two_host("host-rollout", getattr(args, "cluster_options", None), devices=2, cpus=8,
+                                         devices_b=1)
     if error:
         return error, {}
     steps, bound = getattr(args, "host_rollout_steps", 40), getattr(args, "restart_timeout", 10.0)
