@@ -38,15 +38,16 @@ def _assert_bit_exact(a_dir: Path, b_dir: Path) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _ranks_forked():
-    """The converter's spawned ranks fork from the tests' real-stack server (Megatron-core imported once)."""
+@pytest.fixture(scope="module")
+def ranks_forked():
+    """Within: the converter's spawned ranks fork from the tests' real-stack server (Megatron-core imported once).
+    Only for the slow tests: a fast one would start the server for nothing."""
     with spawned_from_server():
         yield
 
 
 @pytest.fixture(scope="module")
-def dense_tp2pp2(tiny_model_dir, tmp_path_factory):
+def dense_tp2pp2(tiny_model_dir, tmp_path_factory, ranks_forked):
     out = tmp_path_factory.mktemp("conv") / "qwen2_tp2pp2"
     hf_to_mcore(tiny_model_dir, out, ParallelLayout(2, 2), progress=None)
     return out
@@ -99,7 +100,7 @@ def test_export_with_hf_config_keeps_the_trained_weights(dense_tp2pp2, tiny_mode
     ],
     ids=["qwen3moe-ep2", "qwen2moe-shared-pp2ep2", "llama-tied-uneven-pp2"],
 )
-def test_round_trip_other_families(tmp_path, family, layout):
+def test_round_trip_other_families(tmp_path, family, layout, ranks_forked):
     hf = make_tiny_model(
         tmp_path / "hf",
         family=family,
