@@ -105,19 +105,45 @@ def _run(*cmd: str) -> str:
     return proc.stdout
 
 
-def _free_port(avoid: range = range(0), taken: set[int] | None = None) -> int:
-    """A port free now, outside ``avoid`` (Ray refuses a component port inside its worker-port range) and not in
-    ``taken``, to which it is added: a port probed free is released at once, so the next probe may return it
-    again, and Ray refuses a port given to two of its components."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        if port not in avoid and port not in (taken or ()):
-            if taken is not None:
-                taken.add(port)
+COMPONENT_PORTS = range(20000, 22000)
+"""Where a node's component ports are picked: below the kernel's ephemeral ports (32768 and up by default), where
+no connection and no socket bound to port 0 lands (one took a port probed free before Ray bound it, and the head's
+raylet died 10 s after the cluster was up), and above the worker ports of the local Ray instances other processes
+of the machine may run (10002-19999 by default)."""
+WORKER_BLOCK = 201
+WORKER_BLOCKS = range(22000, 32768 - WORKER_BLOCK, WORKER_BLOCK)
+"""Where each node's worker-port range (``WORKER_BLOCK`` ports) starts: apart from the component ports, so that
+another cluster's components never take one."""
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(taken: set[int] | None = None) -> int:
+    """A port of ``COMPONENT_PORTS`` free now and not in ``taken``, to which it is added: a port probed free is
+    released at once, so a later probe may pick it again, and Ray refuses a port given to two of its components."""
+    taken = set() if taken is None else taken
+    for _ in range(200):
+        port = COMPONENT_PORTS[secrets.randbelow(len(COMPONENT_PORTS))]
+        if port not in taken and _is_free(port):
+            taken.add(port)
             return port
-    raise TwoHostError(f"no free port outside {avoid} and {sorted(taken or ())}")
+    raise TwoHostError(f"no free port in {COMPONENT_PORTS} outside {sorted(taken)}")
+
+
+def _free_worker_ports() -> range:
+    """A block of ``WORKER_BLOCKS`` whose every port is free now (the workers bind theirs as they start)."""
+    for _ in range(100):
+        start = WORKER_BLOCKS[secrets.randbelow(len(WORKER_BLOCKS))]
+        if all(_is_free(port) for port in range(start, start + WORKER_BLOCK)):
+            return range(start, start + WORKER_BLOCK)
+    raise TwoHostError(f"no block of {WORKER_BLOCK} free ports in {WORKER_BLOCKS.start}-{WORKER_BLOCKS.stop}")
 
 
 def _pick_subnet() -> tuple[str, str]:
@@ -153,10 +179,9 @@ def _ray_args(cluster: TwoHost, host: str, cpus: int, flags: tuple[str, ...] = (
             "--object-store-memory=100000000",
             f"--temp-dir={cluster.temp_dir}/{host}"]
     taken = {cluster.port}
-    worker = _free_port(range(cluster.port - 200, cluster.port + 1), taken)
-    workers = range(worker, worker + 201)
-    args += [f"{flag}={_free_port(workers, taken)}" for flag in _RAY_PORT_FLAGS + flags]
-    return args + [f"--min-worker-port={worker}", f"--max-worker-port={worker + 200}"]
+    workers = _free_worker_ports()
+    args += [f"{flag}={_free_port(taken)}" for flag in _RAY_PORT_FLAGS + flags]
+    return args + [f"--min-worker-port={workers.start}", f"--max-worker-port={workers.stop - 1}"]
 
 
 def _devices(cluster: TwoHost, host: str) -> int:

@@ -1,7 +1,8 @@
 """``tools/two_host.py`` gives each Ray component of a node a port of its own: ports are probed free and released at
 once, so two probes may return the same port, and Ray then refuses to start the node ("trying to use a port number
 ... that is used by other components": a host-loss test of the suite was skipped for it). No root needed: only the
-arguments are made."""
+arguments are made. And none where another process of the machine may take one meanwhile: a connection's port or a
+port-0 bind (the head's runtime-env agent found its port taken once, and the cluster died after it was up)."""
 
 import re
 
@@ -27,3 +28,7 @@ def test_every_component_port_of_a_node_is_its_own_and_outside_the_worker_range(
             used = [*ports.values(), cluster.port]
             assert len(set(used)) == len(used), ports
             assert not [p for p in used if p in workers], (ports, workers)
+            # None where the kernel hands out ports to connections and port-0 binds, nor in Ray's default worker
+            # ports of the machine's local Ray instances.
+            low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+            assert all(20000 <= p < low for p in [*used, *workers]), (ports, workers)
