@@ -229,14 +229,14 @@ def two_host_options(host_b: HostBServer) -> dict:
             "env_b": {ENV: str(host_b.socket_path), **worker}, "before_b": host_b.shell_command()}
 
 
-def host_a_options(real: bool = False) -> dict:
-    """Options of ``two_host.up`` under which host A's Ray node forks its workers from this process's server of that
-    kind and host B's start theirs the normal way (a server on host A cannot fork a process into host B's
+def host_a_options() -> dict:
+    """Options of ``two_host.up`` under which host A's Ray node forks its workers from this process's fake-engine
+    server and host B's start theirs the normal way (a server on host A cannot fork a process into host B's
     namespaces); empty where the servers are off."""
     if not enabled():
         return {}
     return {"ray_cli": [sys.executable, str(Path(__file__).with_name("ray_start.py"))],
-            "env_a": {ENV: str(session_server(real=real).socket_path), f"{ENV}_WORKER": os.environ[f"{ENV}_WORKER"]},
+            "env_a": {ENV: str(session_server().socket_path), f"{ENV}_WORKER": os.environ[f"{ENV}_WORKER"]},
             "env_b": {ENV: "0"}}
 
 
