@@ -6,11 +6,11 @@ refills the pool is up, so the run cannot end before it.
 
 Checked: the spare took over (the restart is recorded as ``spare promoted``, the dead process was not started
 again: the run's last layout has a new process in the dead one's slot and no Ray restart), the pool was refilled
-(``spare started`` recorded once its process answered, in the CPU's background (``SCHED_IDLE``) while the
-instances serve normally), every prompt of every step was trained once in its own step
-with its whole group, the staleness bound held, and no actor (the new spare included) outlived the run. The chunked
-run lays rollout out on declared GPUs (``ray.accelerator``): the spare has a device of its own, keeps it when it takes
-the slot, and the new spare gets the dead instance's (the only one free).
+(``spare started``, started once the promoted spare reported its first step and recorded once its process answered,
+in the CPU's background (``SCHED_IDLE``) while the instances serve normally), every prompt of every step was trained
+once in its own step with its whole group, the staleness bound held, and no actor (the new spare included) outlived
+the run. The chunked run lays rollout out on declared GPUs (``ray.accelerator``): the spare has a device of its own,
+keeps it when it takes the slot, and the new spare gets the dead instance's (the only one free).
 """
 
 import json
@@ -112,6 +112,9 @@ def test_a_spare_takes_a_killed_instances_place_and_the_pool_is_refilled(tmp_pat
     refilled = [e for e in events if e["service"] == "rollout spare"]
     assert [(e["error"], e["replaces"]) for e in refilled] == [("spare started", promoted[0]["worker"])], events
     assert refilled[0]["recovered_at"] > refilled[0]["detected_at"]
+    # Refilled only once the promoted spare had reported its first step: a process start beside the regeneration of
+    # the dead one's rows slowed it on shared cores.
+    assert refilled[0]["after_step_reported"] >= promoted[0]["resumed_at_step"], events
     assert _restarts(summary["_out"]) == events
     # The slot runs a process other than the dead one's, and the instances are the two of the run.
     layout = json.loads((summary["_out"] / "layout.json").read_text())
