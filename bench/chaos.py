@@ -56,10 +56,13 @@ steps without checkpoints, one healthy and one whose rollout instance is SIGKILL
 the steps are logged, same seed. The extra wall time is the killed run's time from the step logged at the kill to
 its last step minus the healthy run's time over the same steps; the regeneration time is the rows the driver
 handed out again times the generation time per row (the rollout instances' ``generate`` spans of the killed run:
-seconds over rows). The issue's target is a ratio below 2. The same pair runs again with ``--spares`` warm spare
-rollout instances (``workflow.rollout_spares``): the killed instance's slot is taken by a spare instead of a restarted
-process, and the healthy run shows what an idle spare costs. ``--cost-repeats`` pairs of each (interleaved, seeds
-``--seed`` + repeat); the table gives their medians and every ratio.
+seconds over rows). The issue's target is a ratio below 2. The difference of two runs' wall times also holds their
+difference of pace (a run's steps may all be a few ms slower on a shared machine, as much over the steps after the
+kill as the death costs), so the table also gives each run's time over those steps beyond its own median step time
+before the kill (steps 4 to the kill), killed minus healthy, and its ratio. The same pair runs again with
+``--spares`` warm spare rollout instances (``workflow.rollout_spares``): the killed instance's slot is taken by a
+spare instead of a restarted process, and the healthy run shows what an idle spare costs. ``--cost-repeats``
+pairs of each (interleaved, seeds ``--seed`` + repeat); the table gives their medians and every ratio.
 """
 
 from __future__ import annotations
@@ -517,7 +520,8 @@ def rollout_cost(args, model: Path) -> dict:
         if good:
             medians[how] = {key: statistics.median(r[key] for r in good if r[key] is not None)
                             for key in ("healthy_s", "killed_s", "extra_s", "detect_s", "restart_s", "released_rows",
-                                        "per_row_s", "regen_s", "ratio", "healthy_samples_per_s")
+                                        "per_row_s", "regen_s", "ratio", "paced_extra_s", "paced_ratio",
+                                        "healthy_samples_per_s")
                             if any(r[key] is not None for r in good)}
     return {"steps": args.cost_steps, "spares": args.spares, "token_s": args.token_s, "pairs": pairs,
             "medians": medians}
@@ -552,6 +556,11 @@ def cost_pair(args, model: Path, spares: int, seed: int, name: str) -> dict:
     healthy_s, killed_s = (steps_wall(logged) for logged in after)
     released = events[0]["released_rows"]
     extra_s = killed_s - healthy_s
+    # The same difference with each run measured against its own pace before the kill: a run's steps may all be
+    # a few ms slower than the other run's (the shared machine), which over the steps after the kill is as large as
+    # the death's cost.
+    paced = [over_own_pace(run.logged(), logged_at_kill) for run in (killed, healthy)]
+    paced_s = None if None in paced else paced[0] - paced[1]
     # Every sample of the killed run trained once, in its step (the rows of the dead instance generated again).
     counts = account(json.loads((killed.out / "summary.json").read_text()), [], args.cost_steps)
     return {"steps": args.cost_steps, "spares": spares, "seed": seed, "killed_after_step": logged_at_kill,
@@ -559,6 +568,8 @@ def cost_pair(args, model: Path, spares: int, seed: int, name: str) -> dict:
             "healthy_s": healthy_s, "killed_s": killed_s, "extra_s": extra_s, "released_rows": released,
             "per_row_s": per_row, "regen_s": released * per_row,
             "ratio": extra_s / (released * per_row) if released and per_row else None,
+            "paced_extra_s": paced_s,
+            "paced_ratio": paced_s / (released * per_row) if paced_s is not None and released and per_row else None,
             "detect_s": events[0]["detected_at"] - killed_at,
             "restart_s": events[0]["recovered_at"] - events[0]["detected_at"], "how": events[0].get("how"),
             "healthy_samples_per_s": (len(after[0]) - 1) * PROMPTS * GROUP / healthy_s if healthy_s else None}
@@ -575,6 +586,18 @@ def running_instances(run: Run) -> list[psutil.Process]:
         except (psutil.Error, IndexError):
             continue
     return procs
+
+
+def over_own_pace(logged: list[dict], at: int, warm: int = 3) -> float | None:
+    """Seconds the steps after step ``at`` took beyond the run's own pace before it: their wall time minus their
+    number times the median step time of steps ``warm`` to ``at`` (the first steps left out: start-up). None
+    without steps on either side."""
+    import statistics
+
+    times = {r["step"]: r["time/elapsed_s"] for r in logged}
+    before = [times[s] - times[s - 1] for s in range(warm + 1, at + 1) if s in times and s - 1 in times]
+    after = [times[s] - times[s - 1] for s in sorted(times) if s > at and s - 1 in times]
+    return sum(after) - len(after) * statistics.median(before) if before and after else None
 
 
 def steps_wall(logged: list[dict]) -> float:
@@ -617,12 +640,15 @@ def cost_table(cost: dict) -> str:
              row("generation time per row, s", "per_row_s", ".3f"),
              row("their regeneration time, s", "regen_s", ".2f"),
              row("ratio (target < 2)", "ratio", ".2f"),
+             row("extra wall time, each run against its own pace before the kill, s", "paced_extra_s", ".2f"),
+             row("ratio of that (target < 2)", "paced_ratio", ".2f"),
              "| samples lost / trained twice / corrupted, killed runs summed | " + " | ".join(
                  " / ".join(str(sum(r.get(k, 0) for r in cost["pairs"][h] if "error" not in r))
                             for k in ("lost", "twice", "corrupted")) for h in cols) + " |"]
     for h in cols:
-        ratios = ", ".join(_num2(r.get("ratio")) if "error" not in r else "failed" for r in cost["pairs"][h])
-        lines.append(f"\n{head[h]}: ratio of each pair: {ratios}")
+        for key, what in (("ratio", "ratio"), ("paced_ratio", "ratio against each run's own pace")):
+            ratios = ", ".join(_num2(r.get(key)) if "error" not in r else "failed" for r in cost["pairs"][h])
+            lines.append(f"\n{head[h]}: {what} of each pair: {ratios}")
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from bench.chaos import account, cost_exact, cost_table, generate_spans, process_names, steps_wall
+from bench.chaos import account, cost_exact, cost_table, generate_spans, over_own_pace, process_names, steps_wall
 
 
 def test_the_processes_of_a_host_are_named_by_program():
@@ -32,10 +32,19 @@ def test_the_cost_of_a_death_is_the_extra_step_time_against_the_regeneration_tim
     (tmp_path / "timeline.json").write_text(json.dumps({"traceEvents": spans}))
     assert generate_spans(tmp_path) == [(2.0, 4), (1.0, 2)]
     assert steps_wall([{"time/elapsed_s": 1.5}, {"time/elapsed_s": 2.0}, {"time/elapsed_s": 9.5}]) == 8.0
+    # Steps of 1 s until step 5, then one of 3 s and 1 s again: 2 s over its pace; a step 0 of its start-up and a
+    # faster step 2 do not move the median.
+    times = [0.0, 10.0, 11.0, 11.5, 12.5, 13.5, 14.5, 17.5, 18.5]
+    killed = [{"step": s, "time/elapsed_s": t} for s, t in enumerate(times)]
+    assert over_own_pace(killed, 5, warm=1) == 2.0
+    slow = [{"step": s, "time/elapsed_s": 2.0 * s} for s in range(9)]  # slower all along: nothing over its pace
+    assert over_own_pace(slow, 5, warm=1) == 0.0
+    assert over_own_pace(slow, 1, warm=1) is None and over_own_pace(slow, 8, warm=1) is None
     pair = {"healthy_s": 8.0, "killed_s": 11.0, "extra_s": 3.0, "detect_s": 0.1, "restart_s": 2.5,
-            "released_rows": 12, "per_row_s": 0.5, "regen_s": 6.0, "ratio": 0.5, "healthy_samples_per_s": 40.0,
-            "lost": 0, "twice": 0, "corrupted": 0}
-    spare = {**pair, "killed_s": 8.5, "extra_s": 0.5, "restart_s": 0.1, "ratio": 0.5 / 6.0, "twice": 4}
+            "released_rows": 12, "per_row_s": 0.5, "regen_s": 6.0, "ratio": 0.5, "paced_extra_s": 2.4,
+            "paced_ratio": 0.4, "healthy_samples_per_s": 40.0, "lost": 0, "twice": 0, "corrupted": 0}
+    spare = {**pair, "killed_s": 8.5, "extra_s": 0.5, "restart_s": 0.1, "ratio": 0.5 / 6.0, "twice": 4,
+             "paced_ratio": None}
     cost = {"steps": 30, "spares": 1, "token_s": 0.05,
             "pairs": {"restart": [pair, {"error": "the run failed"}], "spare": [spare]},
             "medians": {"restart": pair, "spare": spare}}
@@ -45,10 +54,13 @@ def test_the_cost_of_a_death_is_the_extra_step_time_against_the_regeneration_tim
     assert "| healthy run, steps from the kill (step ~10) to 29, s | 8.0 | 8.0 |" in table
     assert "| death seen to the slot's loop running again, s | 2.50 | 0.10 |" in table
     assert "| ratio (target < 2) | 0.50 | 0.08 |" in table
+    assert "| ratio of that (target < 2) | 0.40 | - |" in table
     assert "| samples lost / trained twice / corrupted, killed runs summed | 0 / 0 / 0 | 0 / 4 / 0 |" in table
     assert not cost_exact(cost) and cost_exact({**cost, "pairs": {"restart": [pair]}})
     assert "no spare (restarted): ratio of each pair: 0.50, failed" in table
-    assert table.endswith("1 warm spare(s) (promoted): ratio of each pair: 0.08")
+    assert "no spare (restarted): ratio against each run's own pace of each pair: 0.40, failed" in table
+    assert "1 warm spare(s) (promoted): ratio of each pair: 0.08" in table
+    assert table.endswith("1 warm spare(s) (promoted): ratio against each run's own pace of each pair: -")
     assert cost_table({**cost, "medians": {}}).startswith("rollout-instance death cost: every pair failed")
 
 
