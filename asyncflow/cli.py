@@ -17,7 +17,7 @@ import sys
 from asyncflow.config import ConfigError, load_config
 from asyncflow.config_loader import ConfigSyntaxError
 from asyncflow.workflow.checkpoints import CheckpointError
-from asyncflow.workflow.errors import NodePathError, WeightApplyError, WorkerDiedError
+from asyncflow.workflow.errors import ClusterUnreachableError, NodePathError, WeightApplyError, WorkerDiedError
 from asyncflow.workflow.sampling import SamplingBudgetError
 
 
@@ -316,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"asyncflow: config error: {exc}", file=sys.stderr)
         return 2
-    except (SamplingBudgetError, CheckpointError, WeightApplyError, WorkerDiedError, NodePathError) as exc:
+    except (SamplingBudgetError, CheckpointError, WeightApplyError, WorkerDiedError, NodePathError,
+            ClusterUnreachableError) as exc:
         # The message says what failed or what to change; no traceback. Errors raised inside a Ray actor come
         # wrapped: print the service's own message.
         cause = getattr(exc, "cause", None)

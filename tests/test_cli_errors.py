@@ -128,3 +128,19 @@ def test_a_run_lost_error_prints_its_own_message(monkeypatch, capsys, error):
         func=fails)))
     assert cli.main([]) == 1
     assert capsys.readouterr().err == "asyncflow: error: reward worker 0 died (its process exited)\n"
+
+
+def test_a_cluster_address_where_nothing_answers_is_one_line_not_a_wait(tmp_path, tiny_model_dir):
+    # Once a driver given a dead cluster's address waited in ``ray.init`` for over 8 minutes (Ray's client waits for
+    # the head's GCS without a bound): now it is refused at once, naming the address.
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there now
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    code, err, out = _cli("train", str(TINY), f"model.path={tiny_model_dir}", f"ray.address=127.0.0.1:{port}",
+                          f"observability.output_dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert not any("Traceback" in line for line in err), "\n".join(err)
+    assert code == 1 and len(err) == 1 and err[0].startswith(
+        f"asyncflow: error: no Ray cluster answers at ray.address=127.0.0.1:{port} (Connection refused)"), (code, err)
+    assert "start the cluster" in err[0]

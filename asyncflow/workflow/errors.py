@@ -67,3 +67,8 @@ class StorageLostError(RunLostError):
 class NodePathError(RuntimeError):
     """A path the run needs (model, tokenizer, checkpoint root) is not visible on a node of the Ray cluster; the
     message names the node and the path."""
+
+
+class ClusterUnreachableError(RuntimeError):
+    """Nothing answers at ``ray.address``: the cluster's head (its GCS) is down or the address is wrong. Ray's own
+    client would wait for it without a bound; the message names the address and what to check."""

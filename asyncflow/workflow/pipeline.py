@@ -13,7 +13,7 @@ from asyncflow.config import AsyncFlowConfig
 from asyncflow.transfer_queue.shm import remove_stale
 from asyncflow.workflow import network, train_services
 from asyncflow.workflow.board import VersionBoard
-from asyncflow.workflow.errors import ServiceLostError, TrainerDiedError
+from asyncflow.workflow.errors import ClusterUnreachableError, ServiceLostError, TrainerDiedError
 from asyncflow.workflow.node_check import check_nodes
 from asyncflow.workflow.partitions import STREAM_PARTITION, partition_name
 
@@ -195,6 +195,24 @@ class Pipeline:
                 ray.shutdown()
 
 
+def check_reachable(address: str, timeout_s: float = 10.0) -> None:
+    """Refuse a ``host:port`` cluster address where nothing accepts a connection within ``timeout_s``: Ray's client
+    waits for a dead head's GCS without a bound (a driver given a dead cluster's address waited over 8 minutes).
+    ``auto`` and ``ray://`` addresses are left to Ray."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise ClusterUnreachableError(
+            f"no Ray cluster answers at ray.address={address} ({exc.strerror or exc}): its head is down or the "
+            "address is wrong; start the cluster (recipes/common/ray_cluster.sh) or leave ray.address unset for a "
+            "local one") from None
+
+
 def connect_ray(cfg: AsyncFlowConfig) -> bool:
     """Start Ray (or join ``ray.address``) for a run; nothing when this process is already connected. True when
     this call connected (the run then shuts Ray down when it ends)."""
@@ -205,6 +223,7 @@ def connect_ray(cfg: AsyncFlowConfig) -> bool:
     # Not through os.environ: a setenv while a thread of an earlier Ray in this process reads the environment can
     # crash it (it did, a pytest worker, with SIGSEGV in getenv).
     if cfg.ray.address is not None:  # a running cluster has its resources: Ray refuses num_cpus here
+        check_reachable(cfg.ray.address)
         ray.init(address=cfg.ray.address, namespace=cfg.ray.namespace, log_to_driver=False)
         return True
     local = {}
