@@ -403,7 +403,8 @@ class WorkflowConfig:
     rollout_spares: int = 0
     """Warm spare rollout instances: started with the run (engine built, model loaded), idle (no rows, no weights)
     until a rollout instance dies, when one takes the dead instance's place at once instead of waiting for its
-    process to start again; a new spare is then started in the background. Each spare holds what an instance holds
+    process to start again; a new spare is started in the background once the promoted one has made its first step's
+    rows. Each spare holds what an instance holds
     (cores, memory; on devices ``rollout.tensor_parallel`` devices of its own, counted in ``ROLLOUT_DEVICES``) while
     idle. Only where rollout instances are restarted (``async`` or ``stream`` mode with ``max_service_restarts``
     above 0; docs/fault_tolerance.md)."""

@@ -32,8 +32,9 @@ Warm spares (``workflow.rollout_spares``): rollout instances built with the run 
 no weights). A rollout instance that dies within the bound is not started again: the dead actor is killed for good,
 its rows are handed back as above, and a spare takes its slot (``_promote``: its index, its TransferQueue tag, its
 holder name on the stream's ledger), applies the newest weights at its first step and runs its loop from the step a
-restart would resume at; a new spare is started in the background to refill the pool (``poll`` notes when it
-answers). With no spare left on the dead instance's node, the dead instance is started again as above.
+restart would resume at; once it has reported that step, a new spare is started in the background to refill the
+pool (``poll`` notes when it answers). With no spare left on the dead instance's node, the dead instance is
+started again as above.
 
 Not restarted: the advantage task under dynamic sampling (its judgements are counted on the board as they
 happen), rollout in ``stream`` mode under dynamic sampling (a step takes any number of groups: no fixed slots), and
