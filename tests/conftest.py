@@ -27,6 +27,10 @@ FILE_SECONDS_KEY = "asyncflow/file_seconds"  # in pytest's cache (.pytest_cache)
 _FILE_SECONDS: dict[str, float] = {}
 _SHM_BEFORE = pytest.StashKey[set]()
 _SHM_LEFT = pytest.StashKey[list]()
+_RAY_BEFORE = pytest.StashKey[set]()
+RAY_ROOT = Path(os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp") / "ray"
+"""Where a local Ray puts its session folders (logs, sockets; ``session_<date>_<pid>``) and leaves them (Ray's
+``get_default_ray_temp_dir`` on Linux)."""
 
 # Keep the 2-core CI machine responsive when several processes compute at once.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -176,7 +180,39 @@ def left_in_shm(before: set[str], wait_s: float = 10.0) -> list[str]:
         time.sleep(1.0)
 
 
+def _ray_sessions(root: Path = RAY_ROOT) -> set[str]:
+    try:
+        return {name for name in os.listdir(root) if name.startswith("session_") and name != "session_latest"}
+    except FileNotFoundError:
+        return set()
+
+
+def remove_ray_sessions(before: set[str], root: Path = RAY_ROOT) -> list[str]:
+    """Remove the session folders of ``root`` that are not in ``before`` and in which no live process holds a
+    file open or runs (those of this test session's local Ray instances, about 0.5 MB each: a suite run left
+    hundreds); returns their names. A folder in use (another Ray on the machine) stays."""
+    import shutil
+
+    busy = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            paths = [os.readlink(f"/proc/{pid}/cwd"), *(os.readlink(f"/proc/{pid}/fd/{fd}")
+                                                       for fd in os.listdir(f"/proc/{pid}/fd"))]
+        except OSError:  # gone, or not ours to read
+            continue
+        busy.update(Path(path).relative_to(root).parts[0] for path in paths if path.startswith(f"{root}/session_"))
+    removed = sorted(_ray_sessions(root) - before - busy)
+    for name in removed:
+        shutil.rmtree(root / name, ignore_errors=True)
+    latest = root / "session_latest"
+    if latest.is_symlink() and not latest.exists():
+        latest.unlink(missing_ok=True)
+    return removed
+
+
 def pytest_sessionstart(session):
+    if _is_controller(session.config):
+        session.config.stash[_RAY_BEFORE] = _ray_sessions()
     if _is_controller(session.config) and SHM.is_dir():
         session.config.stash[_SHM_BEFORE] = set(os.listdir(SHM))
 
@@ -185,13 +221,17 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     """Record each file's seconds in pytest's cache (the next run's order); fail the session when a segment made
     during it is left in /dev/shm (psm_*, vllm_dist_*, sem.mp-*, a TransferQueue arena or a weight staging
-    segment that a killed process never unlinked). Stop this process's fork servers (tests.zygote)."""
+    segment that a killed process never unlinked). Stop this process's fork servers (tests.zygote). Remove the Ray
+    session folders the session's local Ray instances left (``remove_ray_sessions``)."""
     from tests.zygote import stop_session_servers
 
     stop_session_servers()
     cache = getattr(session.config, "cache", None)
     if cache is not None and _FILE_SECONDS and _is_controller(session.config):
         cache.set(FILE_SECONDS_KEY, {**cache.get(FILE_SECONDS_KEY, {}), **_FILE_SECONDS})
+    ray_before = session.config.stash.get(_RAY_BEFORE, None)
+    if ray_before is not None:
+        remove_ray_sessions(ray_before)
     before = session.config.stash.get(_SHM_BEFORE, None)
     if before is None:
         return
