@@ -154,19 +154,26 @@ def _is_controller(config) -> bool:
     return not hasattr(config, "workerinput")
 
 
-def _in_use() -> set[str]:
-    """Names under /dev/shm that a live process maps or holds open (a segment of a run that is still stopping, or
-    of another session on the same machine: not left behind, or not this session's)."""
-    used = set()
+def _held_paths() -> set[str]:
+    """The paths live processes map, hold open or run in (their ``maps``, ``fd`` and ``cwd`` under /proc; a file
+    unlinked while held keeps its name)."""
+    held = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
             fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            cwd = os.readlink(f"/proc/{pid}/cwd")
         except OSError:  # gone, or not ours to read
             continue
-        used.update(line.split("/dev/shm/", 1)[1].split(" ")[0] for line in maps.splitlines() if "/dev/shm/" in line)
-        used.update(path[len("/dev/shm/"):].split(" ")[0] for path in fds if path.startswith("/dev/shm/"))
-    return used
+        mapped = (fields[5] for fields in (line.split(None, 5) for line in maps.splitlines()) if len(fields) == 6)
+        held.update(path.removesuffix(" (deleted)") for path in (*mapped, *fds, cwd))
+    return held
+
+
+def _in_use() -> set[str]:
+    """Names under /dev/shm that a live process maps or holds open (a segment of a run that is still stopping, or
+    of another session on the same machine: not left behind, or not this session's)."""
+    return {path[len("/dev/shm/"):] for path in _held_paths() if path.startswith("/dev/shm/")}
 
 
 def left_in_shm(before: set[str], wait_s: float = 10.0) -> list[str]:
@@ -193,14 +200,7 @@ def remove_ray_sessions(before: set[str], root: Path = RAY_ROOT) -> list[str]:
     hundreds); returns their names. A folder in use (another Ray on the machine) stays."""
     import shutil
 
-    busy = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            paths = [os.readlink(f"/proc/{pid}/cwd"), *(os.readlink(f"/proc/{pid}/fd/{fd}")
-                                                       for fd in os.listdir(f"/proc/{pid}/fd"))]
-        except OSError:  # gone, or not ours to read
-            continue
-        busy.update(Path(path).relative_to(root).parts[0] for path in paths if path.startswith(f"{root}/session_"))
+    busy = {Path(path).relative_to(root).parts[0] for path in _held_paths() if path.startswith(f"{root}/session_")}
     removed = sorted(_ray_sessions(root) - before - busy)
     for name in removed:
         shutil.rmtree(root / name, ignore_errors=True)
