@@ -367,6 +367,11 @@ class WorkflowConfig:
     ``prompts_per_step`` (rounded up). With none, a slow response holds the last slot of its window and so the step
     it would fill; with them, the step takes the first groups to finish and a spare that finishes too late goes
     stale (counted, generated again)."""
+    stream_unit: Literal["auto", "group", "sample"] = "auto"
+    """``stream`` mode: what a step takes as it finishes. ``group``: a prompt's whole group of
+    ``samples_per_prompt`` responses (GRPO and RLOO compare a response with its group); ``sample``: each response on
+    its own, so a long response holds neither a step nor its siblings (needs an estimator that scores a response
+    alone: ``reinforce_pp``, ``gae``); ``auto``: ``sample`` for such an estimator, else ``group``."""
     steps: int = 100
     """Global training steps (one optimizer-step group and one weight version each)."""
     task: str = "add1"

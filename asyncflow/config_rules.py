@@ -121,14 +121,22 @@ def sync_on_devices(cfg: AsyncFlowConfig) -> list[str]:
 
 
 def stream(cfg: AsyncFlowConfig) -> list[str]:
-    """The sample stream admits whole GRPO groups into one engine (multi-turn ones with agent.loop too)."""
+    """The sample stream admits whole GRPO groups into one engine (multi-turn ones with agent.loop too); it takes
+    responses one by one only for an estimator that scores a response alone."""
+    from asyncflow.algorithms.advantages import estimator_per_sample
+    from asyncflow.workflow.partitions import stream_unit
+
     if cfg.workflow.mode != "stream":
         return []
-    found, n = [], cfg.workflow.samples_per_prompt
+    found, n = [], stream_unit(cfg)
     if cfg.workflow.stream_spare < 0:
         found.append(f"workflow.stream_spare={cfg.workflow.stream_spare} must be at least 0")
+    if cfg.workflow.stream_unit == "sample" and not estimator_per_sample(cfg.algorithm.advantage):
+        found.append(f"workflow.stream_unit=sample trains responses apart from their group; "
+                     f"algorithm.advantage={cfg.algorithm.advantage!r} compares each with its group: use "
+                     f"workflow.stream_unit=group (or auto), or a per-sample estimator (reinforce_pp, gae)")
     if cfg.rollout.max_num_seqs < n:
-        found.append(f"workflow.mode=stream admits a group's workflow.samples_per_prompt={n} responses together: "
+        found.append(f"workflow.mode=stream admits a group's {n} responses together (workflow.samples_per_prompt): "
                      f"rollout.max_num_seqs={cfg.rollout.max_num_seqs} must be at least that")
     return found
 

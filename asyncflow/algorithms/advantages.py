@@ -6,6 +6,10 @@ must see at once: ``"group"`` (whole GRPO groups, streamed group by group) or ``
 global batch, e.g. for batch whitening); the advantage task asks the TransferQueue accordingly.
 ``"critic"`` marks a per-token estimator (GAE) that needs critic values: the advantage task computes
 it with ``asyncflow.algorithms.gae`` instead of calling the registered function.
+
+An estimator that never compares a response with the other responses of its prompt sets ``per_sample = True``
+(REINFORCE++, GAE): the sample stream (``workflow.mode: stream``) then trains each response on its own, in the step
+open when it finishes, instead of waiting for its prompt's whole group (``estimator_per_sample``).
 """
 
 from __future__ import annotations
@@ -67,6 +71,7 @@ def reinforce_plus_plus(rewards: torch.Tensor, group_ids: torch.Tensor, eps: flo
 
 
 reinforce_plus_plus.scope = "batch"
+reinforce_plus_plus.per_sample = True
 
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_pp_baseline")
@@ -90,11 +95,18 @@ def gae_marker(rewards: torch.Tensor, group_ids: torch.Tensor, **kwargs) -> torc
 
 
 gae_marker.scope = "critic"
+gae_marker.per_sample = True
 
 
 def estimator_scope(name: str) -> str:
     """``"group"``, ``"batch"`` or ``"critic"``: what the estimator must see at once (default ``"group"``)."""
     return getattr(ADVANTAGE_ESTIMATORS.resolve(name), "scope", "group")
+
+
+def estimator_per_sample(name: str) -> bool:
+    """Whether the estimator scores each response without its prompt's other responses (default ``False``: a
+    registered estimator is taken to need whole groups unless it says otherwise)."""
+    return bool(getattr(ADVANTAGE_ESTIMATORS.resolve(name), "per_sample", False))
 
 
 def compute_advantages(name: str, rewards, group_ids, **kwargs) -> torch.Tensor:

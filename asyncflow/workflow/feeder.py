@@ -118,6 +118,10 @@ class StreamFeeder(Feeder):
     stream or in an engine), so every engine can fill its reservations; group ids count the prompts in stream
     order. Under dynamic sampling it seals each step once the advantage task has kept its groups.
 
+    What goes through the stream as one is a unit (``partitions.stream_unit``): a prompt's whole group, or, for an
+    estimator that scores a response alone, one response (each prompt is then fed as ``samples_per_prompt`` units of
+    one). Group ids count the units, and everything below (depth, claims, checkpoints) counts units.
+
     A checkpoint after step ``n`` holds the prompt stream's cursor past every prompt fed so far and the prompts fed
     but not trained in steps below ``n`` (``stream_pending``: in the stream, in an engine, or in a later step's
     partition); a resumed run feeds those first, with their group ids, then goes on from the cursor. So no prompt
@@ -131,13 +135,18 @@ class StreamFeeder(Feeder):
     def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int, meta: dict | None = None):
         import ray
 
+        from asyncflow.workflow.partitions import stream_unit
+
         super().__init__(cfg, pipe, source, ckpt, start)
         wf = cfg.workflow
+        self.unit = stream_unit(cfg)  # responses per unit: samples_per_prompt, or 1
+        self.copies = wf.samples_per_prompt // self.unit  # units a drawn prompt makes
+        self.units_per_step = wf.prompts_per_step * self.copies
         self.sampling = None  # the ledger on the board places groups; nothing is fed into a step
         self.dynamic = cfg.algorithm.dynamic_sampling
         self.target = wf.prompts_per_step * wf.samples_per_prompt
         self.sealed: set[int] = set()
-        self.fed: dict[int, list] = {}  # group id -> [prompt, answer, budgets] of every prompt not known trained
+        self.fed: dict[int, list] = {}  # group id -> [prompt, answer, budgets] of every unit not known trained
         meta = meta or {}
         self.next_group = int(meta.get("stream_next_group", 0))
         pending = meta.get("stream_pending", [])
@@ -148,9 +157,9 @@ class StreamFeeder(Feeder):
         for gid, prompt, answer, budgets in pending:
             self._put([gid], [prompt], None if answer is None else [answer], budgets)
         ckpt.extra = self.checkpoint_meta
-        spare = math.ceil(wf.stream_spare * wf.prompts_per_step)
-        ray.get(pipe.board.stream_setup.remote(start, wf.steps, wf.prompts_per_step, wf.samples_per_prompt,
-                                               wf.max_staleness, spare))
+        spare = math.ceil(wf.stream_spare * self.units_per_step)
+        ray.get(pipe.board.stream_setup.remote(start, wf.steps, self.units_per_step, self.unit, wf.max_staleness,
+                                               spare))
         self.slots = "rollout" in restartable(cfg)
         self.slotted = start  # the first step whose slot rows are not made yet
         self._make_slots(start)
@@ -165,14 +174,18 @@ class StreamFeeder(Feeder):
         state = ray.get(self.pipe.board.stream_state.remote())
         self._make_slots(state["open"])
         while state["open"] < wf.steps and \
-                self.next_group - self.base - state["claimed"] < (wf.max_staleness + 2) * wf.prompts_per_step:
+                self.next_group - self.base - state["claimed"] < (wf.max_staleness + 2) * self.units_per_step:
             count = wf.prompts_per_step
             prompts, answers = next_batch(self.source, count)
             budgets = None
             if hasattr(self.source, "sample_budgets"):
                 budgets = self.source.sample_budgets(count * wf.samples_per_prompt, self.cfg.rollout.max_new_tokens)
-            self._put(list(range(self.next_group, self.next_group + count)), prompts, answers, budgets)
-            self.next_group += count
+            # One unit per response when the stream takes responses one by one: a prompt's copies follow each other.
+            prompts = [p for p in prompts for _ in range(self.copies)]
+            answers = None if answers is None else [a for a in answers for _ in range(self.copies)]
+            units = len(prompts)
+            self._put(list(range(self.next_group, self.next_group + units)), prompts, answers, budgets)
+            self.next_group += units
 
     def _make_slots(self, open_step: int) -> None:
         """Make the slot rows of the steps a claim can reach before the next call: claims go to the open step, and
@@ -190,10 +203,11 @@ class StreamFeeder(Feeder):
             self.slotted = step + 1
 
     def _put(self, gids: list[int], prompts: list, answers: list | None, budgets: list | None) -> None:
-        """Put prompts with consecutive group ids ``gids`` into the stream and remember them until trained."""
+        """Put units with consecutive group ids ``gids`` into the stream (each a prompt and ``unit`` budgets) and
+        remember them until trained."""
         from asyncflow.workflow.partitions import STREAM_PARTITION
 
-        n = self.cfg.workflow.samples_per_prompt
+        n = self.unit
         for i, gid in enumerate(gids):
             self.fed[gid] = [[int(t) for t in prompts[i]], None if answers is None else answers[i],
                              None if budgets is None else [int(b) for b in budgets[i * n:(i + 1) * n]]]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
 from asyncflow.workflow import services, train_services
+from asyncflow.workflow.partitions import stream_unit
 from asyncflow.workflow.supervisor import restartable
 
 
@@ -130,7 +131,7 @@ class WorkerGroups:
             max_staleness=0 if self.colocated else wf.max_staleness, chunk=wf.rollout_chunk, threads=self.threads,
             budgets=self.budgets, worker=i, cpus=cpus, relay=self.relay, share_device=self.share_device,
             agent=cfg.agent, visible_devices=self.where.rollout_devices(i),
-            stream=wf.mode == "stream", group_size=wf.samples_per_prompt, answers=self.answers,
+            stream=wf.mode == "stream", group_size=stream_unit(cfg), answers=self.answers,
             evaluation=evaluation, **self.common)
         self.rollout_bundles[handle] = bundle
         return handle
@@ -151,10 +152,10 @@ class WorkerGroups:
                 for i in range(cfg.reward.workers)]
 
     def advantage(self) -> list:
-        """The advantage estimator's task."""
+        """The advantage estimator's task (its rows come in groups of one group id: ``stream_unit``)."""
         wf = self.cfg.workflow
         return [self._place(services.AdvantageService, self.where.light(), algo=self.cfg.algorithm,
-                            group_size=wf.samples_per_prompt, chunk=wf.score_chunk, rows_per_step=self.rows_per_step,
+                            group_size=stream_unit(self.cfg), chunk=wf.score_chunk, rows_per_step=self.rows_per_step,
                             threads=1, **self.common)]
 
     def reference(self) -> list:

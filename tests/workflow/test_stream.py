@@ -4,7 +4,9 @@ Checked: no token is trained more than k versions after the version that made it
 ``prompts_per_step`` whole groups and no prompt is trained twice (group ids count the prompts in stream order);
 a response held back for versions (``tests.fakes.slowed.LongTail``) does not hold its step up, its group goes
 stale, is counted and its prompt is generated again and trained once (without partial rollout the engine cannot
-take newer weights while it holds the response: the group is dropped once it can only go stale); DAPO's dynamic
+take newer weights while it holds the response: the group is dropped once it can only go stale); under a per-sample
+estimator (REINFORCE++, GAE) the same holds per response, and a held response goes stale alone while the other
+responses of its prompt are trained as they finish; DAPO's dynamic
 sampling keeps only groups with signal; multi-turn groups (``agent.loop``, ``tests.workflow.stream_tool_loop``) keep
 the same contract across turns, their observations are masked out of the loss and a tool that fails or outlives
 agent.tool_timeout_s ends its trajectory; the ledger's rules; the config's refusals. The real engines meet the same
@@ -45,14 +47,23 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
                          "algorithm.reward=tests.rewards.slow_add1:make_slow_add1", recipe="dapo_async.yaml"),
         # Multi-turn groups under partial rollout: a trajectory's turns span versions.
         "tool": run_fake(tmp, tiny_model_dir, "tool", *STREAM, *TOOL_RUN),
+        # A per-sample estimator: the stream takes responses one by one (workflow.stream_unit=auto), each a unit
+        # of its own group id, a prompt's GROUP units in a row.
+        "per_sample": run_fake(tmp, tiny_model_dir, "per_sample", *STREAM, *SMALL, *LONG_TAIL,
+                               f"workflow.steps={LONG_STEPS}", "algorithm.kl_coef=0",
+                               "algorithm.advantage=reinforce_pp"),
+        # PPO: the critic's values and GAE per response, one by one too.
+        "per_sample_gae": run_fake(tmp, tiny_model_dir, "per_sample_gae", *STREAM, *SMALL, *LONG_TAIL,
+                                   "workflow.steps=4", "critic.micro_batch_size=8", recipe="ppo_async.yaml"),
     }
 
 
 @pytest.mark.parametrize("name,k,steps,prompts", [
     ("stream", 1, STREAM_STEPS, PROMPTS), ("stream_k0", 0, 5, PROMPTS), ("long_tail", 1, LONG_STEPS, PROMPTS),
-    ("long_tail_cont", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32), ("tool", 1, 4, PROMPTS)])
+    ("long_tail_cont", 1, LONG_STEPS, PROMPTS), ("dapo", 1, 4, 32), ("tool", 1, 4, PROMPTS),
+    ("per_sample", 1, LONG_STEPS, PROMPTS * GROUP), ("per_sample_gae", 1, 4, PROMPTS * GROUP)])
 def test_staleness_bound_and_each_prompt_trained_once(runs, name, k, steps, prompts):
-    group = 8 if name == "dapo" else GROUP
+    group = {"dapo": 8, "per_sample": 1, "per_sample_gae": 1}.get(name, GROUP)
     check_stream(runs[name], k, steps, prompts, group)
     # Per token, as the rollout saw it: the oldest token put into step s is at most k versions old.
     for m in records(runs[name]):
@@ -87,6 +98,24 @@ def test_without_partial_rollout_groups_that_can_only_go_stale_are_dropped_not_d
     assert trained[0] >= 2
     assert run["stale_groups"] >= 1
     assert sum(m["stream/stale_groups"] for m in records(run)) == run["stale_groups"]
+
+
+def test_a_per_sample_estimator_trains_a_long_response_apart_from_its_siblings(runs):
+    # Unit u is response u % GROUP of prompt u // GROUP. The long tail holds unit 0 (and every 16th) until the
+    # engine serves version 2: it goes stale and is generated again alone, while the other responses of its prompt
+    # were trained as they finished. In group units (the long_tail run) a prompt's responses share one step.
+    run = runs["per_sample"]
+    trained = {u: int(step) for step, units in run["trained_groups"].items() for u in units}
+    assert trained[0] >= 2 and trained[16] >= 2
+    assert run["stale_groups"] >= 2  # counted in units
+    steps_of = {}  # prompt -> the steps its trained responses went to (a run ends with some not trained yet)
+    for u, step in trained.items():
+        steps_of.setdefault(u // GROUP, set()).add(step)
+    assert len(steps_of[0]) > 1 or len(steps_of[4]) > 1  # a held response's prompt trained over more than one step
+    for m in records(run):
+        assert m["actor/rows"] == PROMPTS * GROUP
+    grouped = {g: int(step) for step, groups in runs["long_tail"]["trained_groups"].items() for g in groups}
+    assert grouped[0] >= 2  # the long_tail run's group 0 (4 responses) waited for its held response
 
 
 def test_dapo_in_stream_mode_trains_only_groups_with_signal(runs):
@@ -204,3 +233,25 @@ def test_config_refuses_what_the_stream_does_not_run():
     assert load_config(recipe, [*STREAM, "agent.loop=calculator"]).agent.loop == "calculator"  # multi-turn groups
     with pytest.raises(ConfigError, match="workflow.stream_spare=-1.0 must be at least 0"):
         load_config(recipe, [*STREAM, "workflow.stream_spare=-1"])
+    with pytest.raises(ConfigError, match="workflow.stream_unit=sample trains responses apart from their group; "
+                                          "algorithm.advantage='grpo' compares"):
+        load_config(recipe, [*STREAM, "workflow.stream_unit=sample"])
+
+
+def test_stream_unit_follows_the_estimator():
+    from asyncflow.config import load_config
+    from asyncflow.workflow.partitions import stream_unit
+    from tests.recipe_runs import REPO
+
+    def unit_of(mode: str, adv: str, choice: str) -> int:
+        return stream_unit(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+            f"workflow.mode={mode}", "workflow.samples_per_prompt=4", f"algorithm.advantage={adv}",
+            f"workflow.stream_unit={choice}"]))
+
+    unit = {(mode, adv, choice): unit_of(mode, adv, choice)
+            for mode in ("stream", "async") for adv in ("grpo", "reinforce_pp")
+            for choice in ("auto", "group", "sample")
+            if (mode, adv, choice) != ("stream", "grpo", "sample")}  # refused (test above)
+    assert unit.pop(("stream", "reinforce_pp", "auto")) == 1
+    assert unit.pop(("stream", "reinforce_pp", "sample")) == 1
+    assert set(unit.values()) == {4}  # group estimators, stream_unit=group, and the step-tied modes
