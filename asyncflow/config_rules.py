@@ -50,11 +50,21 @@ def sizes(cfg: AsyncFlowConfig) -> list[str]:
 
 
 def batching(cfg: AsyncFlowConfig) -> list[str]:
-    """Each trained model splits a step's rows into whole micro-batches on every data-parallel replica."""
+    """Each trained model splits a step's rows into whole micro-batches on every data-parallel replica; a packing
+    one (``micro_batch_tokens``) groups its share by tokens, and the shares may differ by a row."""
     rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
-    return [f"workflow.prompts_per_step x workflow.samples_per_prompt = {rows} rows per step must be a multiple of "
-            f"{name}.micro_batch_size x {name}.data_parallel = {mcfg.micro_batch_size} x {mcfg.data_parallel}"
-            for name, mcfg in _trainers(cfg) if rows % (mcfg.micro_batch_size * mcfg.data_parallel)]
+    found = []
+    for name, mcfg in _trainers(cfg):
+        if mcfg.micro_batch_tokens > 0:
+            if rows < mcfg.data_parallel:
+                found.append(f"workflow.prompts_per_step x workflow.samples_per_prompt = {rows} rows per step must be "
+                             f"at least {name}.data_parallel = {mcfg.data_parallel} (a row for every replica)")
+        elif rows % (mcfg.micro_batch_size * mcfg.data_parallel):
+            found.append(f"workflow.prompts_per_step x workflow.samples_per_prompt = {rows} rows per step must be a "
+                         f"multiple of {name}.micro_batch_size x {name}.data_parallel = {mcfg.micro_batch_size} x "
+                         f"{mcfg.data_parallel} (or pack: {name}.micro_batch_tokens, and the replicas' shares may "
+                         f"differ by a row)")
+    return found
 
 
 def algorithm(cfg: AsyncFlowConfig) -> list[str]:

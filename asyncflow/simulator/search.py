@@ -91,7 +91,8 @@ def _override(cfg, overrides: list[str]):
 def candidate_splits(devices: int, w: Workload, trainer_mp: int, devices_per_node: int, points: int = 15
                      ) -> list[tuple[int, int, int]]:
     """``(rollout instances, rollout TP, trainer DP)`` splits of ``devices``: about ``points`` rollout shares
-    per TP, trainer DP a whole number of ``trainer_mp``-device replicas that divides the step's rows."""
+    per TP, trainer DP a whole number of ``trainer_mp``-device replicas (that divides the step's rows unless the
+    trainer packs)."""
     out = set()
     for tp in (1, 2, 4, 8):
         if tp > devices_per_node:
@@ -102,8 +103,8 @@ def candidate_splits(devices: int, w: Workload, trainer_mp: int, devices_per_nod
             if rollout < tp or train < trainer_mp or train % trainer_mp:
                 continue
             dp = train // trainer_mp
-            if w.mode not in PACKED_MODES and w.rows_per_step % (w.micro_batch_size * dp):
-                continue  # the stream's packed trainer balances tokens: any DP size takes the step's rows
+            if w.mode not in PACKED_MODES and not w.packing and w.rows_per_step % (w.micro_batch_size * dp):
+                continue  # a packed trainer balances tokens: any DP size takes the step's rows
             out.add((rollout // tp, tp, dp))
     return sorted(out, key=lambda s: (s[1], s[0]))
 
@@ -213,9 +214,9 @@ def mode_search(w: Workload, model: CostModel, devices: int, trainer_mp: int, ro
             for mode, rollout_model, k in itertools.product(workflow_modes, models, staleness):
                 if mode == "stream" and rollout_model == "chunked":
                     continue
-                if mode != "stream" and w.rows_per_step % (w.micro_batch_size * dp):
-                    continue  # the step-tied trainer splits a step's rows evenly over its replicas
                 packed = mode == "stream" or w.packing or micro_batch_tokens > 0
+                if not packed and w.rows_per_step % (w.micro_batch_size * dp):
+                    continue  # without packing, the trainer splits a step's rows evenly over its replicas
                 trial = dataclasses.replace(w, mode=mode, rollout_model=rollout_model, max_staleness=k,
                                             rollout_instances=instances, data_parallel=dp, packing=packed,
                                             fixed_shape=w.fixed_shape and not packed)

@@ -369,8 +369,12 @@ def actor_step(pipe: Pipe, step: int, version: int):
     w, tc, q, service = pipe.w, pipe.costs.train, pipe.costs.queue, pipe.costs.service
     first_tokens, first_own, lags, start, engine_s = 0, 0, [], pipe.sim.now, 0.0
     device, replicas, mbs = pipe.device("actor"), _Replicas(w.data_parallel), w.micro_batch_size
-    for _ in range(w.rows_per_step // (mbs * w.data_parallel)):
-        rows = yield pipe.tq.take(step, "actor", mbs * w.data_parallel)
+    taken = 0
+    while taken < w.rows_per_step:  # packed, the last request may be short: DP need not divide the step's rows
+        rows = yield pipe.tq.take(step, "actor", min(mbs * w.data_parallel, w.rows_per_step - taken))
+        if not rows:
+            break
+        taken += len(rows)
         lags += [version - pipe.tq.versions[step][r] for r in rows]
         # Replicas run side by side on distinct rows (one micro-batch each here) and meet at the all-reduce.
         parts = _deal(w, rows, mbs)
@@ -424,8 +428,9 @@ def simulate(w: Workload, costs: CostModel, lengths: list[list[int]] | None = No
     """Run the pipeline of ``w`` on ``costs``; ``lengths`` replaces the drawn response lengths."""
     if w.mode in ("stream", "colocated"):
         return stream.simulate_stream(w, costs) if w.mode == "stream" else stream.colocated(w, costs, lengths)
-    if w.rows_per_step % (w.micro_batch_size * w.data_parallel):
-        raise ValueError(f"rows per step {w.rows_per_step} must be a multiple of micro_batch_size x data_parallel")
+    if not w.packing and w.rows_per_step % (w.micro_batch_size * w.data_parallel):
+        raise ValueError(f"rows per step {w.rows_per_step} must be a multiple of micro_batch_size x data_parallel "
+                         "(or the trainer packs)")
     pipe = Pipe(w, costs, lengths)
     sim = pipe.sim
     if w.mode == "sync":

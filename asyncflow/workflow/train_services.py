@@ -203,7 +203,11 @@ class TrainerService(TaskService):
         same length); also the group id of every row, in micro-batch order.
 
         The TransferQueue's ``token_balanced`` sampler deals the step's rows out to the replicas, equal row
-        counts with token counts as equal as its greedy split allows."""
+        counts with token counts as equal as its greedy split allows. ``rows`` is a replica's share rounded up
+        (``packed_share``): when the data-parallel size does not divide the step's rows, the joint request is for
+        more rows than the step has, so it is answered once the partition is complete, and the shares differ by one
+        row. The loss needs no correction for that: the engine divides the summed loss by the count over every
+        replica (``train_step``'s ``normalizer``)."""
         batches = list(self.stream(step, fields, rows, task=task, allow_partial=False, sampler="token_balanced"))
         if not batches:
             return [], []
@@ -215,6 +219,10 @@ class TrainerService(TaskService):
         for rows, mb in zip(plan, micro):
             self.count_moved([lengths[i] for i in rows], mb["tokens"].numel())
         return micro, [merged.meta.group_ids[i] for rows in plan for i in rows]
+
+    def packed_share(self, rows_per_step: int) -> int:
+        """The rows a replica asks for when it packs: its share of the step, rounded up."""
+        return -(-rows_per_step // self.ranks.dp_size)
 
     def seq_len_for(self, prompts, responses) -> int:
         """Micro-batch width: fixed under pipeline parallelism, the longest row otherwise."""
@@ -305,7 +313,8 @@ class ActorService(TrainerService):
 
         self.algo = algo
         self.mbs = self.engine.micro_batch_size
-        self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)
+        self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)  # without packing (it divides then)
+        self.share = self.packed_share(rows_per_step)
         self.loss_fn = make_objective(algo, max_new_tokens)
         self.max_new_tokens = max_new_tokens
         self.fields = ACTOR_FIELDS + (["ref_logprobs"] if algo.kl_coef > 0 and algo.kl_mode == "loss" else []) + \
@@ -384,7 +393,7 @@ class ActorService(TrainerService):
         t0 = time.time()
         if self.token_budget:  # the step's rows are read whole, then grouped by length
             t = time.perf_counter()
-            cache[:], groups[:] = self.packed_micro_batches(step, self.fields, build, self.num_micro * self.mbs)
+            cache[:], groups[:] = self.packed_micro_batches(step, self.fields, build, self.share)
             reads[0] += time.perf_counter() - t
             num_micro, passes = len(cache), iter(list(cache))
         else:  # streamed: the first pass trains on micro-batches as they arrive
@@ -403,6 +412,7 @@ class ActorService(TrainerService):
         self.publish()
         saved = self.maybe_save(step, self.checkpoint)
         rows = self.engine.gather_data_parallel(list(zip(groups, lengths)))
+        shares = self.engine.gather_data_parallel([len(groups)])  # each replica's rows (packed: may differ by one)
         all_groups = [g for g, _ in rows]
         moved = self.moved_metrics("actor")
         if not self.reporter:
@@ -410,6 +420,7 @@ class ActorService(TrainerService):
         # The GRPO group of every trained row: lets the driver prove each prompt was trained exactly once.
         metrics = {**_actor_metrics(results, cache, time.time() - t0), **self.stage_stats}
         metrics["actor/rows"] = float(len(all_groups))  # every replica's rows, not only this one's
+        metrics["actor/replica_rows_min"], metrics["actor/replica_rows_max"] = float(min(shares)), float(max(shares))
         metrics["actor/checkpoint_saved"] = float(saved)
         metrics["actor/flat_groups"] = float(_flat_groups(cache, groups))
         metrics.update(response_metrics([n for _, n in rows], self.max_new_tokens))
@@ -438,7 +449,8 @@ class CriticService(TrainerService):
 
         self.algo, self.chunk = algo, chunk
         self.mbs = self.engine.micro_batch_size
-        self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)
+        self.num_micro = rows_per_step // (self.mbs * self.ranks.dp_size)  # without packing (it divides then)
+        self.share = self.packed_share(rows_per_step)
         self.loss_fn = make_value_objective(algo)
 
     def make_engine(self, megatron_cfg: CriticConfig, model_dir: str):
@@ -469,7 +481,7 @@ class CriticService(TrainerService):
         t0 = time.time()
         num_micro, passes = self.num_micro, first_pass()
         if self.token_budget:  # the step's rows are read whole, then grouped by length
-            cache[:], _ = self.packed_micro_batches(step, fields, build, self.num_micro * self.mbs, task="critic")
+            cache[:], _ = self.packed_micro_batches(step, fields, build, self.share, task="critic")
             num_micro, passes = len(cache), iter(list(cache))
         with self.timeline.span(self.name, "critic_train", self.worker, step=step):
             results = [self.engine.train_step(passes, num_micro, self.loss_fn)]

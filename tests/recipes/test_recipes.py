@@ -152,8 +152,13 @@ def test_warm_spares_count_in_the_rollout_devices(tmp_path):
 
 
 def test_batch_must_split_over_replicas(tmp_path):
-    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3})
+    rows = {"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3}
+    recipe = _copy(tmp_path / "padded", "qwen2.5-7b", config={**rows, "trainer.micro_batch_tokens": 0})
     _one_problem_with(check_recipe(recipe), "config.yaml", "9 rows", "micro_batch_size x trainer.data_parallel = 1 x 4")
+    # Packing: the four replicas take 3, 2, 2 and 2 rows; fewer rows than replicas leave one with none.
+    assert check_recipe(_copy(tmp_path / "packed", "qwen2.5-7b", config=rows)) == []
+    few = _copy(tmp_path / "few", "qwen2.5-7b", config={**rows, "workflow.prompts_per_step": 1})
+    _one_problem_with(check_recipe(few), "config.yaml", "3 rows per step must be at least trainer.data_parallel = 4")
 
 
 def test_overrides_are_checked_too():

@@ -52,9 +52,13 @@ def test_mode_search_covers_both_workflow_modes_every_rollout_model_and_tp():
     assert seen == {("stream", "continuous"), ("stream", "partial"), ("async", "chunked"), ("async", "continuous"),
                     ("async", "partial")}  # the stream generates continuously: never chunked
     assert {c.rollout_tp for c in choices} == {1, 2} and {c.max_staleness for c in choices} == {1, 2}
-    # The stream's packed trainer takes any DP; the step-tied trainer deals a step's rows evenly over its replicas.
+    # A packed trainer takes any DP (the replicas' shares differ by a row), in either mode; a padded one deals a
+    # step's rows evenly over its replicas.
     assert 5 in {c.trainer_dp for c in choices if c.workflow_mode == "stream"}
-    assert all(12 % c.trainer_dp == 0 for c in choices if c.workflow_mode == "async")
+    assert 5 in {c.trainer_dp for c in choices if c.workflow_mode == "async"}
+    padded = mode_search(_w(packing=False), MODEL, devices=8, trainer_mp=1, rollout_tp=1, staleness=(1,),
+                         workflow_modes=("async",), models=("chunked",))
+    assert padded and all(12 % c.trainer_dp == 0 for c in padded)
     rates = [c.result.samples_per_s for c in choices]
     assert rates == sorted(rates, reverse=True)
     assert recipe_best(choices) is choices[0]  # no recipe: nothing to refuse
@@ -77,8 +81,11 @@ def test_recipe_problems_move_cluster_env_with_the_split_and_name_what_a_recipe_
     # Booleans parse as the config loader does ("false" is False).
     off = ModeChoice("chunked", 1, 8, 1, 4, None, "async").overrides()
     assert recipe_problems(recipe, off, 16, mp) == []
-    uneven = recipe_problems(recipe, ModeChoice("partial", 2, 10, 1, 3, None).overrides(), 16, mp)
-    assert any("must be a multiple of trainer.micro_batch_size x trainer.data_parallel = 1 x 3" in p for p in uneven)
+    # DP 3 does not divide the step's 1,024 rows: the recipe's packed trainer takes them, a padded one does not.
+    uneven = ModeChoice("partial", 2, 10, 1, 3, None).overrides()
+    assert recipe_problems(recipe, uneven, 16, mp) == []
+    padded = recipe_problems(recipe, [*uneven, "trainer.micro_batch_tokens=0"], 16, mp)
+    assert any("must be a multiple of trainer.micro_batch_size x trainer.data_parallel = 1 x 3" in p for p in padded)
     heads = recipe_problems(recipe, ModeChoice("partial", 2, 1, 8, 4, None).overrides(), 16, mp)
     assert any("rollout.tensor_parallel=8 does not divide num_attention_heads=28" in p for p in heads)
 

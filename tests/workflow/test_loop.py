@@ -28,7 +28,8 @@ from tests.recipe_runs import (
 LEARN_STEPS, LEARN_PROMPTS, LEARN_GROUP = 40, 32, 8
 NO_REFERENCE = ["algorithm.kl_coef=0"]
 SLOW_TRAINER = "trainer.engine=tests.fakes.slowed.SlowTrainer"  # rollout is then always ready before the trainer
-PACKED = ["trainer.micro_batch_tokens=64", "trainer.data_parallel=2", "trainer.micro_batch_size=4"]
+PACKED = ["trainer.micro_batch_tokens=64", "trainer.data_parallel=3", "trainer.micro_batch_size=4"]
+"""Three replicas: DP does not divide the step's 32 rows, which packing allows (shares of 11, 11 and 10)."""
 PLOTS = "observability.plots=true"  # off in the other fake runs (recipe_runs.FAKE); test_outputs_written reads them
 
 
@@ -54,7 +55,7 @@ def runs(tmp_path_factory, tiny_model_dir, shared_ray):
         # The demo recipe's sizes (async, k=1), long enough to learn; tensorboard on to check its output.
         "async": run_fake(tmp, tiny_model_dir, "async", f"workflow.steps={LEARN_STEPS}",
                           "observability.tensorboard=true", PLOTS),
-        # The bound k=0, with token-budget micro-batches (``test_packed_run_...``): two replicas, among which the
+        # The bound k=0, with token-budget micro-batches (``test_packed_run_...``): three replicas, among which the
         # TransferQueue's token_balanced sampler deals the step out, and the reference forward packs the same way.
         "async_k0": run_fake(tmp, tiny_model_dir, "async_k0", "workflow.max_staleness=0", *SMALL, *PACKED),
         # Without a reference model (kl_coef=0: one process fewer), the bound k=2; a trainer slower than rollout
@@ -126,13 +127,15 @@ def test_the_loop_carries_a_learning_signal(runs):
 
 def test_packed_run_trains_every_prompt_once_and_reports_its_padding(runs):
     """With ``micro_batch_tokens`` the actor reads its step whole and groups it by length, the reference forward
-    packs the same way; both report the tokens they moved (replica 0's). Exactly-once: the parametrized check."""
+    packs the same way; both report the tokens they moved (replica 0's). The step's rows are not a multiple of the
+    replicas: their shares differ by one row. Exactly-once: the parametrized check."""
     steps = [r for r in records(runs["async_k0"]) if "actor/padded_tokens_ratio" in r]
     assert len(steps) == STEPS
     for r in steps:
         assert r["actor/real_tokens"] > 0 and 1.0 <= r["actor/padded_tokens_ratio"] <= 1.5
         assert 1.0 <= r["reference/padded_tokens_ratio"] <= 1.5
         assert r["actor/rows"] == PROMPTS * GROUP
+        assert (r["actor/replica_rows_min"], r["actor/replica_rows_max"]) == (10, 11)  # 32 rows over 3 replicas
 
 
 def test_two_reward_workers_score_each_row_once_with_its_row_info(runs):

@@ -7,6 +7,10 @@ different shapes: the pipeline stages exchange them through Megatron's variable 
 layouts also take one optimizer step on a token-mean loss and compare the logprobs after it, so the gradients of
 both groupings agree as well. The MoE layout compares the forward only: its router's load-balancing loss counts
 the padding tokens, so the padded path's gradient is not the packed one's.
+
+Packing also lets the data-parallel size not divide a step's rows: two replicas take shares of 6 and 5 rows (the
+TransferQueue's ``token_balanced`` split) through ``MegatronActor.train_step``, and the weights after the step are
+those of one replica that trained all 11.
 """
 
 import json
@@ -137,3 +141,55 @@ def test_packed_logprobs_match_the_padded_path(layout, tiny_model_dir, moe_model
     if train:  # the step changed the model (the comparison is not between two no-ops)
         before, after = padded[0]["before"], padded[0]["after"]
         assert max(abs(x - y) for a, b in zip(before, after) for x, y in zip(a, b)) > 100 * TOL_AFTER
+
+
+def _dp_worker(rank, world, port, model_dir, count, out_dir):
+    """One optimizer step of ``MegatronActor`` at DP ``world`` on the first ``count`` rows, each replica on the
+    share the TransferQueue's ``token_balanced`` sampler deals it, packed as the actor packs it; then the
+    logprobs of every row."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import numpy as np
+
+    from asyncflow.config import MegatronConfig
+    from asyncflow.engines.megatron.actor import MegatronActor
+    from asyncflow.models.parallel import destroy_megatron
+    from asyncflow.transfer_queue.samplers import TokenBalancedSampler
+    from asyncflow.workflow.batching import fit_seq_len, pack_tokens, plan_micro_batches, row_tokens, split_to_count
+
+    actor = MegatronActor(MegatronConfig(data_parallel=world, micro_batch_size=2, micro_batch_tokens=BUDGET, lr=1e-2),
+                          model_dir)
+    prompts, responses = (part[:count] for part in rows())
+    share = TokenBalancedSampler().split(list(range(count)), np.array(row_tokens(prompts, responses)), world)[rank]
+    p, r = [prompts[i] for i in share], [responses[i] for i in share]
+    plan = plan_micro_batches(row_tokens(p, r), BUDGET, SEQ)
+    plan = split_to_count(plan, max(actor.gather_data_parallel([len(plan)])))
+    micro = []
+    for group in plan:
+        mp_, mr = [p[i] for i in group], [r[i] for i in group]
+        tokens, mask = pack_tokens(mp_, mr, fit_seq_len(mp_, mr, SEQ), 0)
+        micro.append({"tokens": tokens, "mask": mask})
+    # Numerators and a normalizer, as the RL objective returns them: the engine divides by the count over replicas.
+    actor.train_step(iter(micro), len(micro),
+                     lambda lp, mb: (-(lp * mb["mask"]).sum(), {"normalizer": mb["mask"].sum()}))
+    after = _response_logprobs(actor.trainer, prompts, responses, packed=True)
+    result = {"share": len(share), "after": after}
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+    destroy_megatron()
+
+
+def test_uneven_data_parallel_shares_train_as_one_replica(tiny_model_dir, tmp_path):
+    # 11 rows over two replicas: 6 and 5, with different token counts. The step's gradient is the token mean over
+    # all 11 rows, so the weights after it are those of one replica training all 11.
+    results = {}
+    for world in (1, 2):
+        out = tmp_path / f"dp{world}"
+        out.mkdir()
+        args = (world, free_port(), str(tiny_model_dir), 11, str(out))
+        mp.start_processes(_dp_worker, args=args, nprocs=world, join=True, start_method=start_method())
+        results[world] = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert [r["share"] for r in results[2]] == [6, 5] and results[1][0]["share"] == 11
+    one = results[1][0]["after"]
+    for res in results[2]:
+        diff = max((torch.tensor(a) - torch.tensor(b)).abs().max().item() for a, b in zip(one, res["after"]))
+        assert diff <= TOL_AFTER, f"max |diff| {diff}"
