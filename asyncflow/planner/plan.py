@@ -63,7 +63,8 @@ def train_shape(cfg: AsyncFlowConfig) -> TrainShape:
         seq = cfg.rollout.max_model_len
     tr = cfg.trainer
     rows = cfg.workflow.prompts_per_step * cfg.workflow.samples_per_prompt
-    return TrainShape(seq=seq, num_microbatches=max(1, rows // (tr.micro_batch_size * tr.data_parallel)),
+    # The most loaded replica's: a packing trainer's shares differ by a row when DP does not divide the rows.
+    return TrainShape(seq=seq, num_microbatches=max(1, -(-rows // (tr.micro_batch_size * tr.data_parallel))),
                       entropy=cfg.algorithm.entropy_coef > 0, reference_rows=cfg.workflow.score_chunk)
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Qwen3-30B-A3B (MoE) GRPO (async, staleness 1) on 4 nodes x 8 GPUs: trainer TP2 x DP8 x EP8, rollout 8 x vLLM TP2.
+# Qwen3-30B-A3B (MoE) GRPO (the sample stream, staleness 2) on 4 nodes x 8 GPUs: trainer TP2 x DP8 x EP8,
+# rollout 8 x vLLM TP2.
 # Slurm:  sbatch -N 4 --gpus-per-node=8 --exclusive --wrap "MODEL_DIR=/models/... bash recipes/qwen3-30b-a3b/launch.sh"
 # Hosts:  MODEL_DIR=/models/... HOSTS="this-host host2 ..." bash recipes/qwen3-30b-a3b/launch.sh [section.key=value ...]
 # Layout in cluster.env, training config in config.yaml; see docs/recipes.md and recipes/common/ray_cluster.sh.
