@@ -371,7 +371,8 @@ class WorkflowConfig:
     """``stream`` mode: what a step takes as it finishes. ``group``: a prompt's whole group of
     ``samples_per_prompt`` responses (GRPO and RLOO compare a response with its group); ``sample``: each response on
     its own, so a long response holds neither a step nor its siblings (needs an estimator that scores a response
-    alone: ``reinforce_pp``, ``gae``); ``auto``: ``sample`` for such an estimator, else ``group``."""
+    alone: ``reinforce_pp``, ``gae``); ``auto``: ``sample`` for such an estimator, else ``group``. Single
+    responses favour the short ones (those that finish first; docs/training.md, The sample stream)."""
     steps: int = 100
     """Global training steps (one optimizer-step group and one weight version each)."""
     task: str = "add1"

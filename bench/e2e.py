@@ -23,6 +23,11 @@ and Megatron is excluded from the wall time):
   step-tied async (chunked) and in the sample stream, max_staleness 1; ``heavy_continuous`` (step-tied async
   with continuous batching) and ``heavy_stream_cont`` (the stream without partial rollout) drive vLLM's engine
   the same way, so their ratio isolates the stream's own effect from the cost of driving the engine step by step;
+- ``rpp_sync`` / ``rpp_stream_group`` / ``rpp_stream``: the heavy-tailed workload under REINFORCE++
+  (``algorithm.advantage=reinforce_pp``, an estimator that scores each response alone), every mode packing the
+  trainer's rows (``trainer.micro_batch_tokens=2048``): sync, and the sample stream (max_staleness 1, partial
+  rollout) moving whole groups (``workflow.stream_unit=group``) or single responses (the default for this
+  estimator), so their ratio is what taking samples instead of groups buys;
 - ``tool_sync`` / ``tool_partial`` / ``tool_stream``: the multi-turn calculator task
   (``recipes/tiny_cpu/tool_async.yaml``) in sync mode (its own baseline), in the async mode with continuous
   batching and partial rollout, and in the sample stream (max_staleness 1, partial rollout; a group is complete
@@ -58,6 +63,7 @@ BASE = [
 LONGTAIL = ("grpo_async.yaml", BASE)
 HEAVY = ("grpo_async.yaml", [*BASE[1:5], "workflow.task=add1_heavytail", "rollout.max_new_tokens=248",
                              "rollout.max_model_len=256", "trainer.micro_batch_size=32"])
+RPP = ("grpo_async.yaml", [*HEAVY[1], "algorithm.advantage=reinforce_pp", "trainer.micro_batch_tokens=2048"])
 TOOL = ("tool_async.yaml", ["workflow.prompts_per_step=16"])
 MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mode
     "sync": (LONGTAIL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
@@ -72,11 +78,15 @@ MODES = {  # name -> (workload, overrides); a workload's baseline is its sync mo
     "heavy_stream": (HEAVY, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
     "heavy_continuous": (HEAVY, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.continuous=true"]),
     "heavy_stream_cont": (HEAVY, ["workflow.mode=stream", "workflow.max_staleness=1"]),
+    "rpp_sync": (RPP, ["workflow.mode=sync", "workflow.max_staleness=0"]),
+    "rpp_stream_group": (RPP, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true",
+                               "workflow.stream_unit=group"]),
+    "rpp_stream": (RPP, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
     "tool_sync": (TOOL, ["workflow.mode=sync", "workflow.max_staleness=0"]),
     "tool_partial": (TOOL, ["workflow.mode=async", "workflow.max_staleness=1", "rollout.partial=true"]),
     "tool_stream": (TOOL, ["workflow.mode=stream", "workflow.max_staleness=1", "rollout.partial=true"]),
 }
-WORKLOADS = ("tool_", "heavy_")
+WORKLOADS = ("tool_", "heavy_", "rpp_")
 """Name prefixes of the workloads other than the long-tailed one; each workload's baseline is its own sync mode."""
 IDLE = ["rollout", "actor", "reference"]
 WARMUP = 2
@@ -119,7 +129,8 @@ def _lags(out: Path) -> dict:
         return max((r[key] for r in records if key in r), default=float("nan"))
 
     return {"lag_mean": mean("staleness/version_lag_mean"), "lag_max": most("staleness/version_lag_max"),
-            "token_lag_mean": mean("staleness/token_lag_mean"), "token_lag_max": most("staleness/token_lag_max")}
+            "token_lag_mean": mean("staleness/token_lag_mean"), "token_lag_max": most("staleness/token_lag_max"),
+            "response_len": mean("response/length_mean")}
 
 
 def _workload(name: str) -> str:
@@ -152,7 +163,7 @@ def table(results: dict[str, dict]) -> str:
 
     header = ("| run | wall s | samples/s | tokens/s | x sync (whole run) | steady samples/s | x sync (steady) | " +
               " | ".join(f"idle {g}" for g in IDLE) +
-              " | lag mean/max | token lag mean/max | reward first -> last10 |")
+              " | lag mean/max | token lag mean/max | trained response tokens | reward first -> last10 |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, s in results.items():
         idle = " | ".join(f"{s['idle_fraction'].get(g, float('nan')):.0%}" for g in IDLE)
@@ -162,7 +173,7 @@ def table(results: dict[str, dict]) -> str:
         lines.append(f"| {name} | {s['wall_s']:.1f} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
                      f"{ratio:.2f}x | {s['steady_samples_per_s']:.2f} | {steady:.2f}x | {idle} | "
                      f"{lag['lag_mean']:.2f}/{lag['lag_max']:.0f} | "
-                     f"{lag['token_lag_mean']:.2f}/{lag['token_lag_max']:.0f} | "
+                     f"{lag['token_lag_mean']:.2f}/{lag['token_lag_max']:.0f} | {lag['response_len']:.1f} | "
                      f"{s['reward_first']:.3f} -> {s['reward_last10_mean']:.3f} |")
     return "\n".join(lines)
 

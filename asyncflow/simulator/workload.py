@@ -135,11 +135,15 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         raise ConfigError(f"agent.loop={cfg.agent.loop!r}: multi-turn rollouts are not simulated (tool calls and "
                          "observations have no cost model); simulate the single-turn recipe with "
                          "rollout.continuous=true instead")
+    from asyncflow.workflow.partitions import stream_unit
+
     packing = getattr(tr, "micro_batch_tokens", 0) > 0  # the trainer's sequence packing (a token budget)
     model = "partial" if cfg.rollout.partial else "continuous" if cfg.rollout.continuous else "chunked"
+    # The sample stream under a per-sample estimator moves single responses: as many one-response groups.
+    unit = stream_unit(cfg)
     return Workload(
         mode=wf.mode, max_staleness=0 if sync else wf.max_staleness, steps=wf.steps,
-        prompts_per_step=wf.prompts_per_step, samples_per_prompt=wf.samples_per_prompt,
+        prompts_per_step=wf.prompts_per_step * wf.samples_per_prompt // unit, samples_per_prompt=unit,
         rollout_instances=wf.rollout_instances, rollout_chunk=wf.rollout_chunk, max_num_seqs=cfg.rollout.max_num_seqs,
         score_chunk=wf.score_chunk, micro_batch_size=tr.micro_batch_size, data_parallel=tr.data_parallel,
         fixed_shape=tr.pipeline_parallel > 1 and not packing, packing=packing, pipeline_parallel=tr.pipeline_parallel,

@@ -102,3 +102,21 @@ def test_mode_search_tries_rollout_shares_down_to_a_quarter_and_any_trainer_dp()
     assert "workflow.mode=stream" in choices[0].overrides()
     base = colocated_baseline(w, model, devices=8, trainer_mp=1, rollout_tp=1)
     assert base.workload.rollout_instances == 8 and base.workload.data_parallel == 8
+
+
+def test_a_per_sample_estimator_streams_single_responses():
+    # REINFORCE++ in the sample stream moves responses one by one (workflow.stream_unit=auto): the simulated
+    # workload has as many one-response groups; GRPO keeps its groups, and so does every other mode.
+    from asyncflow.config import load_config
+    from asyncflow.simulator.workload import from_config
+    from tests.recipe_runs import REPO
+
+    def shape(*overrides):
+        w = from_config(load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+            "workflow.prompts_per_step=16", "workflow.samples_per_prompt=8", *overrides]))
+        return w.prompts_per_step, w.samples_per_prompt
+
+    assert shape("workflow.mode=stream", "algorithm.advantage=reinforce_pp") == (128, 1)
+    assert shape("workflow.mode=stream", "algorithm.advantage=reinforce_pp", "workflow.stream_unit=group") == (16, 8)
+    assert shape("workflow.mode=stream") == (16, 8)
+    assert shape("workflow.mode=async", "algorithm.advantage=reinforce_pp") == (16, 8)
