@@ -29,7 +29,7 @@ def scenario(name: str, gpus: int, steps: int, staleness=(1, 2), models=("partia
     from asyncflow.simulator.published import h100_costs
     from asyncflow.simulator.published_runs import PROMPT_LEN, heavy_tail
     from asyncflow.simulator.search import colocated_baseline, mode_search
-    from asyncflow.simulator.workload import from_config
+    from asyncflow.simulator.workload import draw_lengths, from_config
 
     recipe, problems = load_recipe(REPO / "recipes" / name)
     if recipe is None:
@@ -49,6 +49,9 @@ def scenario(name: str, gpus: int, steps: int, staleness=(1, 2), models=("partia
                                                    f"{c.rollout_instances}x TP{c.rollout_tp} + DP{c.trainer_dp}: "
                                                    f"{c.result.samples_per_s:.1f} samples/s", flush=True))
     best = choices[0]
+    # The stream trains what finishes first, the colocated baseline every response as drawn: their tokens differ.
+    trained = best.result.trained_lengths
+    drawn = [n for step in draw_lengths(w) for n in step]
     return {"recipe": name, "gpus": gpus, "rows_per_step": w.rows_per_step,
             "colocated": colocated.samples_per_s, "colocated_step_s": colocated.step_time_s,
             "switch_s": model.switch.step_s(gpus),
@@ -56,17 +59,21 @@ def scenario(name: str, gpus: int, steps: int, staleness=(1, 2), models=("partia
             "split": f"{best.rollout_instances}x TP{best.rollout_tp} rollout + DP{best.trainer_dp} trainer",
             "mode": f"{best.rollout_model}, k={best.max_staleness}", "bound": best.bound,
             "dropped": best.result.dropped, "overrides": best.overrides(),
+            "trained_len": sum(trained) / len(trained), "drawn_len": sum(drawn) / len(drawn),
             "idle": {k: round(v, 2) for k, v in best.result.idle_fraction.items()}}
 
 
 def table(rows: list[dict]) -> str:
     """The markdown table of ``scenario`` rows."""
     lines = ["| recipe | GPUs | rows/step | colocated samples/s (switch s/step) | best stream | split | "
-             "stream samples/s | stream / colocated | bound by |", "|---|---|---|---|---|---|---|---|---|"]
+             "stream samples/s | stream / colocated | bound by | response tokens trained / drawn | "
+             "stream / colocated in trained tokens |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        tokens = r["stream"] * r["trained_len"] / (r["colocated"] * r["drawn_len"])
         lines.append(f"| {r['recipe']} | {r['gpus']} | {r['rows_per_step']} | {r['colocated']:.1f} "
                      f"({r['switch_s']:.1f}) | {r['mode']} | {r['split']} | {r['stream']:.1f} | "
-                     f"{r['stream'] / r['colocated']:.2f}x | {r['bound']} |")
+                     f"{r['stream'] / r['colocated']:.2f}x | {r['bound']} | {r['trained_len']:.0f} / "
+                     f"{r['drawn_len']:.0f} | {tokens:.2f}x |")
     return "\n".join(lines)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from asyncflow.simulator.costs import CostFile, load_costs
 from asyncflow.simulator.sensitivity import Sensitivity, sensitivity
 from asyncflow.simulator.sim import SimResult, simulate
-from asyncflow.simulator.workload import Workload, from_config
+from asyncflow.simulator.workload import Workload, draw_lengths, from_config
 
 GROUPS = ("rollout", "reference", "actor")
 PUBLISHED_GPUS = ("h100", "h20")
@@ -131,6 +131,13 @@ def run(args: argparse.Namespace) -> int:
     print(table(rows, sensitivities))
     for note in tipping_notes(rows, sensitivities):
         print(f"\nwarning: {note}")
+    trained = rows[0][1].trained_lengths
+    if trained:  # the sample stream trains what finishes first: say how far that moves the lengths trained
+        drawn = [n for step in draw_lengths(w) for n in step]
+        unit = "responses" if w.samples_per_prompt == 1 else "groups"
+        print(f"\n{rows[0][0]}: trained responses averaged {sum(trained) / len(trained):.1f} tokens against "
+              f"{sum(drawn) / len(drawn):.1f} drawn ({rows[0][1].dropped} {unit} fell out of the staleness bound and "
+              "were generated again)")
     out = Path(args.out)
     result = rows[0][1]
     result.timeline.write_chrome_trace(out / "timeline.json")

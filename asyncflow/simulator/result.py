@@ -34,6 +34,9 @@ class SimResult:
     """``stream``: groups that fell out of the staleness bound and were generated again."""
     trained: list[int] = dataclasses.field(default_factory=list)
     """``stream``: the prompt id of every trained group, in training order."""
+    trained_lengths: list[int] = dataclasses.field(default_factory=list)
+    """``stream``: the response length of every trained row, in training order (the stream trains the groups that
+    finish first, so these run shorter than the drawn ones)."""
 
     @property
     def lag_mean(self) -> float:

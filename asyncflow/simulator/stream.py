@@ -151,10 +151,8 @@ class _Stream:
 
     def __init__(self, w: Workload, costs: CostModel):
         self.w, self.costs, self.sim = w, costs, Sim()
-        spare = dataclasses.replace(w, steps=2 * w.steps + 4)  # enough groups for the run and its drops
-        flat = [n for step in draw_lengths(spare) for n in step]
-        g = w.samples_per_prompt
-        self.fresh = deque(flat[i:i + g] for i in range(0, len(flat) - g + 1, g))
+        self.fresh: deque[list[int]] = deque()
+        self.draws = 0  # batches of lengths drawn so far (each with a seed of its own)
         self.prompts, self.retry = 0, deque()
         self.done: deque[_Group] = deque()
         self.version, self.outstanding, self.running, self.dropped = 0, 0, True, 0
@@ -163,6 +161,7 @@ class _Stream:
         self.ends: list[float] = []
         self.lags: list[list[int]] = []
         self.trained: list[int] = []
+        self.trained_lengths: list[int] = []
         self.timeline = Timeline(clock=lambda: self.sim.now)
         self.devices: dict[str, Device] = {}
 
@@ -177,11 +176,24 @@ class _Stream:
         self.waiters.append(ev)
         return ev
 
+    def draw(self) -> list[int]:
+        """The next group's response lengths (drawn in batches of ``2 x steps + 4`` steps' worth as needed)."""
+        if not self.fresh:
+            w = self.w
+            batch = dataclasses.replace(w, steps=2 * w.steps + 4, seed=w.seed + 7919 * self.draws)
+            flat = [n for step in draw_lengths(batch) for n in step]
+            g = w.samples_per_prompt
+            self.fresh.extend(flat[i:i + g] for i in range(0, len(flat) - g + 1, g))
+            self.draws += 1
+        return self.fresh.popleft()
+
     def next_group(self, version: int) -> _Group:
         if self.retry:
             group = self.retry.popleft()
+            if self.w.regenerated == "redraw":  # a new sample of the policy for the same prompt
+                group.lengths = self.draw()
         else:
-            group, self.prompts = _Group(self.prompts, self.fresh.popleft()), self.prompts + 1
+            group, self.prompts = _Group(self.prompts, self.draw()), self.prompts + 1
         group.version, group.left = version, len(group.lengths)
         self.outstanding += 1
         return group
@@ -245,6 +257,7 @@ class _Stream:
                 self.outstanding -= len(take)
                 self.notify()
                 self.trained += [g.prompt for g in take]
+                self.trained_lengths += [n for g in take for n in g.lengths]
                 lags += [step - g.version for g in take for _ in g.lengths]
                 start = sim.now
                 yield device.run(trainer_s(w, self.costs, [n for g in take for n in g.lengths]))
@@ -270,4 +283,4 @@ def simulate_stream(w: Workload, costs: CostModel) -> SimResult:
         raise RuntimeError(f"stream simulation stalled after {len(stream.ends)} of {w.steps} steps")
     result = _result(w, stream.ends, stream.lags, stream.timeline,
                      {name: d.busy for name, d in stream.devices.items()}, stream.dropped)
-    return dataclasses.replace(result, trained=stream.trained)
+    return dataclasses.replace(result, trained=stream.trained, trained_lengths=stream.trained_lengths)

@@ -88,6 +88,10 @@ class Workload:
     """Spread of the lengths drawn around each replayed step's mean."""
     seed: int = 0
     """Seed of the length draws."""
+    regenerated: Literal["redraw", "keep"] = "redraw"
+    """``stream``: the lengths of a group generated again after it fell out of the staleness bound. ``redraw``: new
+    ones from ``lengths`` (a new sample of the policy, as an LLM's responses to the same prompt differ); ``keep``:
+    the same (a task that fixes each response's length, as ``add1_longtail`` / ``add1_heavytail`` budgets do)."""
     rollout_model: str = "chunked"
     """How an engine turns prompts into responses over time (``rollout_models.ROLLOUT_MODELS``: ``chunked``,
     ``continuous``, ``partial``; ``from_config`` picks the recipe's ``rollout.continuous`` / ``rollout.partial``)."""
@@ -123,6 +127,10 @@ def default_lengths(cfg: AsyncFlowConfig) -> str:
     return f"constant:{cfg.rollout.max_new_tokens}"
 
 
+BUDGETED_TASKS = ("add1_longtail", "add1_heavytail")
+"""Prompt sources that fix each response's length (``sample_budgets``), kept when a response is generated again."""
+
+
 def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: int | None = None) -> Workload:
     """The ``Workload`` of an ``AsyncFlowConfig`` (the recipe's own settings, overrides applied)."""
     wf, tr = cfg.workflow, cfg.trainer
@@ -151,7 +159,9 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         row_order="arrival" if tr.pipeline_parallel > 1 else tr.row_order, ppo_epochs=cfg.algorithm.ppo_epochs,
         reference=cfg.algorithm.kl_coef > 0,
         prompt_len=prompt_len, max_new_tokens=cfg.rollout.max_new_tokens,
-        lengths=lengths or default_lengths(cfg), seed=wf.seed, rollout_model=model, partial_kv=cfg.rollout.partial_kv,
+        lengths=lengths or default_lengths(cfg), seed=wf.seed,
+        regenerated="keep" if wf.task in BUDGETED_TASKS and lengths is None else "redraw",
+        rollout_model=model, partial_kv=cfg.rollout.partial_kv,
         placement="cpu" if cfg.ray.accelerator is None else "devices",
         variant=str(wf.sync_worker_threads if sync else wf.worker_threads) if cfg.ray.accelerator is None else "device",
     )

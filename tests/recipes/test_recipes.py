@@ -60,10 +60,10 @@ def _one_problem_with(problems: list[str], *fragments: str) -> None:
 
 
 def test_tp_must_divide_heads(tmp_path):
-    recipe = _copy(tmp_path, "qwen2.5-7b", config={"trainer.tensor_parallel": 6, "trainer.data_parallel": 1})
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"trainer.tensor_parallel": 8, "trainer.data_parallel": 1})
     problems = check_recipe(recipe)
-    _one_problem_with(problems, "qwen2.5-7b", "trainer.tensor_parallel=6", "num_attention_heads=28")
-    assert not any("TRAINER_DEVICES" in p for p in problems), problems  # 6 x 1 x 1 still matches
+    _one_problem_with(problems, "qwen2.5-7b", "trainer.tensor_parallel=8", "num_attention_heads=28")
+    assert not any("TRAINER_DEVICES" in p for p in problems), problems  # 8 x 1 x 1 still matches
 
 
 def test_rollout_tp_must_divide_heads(tmp_path):
@@ -114,9 +114,7 @@ def test_too_many_devices(tmp_path):
 def test_sync_mode_still_gives_rollout_and_trainer_their_own_devices(tmp_path):
     # Colocating vLLM and Megatron on the same devices (vLLM sleep mode) is not implemented: the placement
     # group asks for trainer + rollout devices in both modes, and the check says so.
-    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.mode": "sync", "trainer.data_parallel": 4,
-                                                   "workflow.rollout_instances": 4},
-                   env={"NODES": 1, "TRAINER_DEVICES": 8, "ROLLOUT_DEVICES": 8})
+    recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.mode": "sync"}, env={"NODES": 1})
     assert check_recipe(recipe) == [
         "qwen2.5-7b: too many devices: trainer + rollout = 16 > NODES x DEVICES_PER_NODE = 1 x 8 = 8"
     ]
@@ -129,8 +127,8 @@ def test_accelerator_must_match_the_cluster_resource(tmp_path):
 
 def test_a_critic_of_another_shape_needs_devices_of_its_own(tmp_path):
     same = _copy(tmp_path / "a", "qwen2.5-7b", config={"algorithm.advantage": "gae", "critic.tensor_parallel": 2,
-                                                       "critic.data_parallel": 3, "critic.micro_batch_tokens": 5120})
-    assert check_recipe(same) == []  # shares the actor's 6 devices
+                                                       "critic.data_parallel": 4})
+    assert check_recipe(same) == []  # shares the actor's 8 devices
     other = _copy(tmp_path / "b", "qwen2.5-7b", config={"algorithm.advantage": "gae", "critic.tensor_parallel": 2,
                                                         "critic.data_parallel": 2})
     _one_problem_with(check_recipe(other), "trainer + rollout + critic = 20")
@@ -140,31 +138,27 @@ def test_device_counts_must_match_parallel_sizes(tmp_path):
     recipe = _copy(tmp_path, "qwen2.5-7b", config={"workflow.rollout_instances": 4, "rollout.tensor_parallel": 1},
                    env={"TRAINER_DEVICES": 4})
     problems = check_recipe(recipe)
-    _one_problem_with(problems, "TRAINER_DEVICES=4", "2 x 1 x 3 = 6")
-    _one_problem_with(problems, "ROLLOUT_DEVICES=10", "4 x 1 = 4")
+    _one_problem_with(problems, "TRAINER_DEVICES=4", "2 x 1 x 4 = 8")
+    _one_problem_with(problems, "ROLLOUT_DEVICES=8", "4 x 1 = 4")
 
 
 def test_warm_spares_count_in_the_rollout_devices(tmp_path):
-    # qwen2.5-7b: 10 rollout devices, 5 instances of TP 2. A spare holds TP devices of its own, of the rollout's.
+    # qwen2.5-7b: 8 rollout devices, 4 instances of TP 2. A spare holds TP devices of its own, of the rollout's.
     spares = _copy(tmp_path / "a", "qwen2.5-7b", config={"workflow.rollout_spares": 2})
-    _one_problem_with(check_recipe(spares), "ROLLOUT_DEVICES=10",
-                      "(workflow.rollout_instances + workflow.rollout_spares)", "(5 + 2) x 2 = 14")
-    fits = _copy(tmp_path / "b", "qwen2.5-7b", config={"workflow.rollout_spares": 1, "workflow.rollout_instances": 4})
+    _one_problem_with(check_recipe(spares), "ROLLOUT_DEVICES=8",
+                      "(workflow.rollout_instances + workflow.rollout_spares)", "(4 + 2) x 2 = 12")
+    fits = _copy(tmp_path / "b", "qwen2.5-7b", config={"workflow.rollout_spares": 1, "workflow.rollout_instances": 3})
     assert check_recipe(fits) == []
 
 
 def test_batch_must_split_over_replicas(tmp_path):
-    rows = {"workflow.prompts_per_step": 2, "workflow.samples_per_prompt": 5}
+    rows = {"workflow.prompts_per_step": 3, "workflow.samples_per_prompt": 3}
     recipe = _copy(tmp_path / "padded", "qwen2.5-7b", config={**rows, "trainer.micro_batch_tokens": 0})
-    _one_problem_with(check_recipe(recipe), "config.yaml", "10 rows",
-                      "micro_batch_size x trainer.data_parallel = 1 x 3")
-    # Packing: the three replicas take 4, 3 and 3 of those rows (the recipe's own 1,024: 342, 341 and 341); fewer
-    # rows than replicas would leave one with none.
-    assert check_recipe(_copy(tmp_path / "ten", "qwen2.5-7b", config=rows)) == []
-    packed = {"workflow.prompts_per_step": 1, "workflow.samples_per_prompt": 4}
-    assert check_recipe(_copy(tmp_path / "packed", "qwen2.5-7b", config=packed)) == []
-    few = _copy(tmp_path / "few", "qwen2.5-7b", config={**packed, "workflow.samples_per_prompt": 2})
-    _one_problem_with(check_recipe(few), "config.yaml", "2 rows per step must be at least trainer.data_parallel = 3")
+    _one_problem_with(check_recipe(recipe), "config.yaml", "9 rows", "micro_batch_size x trainer.data_parallel = 1 x 4")
+    # Packing: the four replicas take 3, 2, 2 and 2 rows; fewer rows than replicas leave one with none.
+    assert check_recipe(_copy(tmp_path / "packed", "qwen2.5-7b", config=rows)) == []
+    few = _copy(tmp_path / "few", "qwen2.5-7b", config={**rows, "workflow.prompts_per_step": 1})
+    _one_problem_with(check_recipe(few), "config.yaml", "3 rows per step must be at least trainer.data_parallel = 4")
 
 
 def test_overrides_are_checked_too():

@@ -120,3 +120,33 @@ def test_a_per_sample_estimator_streams_single_responses():
     assert shape("workflow.mode=stream", "algorithm.advantage=reinforce_pp", "workflow.stream_unit=group") == (16, 8)
     assert shape("workflow.mode=stream") == (16, 8)
     assert shape("workflow.mode=async", "algorithm.advantage=reinforce_pp") == (16, 8)
+
+
+@pytest.mark.parametrize("regenerated", ["redraw", "keep"])
+def test_a_regenerated_group_draws_new_lengths_unless_the_task_fixes_them(regenerated):
+    # A prompt generated again is a new sample of the policy (new lengths); a budgeted task (add1_heavytail) fixes
+    # each response's length, and from_config keeps them for it.
+    s = stream._Stream(_w(regenerated=regenerated, lengths="lognormal:6:1.5"), CostModel(rollout=ROLLOUT, train=TRAIN))
+    first = s.next_group(0)
+    lengths = list(first.lengths)
+    s.retry.append(first)
+    again = s.next_group(1)
+    assert again.prompt == first.prompt
+    assert (again.lengths == lengths) == (regenerated == "keep")
+    # The trained lengths are what the stream trained: with k = 0 and long responses dropped, shorter than drawn.
+    w = _w(max_staleness=0, rollout_model="partial", stream_ahead=3, lengths="lognormal:6:1.5", steps=8,
+           regenerated=regenerated)
+    result = simulate(w, CostModel(rollout=ROLLOUT, train=TrainCosts(per_token_s=1e-6)))
+    assert result.dropped > 0 and len(result.trained_lengths) == w.steps * w.rows_per_step
+
+
+def test_from_config_keeps_the_lengths_a_budgeted_task_fixes():
+    from asyncflow.config import load_config
+    from asyncflow.simulator.workload import from_config
+    from tests.recipe_runs import REPO
+
+    recipe = REPO / "recipes/tiny_cpu/grpo_async.yaml"
+    assert from_config(load_config(recipe, ["workflow.task=add1_heavytail"])).regenerated == "keep"
+    assert from_config(load_config(recipe, ["workflow.task=add1_heavytail"]), lengths="constant:8").regenerated \
+        == "redraw"
+    assert from_config(load_config(recipe, ["workflow.task=add1"])).regenerated == "redraw"
