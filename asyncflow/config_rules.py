@@ -20,13 +20,25 @@ from asyncflow.config_loader import ConfigError
 if TYPE_CHECKING:
     from asyncflow.config import AsyncFlowConfig, MegatronEngineConfig
 
-__all__ = ["RULES", "problems", "validate"]
+__all__ = ["RULES", "problems", "stream_unit", "validate"]
 
 
 def _estimator_scope(cfg: AsyncFlowConfig) -> str:
     from asyncflow.algorithms.advantages import estimator_scope
 
     return estimator_scope(cfg.algorithm.advantage)
+
+
+def stream_unit(cfg: AsyncFlowConfig) -> int:
+    """Responses that go through the sample stream together, under one group id: a prompt's whole group, or one
+    response (``workflow.stream_unit``; ``auto`` takes one for an estimator that scores a response alone,
+    ``asyncflow.algorithms.advantages.estimator_per_sample``). Outside ``stream`` mode, a prompt's group."""
+    from asyncflow.algorithms.advantages import estimator_per_sample
+
+    wf = cfg.workflow
+    if wf.mode != "stream" or wf.stream_unit == "group" or not estimator_per_sample(cfg.algorithm.advantage):
+        return wf.samples_per_prompt
+    return 1
 
 
 def _trainers(cfg: AsyncFlowConfig) -> list[tuple[str, MegatronEngineConfig]]:
@@ -134,7 +146,6 @@ def stream(cfg: AsyncFlowConfig) -> list[str]:
     """The sample stream admits whole GRPO groups into one engine (multi-turn ones with agent.loop too); it takes
     responses one by one only for an estimator that scores a response alone."""
     from asyncflow.algorithms.advantages import estimator_per_sample
-    from asyncflow.workflow.partitions import stream_unit
 
     if cfg.workflow.mode != "stream":
         return []

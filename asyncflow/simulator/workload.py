@@ -143,7 +143,7 @@ def from_config(cfg: AsyncFlowConfig, lengths: str | None = None, prompt_len: in
         raise ConfigError(f"agent.loop={cfg.agent.loop!r}: multi-turn rollouts are not simulated (tool calls and "
                          "observations have no cost model); simulate the single-turn recipe with "
                          "rollout.continuous=true instead")
-    from asyncflow.workflow.partitions import stream_unit
+    from asyncflow.config_rules import stream_unit
 
     packing = getattr(tr, "micro_batch_tokens", 0) > 0  # the trainer's sequence packing (a token budget)
     model = "partial" if cfg.rollout.partial else "continuous" if cfg.rollout.continuous else "chunked"

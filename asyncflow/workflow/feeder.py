@@ -118,7 +118,7 @@ class StreamFeeder(Feeder):
     stream or in an engine), so every engine can fill its reservations; group ids count the prompts in stream
     order. Under dynamic sampling it seals each step once the advantage task has kept its groups.
 
-    What goes through the stream as one is a unit (``partitions.stream_unit``): a prompt's whole group, or, for an
+    What goes through the stream as one is a unit (``config_rules.stream_unit``): a prompt's whole group, or, for an
     estimator that scores a response alone, one response (each prompt is then fed as ``samples_per_prompt`` units of
     one). Group ids count the units, and everything below (depth, claims, checkpoints) counts units.
 
@@ -135,7 +135,7 @@ class StreamFeeder(Feeder):
     def __init__(self, cfg: AsyncFlowConfig, pipe, source, ckpt, start: int, meta: dict | None = None):
         import ray
 
-        from asyncflow.workflow.partitions import stream_unit
+        from asyncflow.config_rules import stream_unit
 
         super().__init__(cfg, pipe, source, ckpt, start)
         wf = cfg.workflow
@@ -148,6 +148,12 @@ class StreamFeeder(Feeder):
         self.sealed: set[int] = set()
         self.fed: dict[int, list] = {}  # group id -> [prompt, answer, budgets] of every unit not known trained
         meta = meta or {}
+        if int(meta.get("stream_unit", self.unit)) != self.unit:  # its pending records hold units of another size
+            from asyncflow.config_loader import ConfigError
+
+            raise ConfigError(f"the checkpoint's sample stream moved units of {meta['stream_unit']} responses, this "
+                              f"run's of {self.unit} (workflow.stream_unit, algorithm.advantage): resume with the "
+                              "settings the checkpoint was made with")
         self.next_group = int(meta.get("stream_next_group", 0))
         pending = meta.get("stream_pending", [])
         # The board's ledger counts the claims of this run only: the groups this run fed are the pending ones and
@@ -218,7 +224,7 @@ class StreamFeeder(Feeder):
         for groups in trained_groups.values():
             for gid in groups:
                 self.fed.pop(gid, None)
-        return {"stream_next_group": self.next_group,
+        return {"stream_next_group": self.next_group, "stream_unit": self.unit,
                 "stream_pending": [[gid, *record] for gid, record in sorted(self.fed.items())]}
 
     def top_up(self) -> None:

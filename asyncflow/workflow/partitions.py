@@ -12,19 +12,6 @@ STREAM_PARTITION = "prompt-stream"
 partition (``asyncflow.workflow.sample_stream``)."""
 
 
-def stream_unit(cfg) -> int:
-    """Responses that go through the sample stream together, under one group id (an ``AsyncFlowConfig``'s): a
-    prompt's whole group, or one response (``workflow.stream_unit``; ``auto`` takes one for an estimator that scores
-    a response alone, ``asyncflow.algorithms.advantages.estimator_per_sample``). Outside ``stream`` mode, a prompt's
-    group."""
-    from asyncflow.algorithms.advantages import estimator_per_sample
-
-    wf = cfg.workflow
-    if wf.mode != "stream" or wf.stream_unit == "group" or not estimator_per_sample(cfg.algorithm.advantage):
-        return wf.samples_per_prompt
-    return 1
-
-
 def partition_name(step: int) -> str:
     """The TransferQueue partition that holds the samples of global step ``step``."""
     return f"step-{step:06d}"

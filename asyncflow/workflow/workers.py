@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 from asyncflow.config import AsyncFlowConfig
+from asyncflow.config_rules import stream_unit
 from asyncflow.workflow import services, train_services
-from asyncflow.workflow.partitions import stream_unit
 from asyncflow.workflow.supervisor import restartable
 
 

@@ -183,6 +183,22 @@ def test_resume_trains_the_prompts_the_checkpoint_had_not_trained(runs, tmp_path
     assert set(pending) & after  # the untrained prompts of the first run came back
 
 
+def test_resume_refuses_a_stream_unit_other_than_the_checkpoints(runs, tmp_path, tiny_model_dir):
+    # The checkpoint's pending records are whole groups; a run that would take single responses cannot feed them.
+    from asyncflow.config import load_config
+    from asyncflow.config_loader import ConfigError
+    from asyncflow.workflow.loop import train
+    from tests.recipe_runs import FAKE, REPO
+
+    checkpoints = runs["stream"]["_out"] / "checkpoints"
+    cfg = load_config(REPO / "recipes/tiny_cpu/grpo_async.yaml", [
+        *STREAM, *STREAM_RUN, *FAKE, f"model.path={tiny_model_dir}", f"observability.output_dir={tmp_path}",
+        "workflow.steps=8", f"checkpoint.dir={checkpoints}", "workflow.rollout_instances=1", "algorithm.kl_coef=0",
+        "algorithm.advantage=reinforce_pp"])  # 8: past the resume test's checkpoints too, whichever ran first
+    with pytest.raises(ConfigError, match="the checkpoint's sample stream moved units of 4 responses, this run's of 1"):
+        train(cfg, resume=True)
+
+
 # ---------------------------------------------------------------------------------------------- the ledger
 
 
@@ -240,7 +256,7 @@ def test_config_refuses_what_the_stream_does_not_run():
 
 def test_stream_unit_follows_the_estimator():
     from asyncflow.config import load_config
-    from asyncflow.workflow.partitions import stream_unit
+    from asyncflow.config_rules import stream_unit
     from tests.recipe_runs import REPO
 
     def unit_of(mode: str, adv: str, choice: str) -> int:
