@@ -13,7 +13,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     import random
     import socket
 
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     candidates = range(max(10000, low // 2), low) if low > 11000 else range(0)
     for port in random.sample(candidates, min(50, len(candidates))):
         with socket.socket() as sock:
@@ -27,7 +27,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def _ephemeral_range() -> tuple[int, int]:
+def ephemeral_range() -> tuple[int, int]:
     """The kernel's range for ports of outgoing connections (Linux; the usual default elsewhere)."""
     try:
         from pathlib import Path

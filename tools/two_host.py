@@ -36,6 +36,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from asyncflow.ports import ephemeral_range
+
 NETWORK = ipaddress.ip_network("198.51.100.0/24")
 _RAY_PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
                    "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port",
@@ -111,9 +113,9 @@ no connection and no socket bound to port 0 lands (one took a port probed free b
 raylet died 10 s after the cluster was up), and above the worker ports of the local Ray instances other processes
 of the machine may run (10002-19999 by default)."""
 WORKER_BLOCK = 201
-WORKER_BLOCKS = range(22000, 32768 - WORKER_BLOCK, WORKER_BLOCK)
+WORKER_BLOCKS = range(22000, ephemeral_range()[0] - WORKER_BLOCK, WORKER_BLOCK)
 """Where each node's worker-port range (``WORKER_BLOCK`` ports) starts: apart from the component ports, so that
-another cluster's components never take one."""
+another cluster's components never take one, and below the kernel's ephemeral ports as read on this machine."""
 
 
 def _is_free(port: int) -> bool:

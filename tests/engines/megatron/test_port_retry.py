@@ -43,9 +43,9 @@ def test_picked_ports_lie_below_the_ephemeral_range_and_can_be_bound():
     # bind (EADDRINUSE on CI, 2026-12-03); below it only an explicit bind can take it.
     import socket
 
-    from asyncflow.ports import _ephemeral_range, free_port
+    from asyncflow.ports import ephemeral_range, free_port
 
-    low, _ = _ephemeral_range()
+    low, _ = ephemeral_range()
     ports = {free_port() for _ in range(20)}
     if low > 11000:  # Linux's default range starts at 32768
         assert all(max(10000, low // 2) <= p < low for p in ports), (ports, low)
