@@ -411,8 +411,9 @@ class ActorService(TrainerService):
         self.engine.version += 1
         self.publish()
         saved = self.maybe_save(step, self.checkpoint)
-        rows = self.engine.gather_data_parallel(list(zip(groups, lengths)))
-        shares = self.engine.gather_data_parallel([len(groups)])  # each replica's rows (packed: may differ by one)
+        # One gather: each replica's rows as one item, so their counts (packed: they may differ by one) show too.
+        parts = self.engine.gather_data_parallel([list(zip(groups, lengths))])
+        rows, shares = [row for part in parts for row in part], [len(part) for part in parts]
         all_groups = [g for g, _ in rows]
         moved = self.moved_metrics("actor")
         if not self.reporter:
