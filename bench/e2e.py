@@ -93,15 +93,78 @@ WARMUP = 2
 """Steps left out of the steady-state throughput (the simulator's benchmark leaves out as many)."""
 
 
-def steady_throughput(metrics: Path, warmup: int = WARMUP) -> float:
-    """Samples trained per second after ``warmup`` steps: the ``actor/rows`` of the later steps over the time
-    between the end of step ``warmup - 1`` and the last step (``time/elapsed_s`` in ``metrics.jsonl``)."""
+def steady_window(metrics: Path, warmup: int = WARMUP) -> tuple[float, float, float]:
+    """The steady part of a run: the end of step ``warmup - 1`` and of the last step (``time/elapsed_s`` in
+    ``metrics.jsonl``) and the ``actor/rows`` trained between them."""
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     steps = sorted((r for r in records if "time/elapsed_s" in r), key=lambda r: r["step"])
     if len(steps) <= warmup:
         raise ValueError(f"{metrics}: {len(steps)} steps, need more than the {warmup} warm-up steps")
     rows = sum(r.get("actor/rows", 0.0) for r in steps[warmup:])
-    return rows / (steps[-1]["time/elapsed_s"] - steps[warmup - 1]["time/elapsed_s"])
+    return steps[warmup - 1]["time/elapsed_s"], steps[-1]["time/elapsed_s"], rows
+
+
+def steady_throughput(metrics: Path, warmup: int = WARMUP) -> float:
+    """Samples trained per second after ``warmup`` steps (``steady_window``)."""
+    start, end, rows = steady_window(metrics, warmup)
+    return rows / (end - start)
+
+
+class MachineCpu:
+    """The machine's busy CPU seconds (user + nice + system + irq + softirq over every core, ``psutil.cpu_times``)
+    sampled every ``interval`` seconds by a thread. Machine-wide on purpose: a run's work is spread over Ray's
+    workers and daemons, the TransferQueue and the driver, and all of it is the run's cost. Another job on the
+    machine counts too, which the idle machine this benchmark asks for keeps out."""
+
+    def __init__(self, interval: float = 0.25):
+        import threading
+
+        import psutil
+
+        self.cores = psutil.cpu_count()
+        self.interval, self.samples = interval, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        import time
+
+        import psutil
+
+        while not self._stop.is_set():
+            t = psutil.cpu_times()
+            busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+            self.samples.append((time.time(), busy))
+            self._stop.wait(self.interval)
+
+    def busy_s(self, start: float, end: float) -> float:
+        """Busy CPU seconds between two wall-clock times, read between the samples around each (NaN outside them)."""
+        import bisect
+
+        times = [t for t, _ in self.samples]
+
+        def at(when: float) -> float:
+            i = bisect.bisect_left(times, when)
+            if i == 0 or i >= len(times):
+                return float("nan")
+            (t0, b0), (t1, b1) = self.samples[i - 1], self.samples[i]
+            return b0 + (b1 - b0) * (when - t0) / max(t1 - t0, 1e-9)
+
+        return at(end) - at(start)
+
+    def stop(self) -> None:
+        """Stop sampling."""
+        self._stop.set()
+        self._thread.join()
+
+
+def steady_cpu(summary: dict, metrics: Path, cpu: MachineCpu) -> dict:
+    """The machine's cores busy on average over a run's steady steps, and its busy CPU milliseconds per sample
+    trained in them (``steady_window``; the run's ``started_unix_s`` puts its steps on the wall clock)."""
+    start, end, rows = steady_window(metrics)
+    busy = cpu.busy_s(summary["started_unix_s"] + start, summary["started_unix_s"] + end)
+    return {"cores_busy": busy / (end - start), "cpu_ms_per_sample": 1e3 * busy / rows}
 
 
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> dict:
@@ -137,21 +200,29 @@ def _workload(name: str) -> str:
     return next((w for w in WORKLOADS if name.startswith(w)), "")
 
 
-def paired(results: dict[str, dict]) -> str:
-    """Per mode, the median over repeats of (this mode's steady samples/s in repeat i) / (its workload's sync
-    mode's in repeat i): runs of one repeat ran back to back, so they share the machine's state."""
+def paired(results: dict[str, dict], cores: int) -> str:
+    """Per mode, over repeats, the ratio of this mode's steady samples/s in repeat i to its workload's sync mode's
+    in repeat i (runs of one repeat ran back to back, so they share the machine's state), with their median; the
+    median ratio of its CPU per sample to sync's; and its ceiling: what the mode would reach, against that sync
+    run, with every core busy at its own CPU per sample (for sync itself, over its own throughput). A mode beats
+    its ceiling only by spending less CPU per sample."""
     import statistics
 
-    lines = ["| mode | paired steady ratios to its sync | median |", "|---|---|---|"]
+    lines = ["| mode | paired steady ratios to its sync | median | CPU per sample / sync's (median) | "
+             f"ceiling on {cores} busy cores, x sync (median) |", "|---|---|---|---|---|"]
     modes = dict.fromkeys(n.split("#")[0] for n in results)
     for mode in modes:
         sync = _workload(mode) + "sync"
-        if mode == sync:
+        pairs = [(results[n], results[f"{sync}#{n.split('#')[1]}"]) for n in results
+                 if n.split("#")[0] == mode and f"{sync}#{n.split('#')[1]}" in results]
+        if not pairs:
             continue
-        ratios = [results[n]["steady_samples_per_s"] / results[f"{sync}#{n.split('#')[1]}"]["steady_samples_per_s"]
-                  for n in results if n.split("#")[0] == mode and f"{sync}#{n.split('#')[1]}" in results]
-        if ratios:
-            lines.append(f"| {mode} | {', '.join(f'{r:.2f}x' for r in ratios)} | {statistics.median(ratios):.2f}x |")
+        ratios = [r["steady_samples_per_s"] / b["steady_samples_per_s"] for r, b in pairs]
+        cpu = [r["cpu_ms_per_sample"] / b["cpu_ms_per_sample"] for r, b in pairs]
+        ceiling = [cores * 1e3 / r["cpu_ms_per_sample"] / b["steady_samples_per_s"] for r, b in pairs]
+        shown = "-" if mode == sync else ", ".join(f"{r:.2f}x" for r in ratios)
+        lines.append(f"| {mode} | {shown} | {statistics.median(ratios):.2f}x | {statistics.median(cpu):.2f}x | "
+                     f"{statistics.median(ceiling):.2f}x |")
     return "\n".join(lines)
 
 
@@ -163,7 +234,8 @@ def table(results: dict[str, dict]) -> str:
 
     header = ("| run | wall s | samples/s | tokens/s | x sync (whole run) | steady samples/s | x sync (steady) | " +
               " | ".join(f"idle {g}" for g in IDLE) +
-              " | lag mean/max | token lag mean/max | trained response tokens | reward first -> last10 |")
+              " | cores busy | CPU ms / sample | lag mean/max | token lag mean/max | trained response tokens | "
+              "reward first -> last10 |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for name, s in results.items():
         idle = " | ".join(f"{s['idle_fraction'].get(g, float('nan')):.0%}" for g in IDLE)
@@ -172,6 +244,7 @@ def table(results: dict[str, dict]) -> str:
         steady = s["steady_samples_per_s"] / baseline(name, "steady_samples_per_s")
         lines.append(f"| {name} | {s['wall_s']:.1f} | {s['samples_per_s']:.2f} | {s['tokens_per_s']:.0f} | "
                      f"{ratio:.2f}x | {s['steady_samples_per_s']:.2f} | {steady:.2f}x | {idle} | "
+                     f"{s['cores_busy']:.2f} | {s['cpu_ms_per_sample']:.1f} | "
                      f"{lag['lag_mean']:.2f}/{lag['lag_max']:.0f} | "
                      f"{lag['token_lag_mean']:.2f}/{lag['token_lag_max']:.0f} | {lag['response_len']:.1f} | "
                      f"{s['reward_first']:.3f} -> {s['reward_last10_mean']:.3f} |")
@@ -192,29 +265,33 @@ def main(argv=None) -> int:
     unknown = set(modes) - set(MODES)
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; valid: {', '.join(MODES)}")
-    results = {}
+    results, cpu = {}, MachineCpu()
     for i in range(args.repeats):  # interleaved, so slow drift of the machine hits every mode alike
         for mode in modes:
             name = f"{mode}#{i + 1}"
             results[name] = run(name, args.steps, out / name.replace("#", "-"), args.overrides)
             results[name]["_lags"] = _lags(out / name.replace("#", "-"))
-            results[name]["steady_samples_per_s"] = steady_throughput(out / name.replace("#", "-") / "metrics.jsonl")
+            metrics = out / name.replace("#", "-") / "metrics.jsonl"
+            results[name]["steady_samples_per_s"] = steady_throughput(metrics)
+            results[name].update(steady_cpu(results[name], metrics, cpu))
+    cpu.stop()
 
-    from asyncflow.observability import plot_compare
+    from asyncflow.observability import plot_compare_panels
 
-    pngs = []
-    for workload in dict.fromkeys(_workload(n) for n in results):  # reward per step = per trained samples
-        runs = {n: out / n.replace("#", "-") / "metrics.jsonl" for n in results if _workload(n) == workload}
-        pngs.append(plot_compare(runs, out / f"reward_{workload or 'longtail_'}by_step.png", x="step",
-                                 title=f"reward per step ({workload or 'longtail_'}workload; equal samples per step)"))
-    text = table(results) + "\n\n" + paired(results)
+    # Reward against samples trained, one panel per workload: every run of a workload trains the same samples, so
+    # the curves end together and compare equal work.
+    panels = {f"reward by samples trained: {(workload or 'longtail_').rstrip('_')} workload":
+              {n: out / n.replace("#", "-") / "metrics.jsonl" for n in results if _workload(n) == workload}
+              for workload in dict.fromkeys(_workload(n) for n in results)}
+    png = plot_compare_panels(panels, out / "reward_by_samples.png", x="samples")
+    text = table(results) + "\n\n" + paired(results, cpu.cores)
     print(f"\nEnd-to-end RL throughput, same long-tailed workload, baseline = mean of the sync runs; steady = after "
           f"{WARMUP} warm-up steps\n")
     print(text)
     (out / "table.md").write_text(text + "\n")
     (out / "results.json").write_text(json.dumps({n: {k: v for k, v in s.items() if k != "trained_groups"}
                                                   for n, s in results.items()}, indent=2))
-    print(f"\nreward curves: {', '.join(map(str, pngs))}; timelines: {out}/<mode>-<run>/timeline.png")
+    print(f"\nreward curves: {png}; timelines: {out}/<mode>-<run>/timeline.png")
     return 0
 
 

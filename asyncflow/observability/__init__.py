@@ -11,7 +11,7 @@ from . import keys
 from .config import ObservabilityConfig
 from .metrics import SINKS, MetricsLogger, Sink, SinkUnavailable, make_sink, register_sink
 from .observer import RunObserver
-from .plots import load_jsonl, plot_compare, plot_gantt, plot_reward_curve, rolling_mean
+from .plots import load_jsonl, plot_compare, plot_compare_panels, plot_gantt, plot_reward_curve, rolling_mean
 from .progress import ProgressReporter
 from .timeline import Timeline
 
@@ -30,6 +30,7 @@ __all__ = [
     "load_jsonl",
     "plot_reward_curve",
     "plot_compare",
+    "plot_compare_panels",
     "plot_gantt",
     "rolling_mean",
 ]

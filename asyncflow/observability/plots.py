@@ -51,7 +51,8 @@ def _records(source: str | Path | Records) -> Records:
 
 
 def _series(records: Records, key: str, x: str) -> tuple[np.ndarray, np.ndarray]:
-    """(x, y) of the records holding ``key``; ``x`` is a record field, or ``time``: seconds from the run start."""
+    """(x, y) of the records holding ``key``; ``x`` is a record field, ``time`` (seconds from the run start) or
+    ``samples`` (samples trained so far, from ``actor/rows``)."""
     rows = [r for r in records if r.get(key) is not None]
     if not rows:
         available = sorted({k for r in records for k in r} - {"step", "time", "elapsed"})
@@ -59,6 +60,8 @@ def _series(records: Records, key: str, x: str) -> tuple[np.ndarray, np.ndarray]
     if x == "time":
         # ``elapsed`` counts from the run's start; ``time`` alone would hide how long the first step took.
         xs = [r["elapsed"] if "elapsed" in r else r["time"] - rows[0]["time"] for r in rows]
+    elif x == "samples":  # samples trained so far, this step's included: runs compared after equal work
+        xs = np.cumsum([r.get("actor/rows", 0.0) for r in rows])
     else:
         xs = [r[x] for r in rows]
     return np.asarray(xs, dtype=float), np.asarray([r[key] for r in rows], dtype=float)
@@ -105,20 +108,29 @@ def plot_compare(runs: Mapping[str, str | Path | Records], out_png: str | Path, 
                  x: str = "time", window: int | None = None, title: str | None = None) -> Path:
     """Overlay ``key`` of several runs (e.g. ``{"sync": ..., "async": ...}``) against wall time or step.
 
-    ``x`` is ``time`` (seconds since each run's start) or a record field such as ``step``; ``window`` is
-    the rolling-mean length in points (default ``auto_window`` of each run).
+    ``x`` is ``time`` (seconds since each run's start), ``samples`` (samples trained so far) or a record field
+    such as ``step``; ``window`` is the rolling-mean length in points (default ``auto_window`` of each run).
     """
-    fig = _figure(8, 4.5)
-    ax = fig.add_subplot()
-    for i, (label, source) in enumerate(runs.items()):
-        xs, values = _series(_records(source), key, x)
-        color, w = f"C{i % 10}", window or auto_window(len(values))
-        ax.plot(xs, values, color=color, alpha=0.25, lw=1)
-        ax.plot(xs, rolling_mean(values, w), color=color, lw=2.2, label=f"{label} (rolling mean {w})")
-    ax.set(xlabel="wall time (s)" if x == "time" else x, ylabel=key,
-           title=title or f"{key}: {' vs '.join(runs)}")
-    ax.grid(alpha=0.3)
-    ax.legend(loc="best")
+    return plot_compare_panels({title or f"{key}: {' vs '.join(runs)}": runs}, out_png, key, x, window)
+
+
+def plot_compare_panels(panels: Mapping[str, Mapping[str, str | Path | Records]], out_png: str | Path,
+                        key: str = keys.REWARD_MEAN, x: str = "time", window: int | None = None) -> Path:
+    """``plot_compare`` for several groups of runs in one figure, one panel per group (``{title: runs}``), stacked."""
+    fig = _figure(8, 4.5 * len(panels))
+    xlabel = {"time": "wall time (s)", "samples": "samples trained"}.get(x, x)
+    for row, (title, runs) in enumerate(panels.items()):
+        ax = fig.add_subplot(len(panels), 1, row + 1)
+        for i, (label, source) in enumerate(runs.items()):
+            xs, values = _series(_records(source), key, x)
+            color, w = f"C{i % 10}", window or auto_window(len(values))
+            ax.plot(xs, values, color=color, alpha=0.25, lw=1)
+            ax.plot(xs, rolling_mean(values, w), color=color, lw=2.2, label=f"{label} (rolling mean {w})")
+        ax.set(xlabel=xlabel, ylabel=key, title=title)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best")
+    if len(panels) > 1:
+        fig.tight_layout()
     return _save(fig, out_png)
 
 

@@ -144,6 +144,9 @@ class Reporter:
             "steps": len(self.history),
             "first_step": self.first_step,
             "wall_s": wall,
+            # The wall clock at the run's start: a step's ``time/elapsed_s`` plus this is when it ended, to line the
+            # steps up with outside measurements (``bench/e2e.py`` reads the machine's CPU over the steady steps).
+            "started_unix_s": self.t_start,
             "reward_first": rewards[0] if rewards else math.nan,
             "reward_last10_mean": sum(tail) / len(tail) if tail else math.nan,
             "reward_tail_steps": len(tail),  # what reward_last10_mean averaged: fewer than 10 in a short run

@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 from matplotlib.image import imread
 
-from asyncflow.observability import Timeline, load_jsonl, plot_compare, plot_gantt, plot_reward_curve, rolling_mean
+from asyncflow.observability import (
+    Timeline,
+    load_jsonl,
+    plot_compare,
+    plot_compare_panels,
+    plot_gantt,
+    plot_reward_curve,
+    rolling_mean,
+)
+from asyncflow.observability.plots import _series
 
 
 def _records(n, slope, dt):
@@ -44,6 +53,17 @@ def test_compare_over_wall_time(tmp_path):
     runs = {"sync": _records(40, 0.025, 2.0), "async": _records(40, 0.025, 1.2)}
     _assert_real_png(plot_compare(runs, tmp_path / "compare.png"))
     _assert_real_png(plot_compare(runs, tmp_path / "compare_step.png", x="step", window=5))
+
+
+def test_compare_panels_after_equal_samples(tmp_path):
+    # Two workloads in one figure, each run against the samples it trained: 32 then 64 a step.
+    runs = [{**r, "actor/rows": 32.0 if r["step"] < 10 else 64.0} for r in _records(30, 0.03, 1.0)]
+    xs, _ = _series(runs, "reward/mean", "samples")
+    assert xs[:2].tolist() == [32.0, 64.0] and xs[-1] == 10 * 32 + 20 * 64
+    stream = [{**r, "actor/rows": 32.0} for r in _records(30, 0.02, 1.0)]
+    out = plot_compare_panels({"long-tailed": {"sync": runs, "stream": stream}, "tool": {"sync": runs}},
+                              tmp_path / "panels.png", x="samples")
+    _assert_real_png(out, min_size=(800, 500))
 
 
 def test_gantt(tmp_path):

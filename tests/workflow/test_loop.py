@@ -188,7 +188,8 @@ def test_step_times_are_when_the_step_was_trained(runs, name):
     # metrics.jsonl's clock is the end of each step's training (its last span), not the moment the driver
     # polled for reports (every 0.2 s in async): the time between steps equals the time between their
     # train spans' ends, so samples/s is the trainer's own rate.
-    trace = json.loads((runs[name]["_out"] / "timeline.json").read_text())["traceEvents"]
+    timeline = json.loads((runs[name]["_out"] / "timeline.json").read_text())
+    trace, t0 = timeline["traceEvents"], timeline["otherData"]["start_unix_time"]
     ends: dict[int, float] = {}
     for e in trace:  # a step ends with its train span, or with staging the weights it made
         step = {"train": e.get("args", {}).get("step"), "stage_weights": e.get("args", {}).get("version", 0) - 1}
@@ -199,6 +200,9 @@ def test_step_times_are_when_the_step_was_trained(runs, name):
     steps = _sizes(name)[0]
     logged = [r["time/elapsed_s"] for r in rows]
     assert len(logged) == steps and set(range(steps)) <= set(ends)
+    # The summary's start puts the steps on the wall clock (bench/e2e.py lines them up with the machine's CPU).
+    started = json.loads((runs[name]["_out"] / "summary.json").read_text())["started_unix_s"]
+    assert all(abs(started + logged[s] - t0 - ends[s]) < 0.03 for s in range(steps)), (started, t0, logged, ends)
     for s in range(1, steps):
         assert abs((logged[s] - logged[s - 1]) - (ends[s] - ends[s - 1])) < 0.03, (s, logged, ends)
         rate = rows[s]["actor/rows"] / (logged[s] - logged[s - 1])
