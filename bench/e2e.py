@@ -41,6 +41,13 @@ the steady figure: the first steps of every mode include one-off costs (vLLM and
 kernels, the first Adam step, the async pipeline filling), which a run of hours does not see; in a run
 of 20 steps they weigh about 15%, on the async modes more than on sync. A second table gives, per mode, the
 ratios to its workload's sync run of the same repeat (runs of a repeat run back to back) and their median.
+
+CPU: a thread samples the machine's busy CPU (``MachineCpu``), and each run reports, over its steady steps, the
+cores busy on average and the busy CPU milliseconds per sample trained. The second table adds each mode's CPU per
+sample against sync's and its ceiling: the samples/s it would reach with every core busy at its own CPU per sample,
+over sync's. On a machine whose cores every mode already keeps busy, a mode is faster than sync only by spending
+less CPU per sample, and the ceiling says how far that CPU allows it to go. Reward against samples trained, one
+panel per workload, goes to ``reward_by_samples.png``.
 """
 
 from __future__ import annotations

@@ -116,16 +116,22 @@ def plot_compare(runs: Mapping[str, str | Path | Records], out_png: str | Path, 
 
 def plot_compare_panels(panels: Mapping[str, Mapping[str, str | Path | Records]], out_png: str | Path,
                         key: str = keys.REWARD_MEAN, x: str = "time", window: int | None = None) -> Path:
-    """``plot_compare`` for several groups of runs in one figure, one panel per group (``{title: runs}``), stacked."""
+    """``plot_compare`` for several groups of runs in one figure, one panel per group (``{title: runs}``), stacked.
+    Repeats of one run, labelled ``name#1``, ``name#2``, share a colour and differ in line style."""
     fig = _figure(8, 4.5 * len(panels))
     xlabel = {"time": "wall time (s)", "samples": "samples trained"}.get(x, x)
     for row, (title, runs) in enumerate(panels.items()):
         ax = fig.add_subplot(len(panels), 1, row + 1)
-        for i, (label, source) in enumerate(runs.items()):
+        kinds: dict[str, int] = {}  # repeats of one run ("sync#1", "sync#2"): one colour, a line style each
+        for label, source in runs.items():
+            kind = label.split("#")[0]
+            repeat = sum(1 for other in runs if other.split("#")[0] == kind and other < label)
+            color = f"C{kinds.setdefault(kind, len(kinds)) % 10}"
+            style = ("-", "--", ":", "-.")[repeat % 4]
             xs, values = _series(_records(source), key, x)
-            color, w = f"C{i % 10}", window or auto_window(len(values))
-            ax.plot(xs, values, color=color, alpha=0.25, lw=1)
-            ax.plot(xs, rolling_mean(values, w), color=color, lw=2.2, label=f"{label} (rolling mean {w})")
+            w = window or auto_window(len(values))
+            ax.plot(xs, values, color=color, alpha=0.25, lw=1, ls=style)
+            ax.plot(xs, rolling_mean(values, w), color=color, lw=2.2, ls=style, label=f"{label} (rolling mean {w})")
         ax.set(xlabel=xlabel, ylabel=key, title=title)
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
