@@ -47,7 +47,8 @@ cores busy on average and the busy CPU milliseconds per sample trained. The seco
 sample against sync's and its ceiling: the samples/s it would reach with every core busy at its own CPU per sample,
 over sync's. On a machine whose cores every mode already keeps busy, a mode is faster than sync only by spending
 less CPU per sample, and the ceiling says how far that CPU allows it to go. Reward against samples trained, one
-panel per workload, goes to ``reward_by_samples.png``.
+panel per workload, goes to ``reward_by_samples.png``. A third table splits each mode's CPU per sample by process
+(``PROCESSES``, medians over its runs).
 """
 
 from __future__ import annotations
@@ -117,19 +118,40 @@ def steady_throughput(metrics: Path, warmup: int = WARMUP) -> float:
     return rows / (end - start)
 
 
-class MachineCpu:
-    """The machine's busy CPU seconds (user + nice + system + irq + softirq over every core, ``psutil.cpu_times``)
-    sampled every ``interval`` seconds by a thread. Machine-wide on purpose: a run's work is spread over Ray's
-    workers and daemons, the TransferQueue and the driver, and all of it is the run's cost. Another job on the
-    machine counts too, which the idle machine this benchmark asks for keeps out."""
+PROCESSES = ("RolloutService", "ReferenceService", "ActorService", "VersionBoard", "TransferQueue", "driver")
+"""The processes whose CPU per sample the third table gives apart; ``rest`` is the machine's busy CPU less theirs
+(the reward and advantage workers, Ray's daemons, the sampler itself, the kernel)."""
 
-    def __init__(self, interval: float = 0.25):
+
+def _process_group(proc) -> str | None:
+    """Which of ``PROCESSES`` a process is: a Ray worker by the title Ray gives it (``ray::RolloutService.run``),
+    a TransferQueue server by its command line, the driver by pid; None for the rest."""
+    import os
+
+    if proc.pid == os.getpid():
+        return "driver"
+    name = proc.info["name"] or ""
+    cmdline = proc.info["cmdline"] or []
+    title = cmdline[0] if cmdline else name
+    if title.startswith("ray::"):
+        group = title[5:].split(".")[0].split(" ")[0]
+        return group if group in PROCESSES else None
+    return "TransferQueue" if "asyncflow.transfer_queue" in " ".join(cmdline) else None
+
+
+class MachineCpu:
+    """The machine's busy CPU seconds (user + nice + system + irq + softirq over every core, ``psutil.cpu_times``),
+    and each of ``PROCESSES``'s, sampled every ``interval`` seconds by a thread. Machine-wide on purpose: a run's
+    work is spread over Ray's workers and daemons, the TransferQueue and the driver, and all of it is the run's
+    cost. Another job on the machine counts too, which the idle machine this benchmark asks for keeps out."""
+
+    def __init__(self, interval: float = 0.5):
         import threading
 
         import psutil
 
         self.cores = psutil.cpu_count()
-        self.interval, self.samples = interval, []
+        self.interval, self.samples, self.procs = interval, [], []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
         self._thread.start()
@@ -140,9 +162,15 @@ class MachineCpu:
         import psutil
 
         while not self._stop.is_set():
+            procs = {}
+            for proc in psutil.process_iter(["name", "cmdline", "cpu_times"]):
+                group = _process_group(proc)
+                if group is not None and proc.info["cpu_times"] is not None:
+                    procs[proc.pid] = (group, proc.info["cpu_times"].user + proc.info["cpu_times"].system)
             t = psutil.cpu_times()
             busy = t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
             self.samples.append((time.time(), busy))
+            self.procs.append(procs)
             self._stop.wait(self.interval)
 
     def busy_s(self, start: float, end: float) -> float:
@@ -160,6 +188,20 @@ class MachineCpu:
 
         return at(end) - at(start)
 
+    def process_s(self, start: float, end: float) -> dict[str, float]:
+        """CPU seconds of each of ``PROCESSES`` between two wall-clock times: over the samples inside them, scaled to
+        the whole span. A process is counted from its first sample, so one started in the span counts from 0."""
+        inside = [i for i, (t, _) in enumerate(self.samples) if start <= t <= end]
+        if len(inside) < 2:
+            return {}
+        first, last = self.procs[inside[0]], self.procs[inside[-1]]
+        scale = (end - start) / (self.samples[inside[-1]][0] - self.samples[inside[0]][0])
+        out = dict.fromkeys(PROCESSES, 0.0)
+        for pid, (group, cpu) in last.items():
+            before = first.get(pid)
+            out[group] += scale * (cpu - (before[1] if before and before[0] == group else 0.0))
+        return out
+
     def stop(self) -> None:
         """Stop sampling."""
         self._stop.set()
@@ -167,11 +209,33 @@ class MachineCpu:
 
 
 def steady_cpu(summary: dict, metrics: Path, cpu: MachineCpu) -> dict:
-    """The machine's cores busy on average over a run's steady steps, and its busy CPU milliseconds per sample
-    trained in them (``steady_window``; the run's ``started_unix_s`` puts its steps on the wall clock)."""
+    """The machine's cores busy on average over a run's steady steps, its busy CPU milliseconds per sample trained
+    in them, and each of ``PROCESSES``'s and the rest's (``steady_window``; the run's ``started_unix_s`` puts its
+    steps on the wall clock)."""
     start, end, rows = steady_window(metrics)
-    busy = cpu.busy_s(summary["started_unix_s"] + start, summary["started_unix_s"] + end)
-    return {"cores_busy": busy / (end - start), "cpu_ms_per_sample": 1e3 * busy / rows}
+    start, end = summary["started_unix_s"] + start, summary["started_unix_s"] + end
+    busy = cpu.busy_s(start, end)
+    procs = cpu.process_s(start, end)
+    per = {group: 1e3 * s / rows for group, s in procs.items()}
+    if per:
+        per["rest"] = 1e3 * busy / rows - sum(per.values())
+    return {"cores_busy": busy / (end - start), "cpu_ms_per_sample": 1e3 * busy / rows, "cpu_ms_by_process": per}
+
+
+def by_process(results: dict[str, dict]) -> str:
+    """Per mode, the median over its runs of each process's CPU milliseconds per sample trained (steady steps)."""
+    import statistics
+
+    columns = [*PROCESSES, "rest"]
+    lines = ["| mode | CPU ms / sample | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for mode in dict.fromkeys(n.split("#")[0] for n in results):
+        runs = [s for n, s in results.items() if n.split("#")[0] == mode and s.get("cpu_ms_by_process")]
+        if not runs:
+            continue
+        cells = [statistics.median(s["cpu_ms_by_process"][c] for s in runs) for c in columns]
+        total = statistics.median(s["cpu_ms_per_sample"] for s in runs)
+        lines.append(f"| {mode} | {total:.2f} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+    return "\n".join(lines)
 
 
 def run(mode: str, steps: int, out: Path, extra: list[str]) -> dict:
@@ -291,7 +355,7 @@ def main(argv=None) -> int:
               {n: out / n.replace("#", "-") / "metrics.jsonl" for n in results if _workload(n) == workload}
               for workload in dict.fromkeys(_workload(n) for n in results)}
     png = plot_compare_panels(panels, out / "reward_by_samples.png", x="samples")
-    text = table(results) + "\n\n" + paired(results, cpu.cores)
+    text = table(results) + "\n\n" + paired(results, cpu.cores) + "\n\n" + by_process(results)
     print(f"\nEnd-to-end RL throughput, same long-tailed workload, baseline = mean of the sync runs; steady = after "
           f"{WARMUP} warm-up steps\n")
     print(text)
