@@ -123,11 +123,12 @@ def plot_compare_panels(panels: Mapping[str, Mapping[str, str | Path | Records]]
     for row, (title, runs) in enumerate(panels.items()):
         ax = fig.add_subplot(len(panels), 1, row + 1)
         kinds: dict[str, int] = {}  # repeats of one run ("sync#1", "sync#2"): one colour, a line style each
+        repeats: dict[str, int] = {}
         for label, source in runs.items():
             kind = label.split("#")[0]
-            repeat = sum(1 for other in runs if other.split("#")[0] == kind and other < label)
             color = f"C{kinds.setdefault(kind, len(kinds)) % 10}"
-            style = ("-", "--", ":", "-.")[repeat % 4]
+            repeats[kind] = repeats.get(kind, -1) + 1
+            style = ("-", "--", ":", "-.")[repeats[kind] % 4]
             xs, values = _series(_records(source), key, x)
             w = window or auto_window(len(values))
             ax.plot(xs, values, color=color, alpha=0.25, lw=1, ls=style)
